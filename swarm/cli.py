@@ -1,0 +1,54 @@
+"""What every command-line tool of the swarm shares: one-line errors and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, NoReturn
+
+from swarm.protocol import SwarmError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a wrong flag prints one line (the error), not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{self.prog}: {message} (see --help)", status=2)
+
+
+def fail(message: str, status: int = 1) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def parse_block_range(text: str) -> tuple[int, int]:
+    """"0:15" -> (0, 15), a half-open range of blocks, as in Python slices."""
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--blocks must look like START:END (e.g. 0:15), got {text!r}")
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"--blocks must satisfy 0 <= START < END, got {text!r}")
+    return start, end
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # hivemind logs every connection at INFO; an operator wants to see our lines, not the transport's.
+    for noisy in ("hivemind", "p2pd"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_main(body: Callable[[], object]) -> None:
+    """Run a tool's body, turning the errors a user can act on into one line and an exit status."""
+    try:
+        body()
+    except SwarmError as error:
+        fail(str(error))
+    except KeyboardInterrupt:
+        raise SystemExit(130)

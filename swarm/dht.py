@@ -1,0 +1,145 @@
+"""The DHT side of hivemind: a process's event loop, a node, and the records servers announce and clients read.
+
+Synchronous code (the gateway's threads, command-line tools) reaches the asynchronous libp2p world through
+`EventLoop.get().run(coroutine)`: one loop in a daemon thread per process, created on first use (never at
+import, never in a gunicorn master, and again after a fork).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Iterable, Optional
+
+from swarm.protocol import RemoteServer, ServerInfo, ServerState, block_key
+
+
+class EventLoop:
+    _instance: Optional["EventLoop"] = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="swarm-event-loop", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls) -> "EventLoop":
+        with cls._lock:
+            if cls._instance is None or cls._instance.pid != os.getpid():
+                cls._instance = cls()
+            return cls._instance
+
+    def run(self, coroutine, timeout: Optional[float] = None):
+        """Run a coroutine on the loop from another thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+
+def parse_multiaddr(text: str) -> str:
+    """Validate a peer's multiaddr (e.g. /ip4/127.0.0.1/tcp/31337/p2p/Qm...); ValueError names what is wrong."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        address = Multiaddr(text)
+    except Exception as error:  # multiaddr raises several unrelated types for bad input
+        raise ValueError(f"malformed multiaddr {text!r}: {error}") from None
+    if not any(protocol.name in ("p2p", "ipfs") for protocol in address.protocols()):
+        raise ValueError(f"multiaddr {text!r} lacks the peer id part (/p2p/...)")
+    return text
+
+
+async def start_node(
+    initial_peers: Iterable[str] = (),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    identity_path: Optional[str] = None,
+    client_mode: bool = False,
+):
+    """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm)."""
+    from hivemind.dht.node import DHTNode
+
+    return await DHTNode.create(
+        initial_peers=list(initial_peers),
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        identity_path=identity_path,
+        client_mode=client_mode,
+        # the peer must be reachable on loopback and private networks alike; no public relays needed
+        use_relay=False,
+        use_auto_relay=False,
+        nat_port_map=False,
+    )
+
+
+async def visible_maddrs(node) -> list[str]:
+    return [str(address) for address in await node.get_visible_maddrs()]
+
+
+def peer_id_of(node) -> str:
+    return node.peer_id.to_base58()
+
+
+async def announce(node, prefix: str, info: ServerInfo, expiration: float) -> None:
+    """Store the server's record under each of its blocks, keyed by its peer id; valid `expiration` seconds."""
+    from hivemind.utils import get_dht_time
+
+    keys = [block_key(prefix, index) for index in range(info.start, info.end)]
+    await node.store_many(
+        keys,
+        [info.to_wire()] * len(keys),
+        expiration_time=get_dht_time() + expiration,
+        subkeys=[peer_id_of(node)] * len(keys),
+    )
+
+
+async def fetch_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
+    """Every online server that announced any block of the model, as it last described itself."""
+    keys = [block_key(prefix, index) for index in range(num_blocks)]
+    # latest=True in effect: a cached record may be stale (a server that left), so always ask the swarm
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    servers: dict[str, RemoteServer] = {}
+    for key in keys:
+        entry = found.get(key)
+        if entry is None or not isinstance(entry.value, dict):
+            continue
+        for peer_id, record in entry.value.items():
+            info = ServerInfo.from_wire(getattr(record, "value", None))
+            if info is None or info.end > num_blocks or not isinstance(peer_id, str):
+                continue
+            known = servers.get(peer_id)
+            if known is None:
+                servers[peer_id] = RemoteServer(peer_id, info)
+    return [server for server in servers.values() if server.info.state == ServerState.ONLINE]
+
+
+# ------------------------------------------------------------------------------------------- process
+
+
+async def _run_bootstrap_peer(args) -> None:
+    import signal
+
+    node = await start_node(host=args.host, port=args.port, identity_path=args.identity)
+    print(" ".join(await visible_maddrs(node)), flush=True)  # the one line a script reads
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await node.shutdown()
+
+
+def main(argv=None) -> None:
+    """`python -m swarm.dht`: a bootstrap peer; prints its multiaddr on one line of stdout, then serves."""
+    from swarm.cli import ArgumentParser, run_main, setup_logging
+
+    parser = ArgumentParser(prog="python -m swarm.dht", description=main.__doc__)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")
+    args = parser.parse_args(argv)
+    setup_logging()
+    run_main(lambda: asyncio.run(_run_bootstrap_peer(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""`python -m swarm.generate`: an operator's quick check that a swarm works; streams an answer as it comes.
+
+    python -m swarm.generate --initial-peers MADDR --model SmolLM2-135M-Instruct --prompt "Hi!" --chat
+
+Greedy unless --temperature is given. The text goes to stdout; a one-line speed summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Iterator
+
+import torch
+
+from swarm.decoding import IncrementalDetokenizer, next_token
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer(prompt)["input_ids"]
+
+
+def stop_token_ids(model) -> set[int]:
+    eos = model.config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if model.tokenizer.eos_token_id is not None:
+        ids.add(model.tokenizer.eos_token_id)
+    return ids
+
+
+def generate(model, ids: list[int], max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[int]:
+    """Yield new token ids one by one until a stop token or max_new_tokens."""
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    stops = stop_token_ids(model)
+    with model.session(max_length=len(ids) + max_new_tokens) as session:
+        logits = session.step([ids])
+        for _ in range(max_new_tokens):
+            token = int(next_token(logits, temperature, top_k, top_p, generator)[0])
+            if token in stops:
+                return
+            yield token
+            logits = session.step([[token]])
+
+
+def run(args) -> None:
+    from swarm.model import RemoteModel
+
+    model = RemoteModel.from_pretrained(args.model, args.initial_peers, args.cache_dir, args.dht_prefix)
+    try:
+        ids = prompt_ids(model.tokenizer, args.prompt, args.chat)
+        detokenizer = IncrementalDetokenizer(model.tokenizer)
+        began, count = time.perf_counter(), 0
+        for token in generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed):
+            count += 1
+            sys.stdout.write(detokenizer.push(token))
+            sys.stdout.flush()
+        seconds = time.perf_counter() - began
+        print(flush=True)
+        print(f"{count} tokens in {seconds:.2f} s ({count / seconds:.2f} tokens/s)", file=sys.stderr, flush=True)
+    finally:
+        model.close()
+
+
+def main(argv=None) -> None:
+    from config import SwarmSettings
+    from swarm.cli import ArgumentParser, run_main, setup_logging
+    from swarm.dht import parse_multiaddr
+
+    settings = SwarmSettings.from_env()
+    parser = ArgumentParser(prog="python -m swarm.generate", description="Generate text through a swarm.")
+    parser.add_argument("--initial-peers", nargs="*", type=parse_multiaddr, default=list(settings.initial_peers))
+    parser.add_argument("--model", default=settings.model, help="a known model name or a Hugging Face folder")
+    parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    if not args.initial_peers:
+        parser.error("--initial-peers is required (or set INITIAL_PEERS)")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        parser.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    args.cache_dir = settings.cache_dir
+    setup_logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_main(lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The client's half of a model: embeddings -> remote blocks -> final norm -> LM head.
+
+    model = RemoteModel.from_pretrained("SmolLM2-135M-Instruct", initial_peers=[...])
+    with model.session(max_length=512) as session:
+        logits = session.step(prompt_ids)        # (batch, vocab) for the last new position
+        logits = session.step([[next_token]])    # only the new token travels; servers keep the cache
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from swarm.blocks import family_of
+from swarm.client import RemoteSession, SwarmClient
+from swarm.protocol import dht_prefix
+from swarm.weights import load_config, load_tensors, load_tokenizer, resolve_model
+
+
+class RemoteModel:
+    def __init__(self, folder: Path, client: SwarmClient, name: str, prefix: Optional[str] = None):
+        self.folder, self.client, self.name = Path(folder), client, name
+        self.prefix = prefix or dht_prefix(name)
+        self.config = load_config(self.folder)
+        self.num_blocks = self.config.num_hidden_layers
+        self._tokenizer = None
+
+        family = family_of(self.config)
+        _, _, norm_class = family.classes()
+        keys = (family.embed_key, family.norm_key, family.lm_head_key)
+        tensors = load_tensors(self.folder, lambda name: name in keys)  # never any block's weights
+        self.embed_tokens = nn.Embedding.from_pretrained(tensors[family.embed_key], freeze=True)
+        self.norm = norm_class(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        self.norm.load_state_dict({"weight": tensors[family.norm_key]})
+        head_weight = tensors.get(family.lm_head_key)
+        if head_weight is None or getattr(self.config, "tie_word_embeddings", False):
+            head_weight = tensors[family.embed_key]
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, initial_peers: Sequence[str], cache_dir: Path, prefix: Optional[str] = None
+    ) -> "RemoteModel":
+        folder = resolve_model(name_or_path, cache_dir)
+        return cls(folder, SwarmClient(initial_peers), name_or_path, prefix)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.folder)
+        return self._tokenizer
+
+    def session(self, max_length: int, batch_size: int = 1) -> "InferenceSession":
+        remote = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size)
+        return InferenceSession(self, remote)
+
+    @torch.inference_mode()
+    def forward(self, token_ids) -> torch.Tensor:
+        """Logits of every position of whole sequences, with no session: (batch, length, vocab)."""
+        token_ids = _as_batch(token_ids)
+        chain = self.client.chain(self.prefix, self.num_blocks, self.name)
+        hidden = self.client.forward(chain, self.embed_tokens(token_ids))
+        return self.lm_head(self.norm(hidden))
+
+    def close(self) -> None:
+        self.client.shutdown()
+
+
+class InferenceSession:
+    """Token ids in, next-token logits out; the swarm's servers hold the attention cache between steps."""
+
+    def __init__(self, model: RemoteModel, remote: RemoteSession):
+        self.model, self.remote = model, remote
+
+    @property
+    def position(self) -> int:
+        return self.remote.position
+
+    @property
+    def max_length(self) -> int:
+        return self.remote.max_length
+
+    @torch.inference_mode()
+    def step(self, token_ids, position: Optional[int] = None) -> torch.Tensor:
+        """Feed new tokens (batch, length) and get the logits after the last one: (batch, vocab)."""
+        hidden = self.model.embed_tokens(_as_batch(token_ids))  # (batch, length, hidden)
+        hidden = self.remote.step(hidden, position)
+        return self.model.lm_head(self.model.norm(hidden[:, -1]))
+
+    def close(self) -> None:
+        self.remote.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def _as_batch(token_ids) -> torch.Tensor:
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+    return token_ids if token_ids.ndim == 2 else token_ids[None, :]

@@ -1,0 +1,134 @@
+"""What travels between peers: the DHT key scheme, the server record, RPC metadata and the error tree.
+
+DHT layout: one key per transformer block, ``"{prefix}.{index}"``; each server that holds the block stores
+its ServerInfo under that key with its own peer id (base58) as the subkey, so servers never overwrite
+each other and a lookup of N keys returns every server of every block.
+
+Errors (every one a SwarmError, each with a stable ``code`` that crosses the wire)::
+
+    SwarmError
+    ├── UnknownModelError        name is neither a known model nor a local Hugging Face folder
+    ├── MissingBlocksError       no chain of servers covers these blocks
+    ├── CacheFullError           a server has no room for the session's attention cache
+    ├── SessionLengthError       a step would go past the session's max_length
+    ├── BadRequestError          a server refused a malformed request
+    └── ServerUnavailableError   a server did not answer, or broke the stream
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import asdict, dataclass
+
+PROTOCOL_VERSION = "0.1.0"
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class SwarmError(Exception):
+    code = "swarm_error"
+
+
+class UnknownModelError(SwarmError):
+    code = "unknown_model"
+
+
+class MissingBlocksError(SwarmError):
+    code = "missing_blocks"
+
+
+class CacheFullError(SwarmError):
+    code = "cache_full"
+
+
+class SessionLengthError(SwarmError):
+    code = "session_length_exceeded"
+
+
+class BadRequestError(SwarmError):
+    code = "bad_request"
+
+
+class ServerUnavailableError(SwarmError):
+    code = "server_unavailable"
+
+
+_ERRORS_BY_CODE = {cls.code: cls for cls in (SwarmError, *SwarmError.__subclasses__())}
+
+
+def error_to_wire(error: SwarmError) -> dict:
+    return {"error": {"code": error.code, "message": str(error)}}
+
+
+def error_from_wire(metadata: dict) -> SwarmError | None:
+    """The SwarmError a server reported in a reply's metadata, or None for a successful reply."""
+    error = metadata.get("error")
+    if not isinstance(error, dict):
+        return None
+    cls = _ERRORS_BY_CODE.get(error.get("code"), SwarmError)
+    return cls(str(error.get("message", "server error")))
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+
+def dht_prefix(model_name: str) -> str:
+    """A DHT-safe prefix for a model name or folder: its last path component with odd characters dashed."""
+    name = model_name.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", name) or "model"
+
+
+def block_key(prefix: str, index: int) -> str:
+    return f"{prefix}.{index}"
+
+
+class ServerState(enum.IntEnum):
+    OFFLINE = 0
+    JOINING = 1
+    ONLINE = 2
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The record a server announces under each of its blocks."""
+
+    state: ServerState
+    start: int  # first block held
+    end: int  # one past the last block held
+    throughput: float  # tokens per second through the whole span, measured at start
+    cache_tokens_free: int
+    version: str = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict:
+        return {**asdict(self), "state": int(self.state)}
+
+    @classmethod
+    def from_wire(cls, value) -> "ServerInfo | None":
+        """Parse a record found in the DHT; None for anything malformed (a stranger may have written it)."""
+        try:
+            info = cls(
+                state=ServerState(int(value["state"])),
+                start=int(value["start"]),
+                end=int(value["end"]),
+                throughput=float(value["throughput"]),
+                cache_tokens_free=int(value["cache_tokens_free"]),
+                version=str(value.get("version", "")),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        return info if 0 <= info.start < info.end else None
+
+
+@dataclass(frozen=True)
+class RemoteServer:
+    """A server as seen by a client: who it is, and what it announced."""
+
+    peer_id: str  # base58
+    info: ServerInfo
+
+
+def format_block_ranges(ranges: list[tuple[int, int]]) -> str:
+    """[(15, 30)] -> "15..29"; half-open ranges printed inclusively, as people count blocks."""
+    return ", ".join(f"{start}..{end - 1}" if end - start > 1 else f"{start}" for start, end in ranges)

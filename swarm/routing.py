@@ -1,0 +1,84 @@
+"""Pure choices over what servers announced: which chain serves a session, which span a new server takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Iterable
+
+from swarm.protocol import MissingBlocksError, RemoteServer, format_block_ranges
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One hop of a chain: this server runs blocks [start, end) (maybe only part of what it holds)."""
+
+    peer_id: str
+    start: int
+    end: int
+
+
+def missing_ranges(servers: Iterable[RemoteServer], num_blocks: int) -> list[tuple[int, int]]:
+    """Half-open ranges of blocks that no server holds."""
+    covered = [False] * num_blocks
+    for server in servers:
+        for index in range(server.info.start, min(server.info.end, num_blocks)):
+            covered[index] = True
+    ranges, start = [], None
+    for index, is_covered in enumerate([*covered, True]):
+        if not is_covered and start is None:
+            start = index
+        elif is_covered and start is not None:
+            ranges.append((start, index))
+            start = None
+    return ranges
+
+
+def choose_chain(
+    servers: Collection[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str] = ()
+) -> list[ChainLink]:
+    """A chain covering blocks [0, num_blocks): fewest hops first, then the least estimated time per token.
+
+    Each hop runs from the current block to the end of some server's span: going as far as possible never
+    costs an extra hop, and a server may be entered in the middle of its span.
+    """
+    servers = [server for server in servers if server.peer_id not in exclude]
+    missing = missing_ranges(servers, num_blocks)
+    if missing:
+        raise MissingBlocksError(f"no server holds blocks {format_block_ranges(missing)} of {model_name}")
+
+    # best[position] = (hops, seconds per token, previous position, link); positions only grow: a DAG
+    best: list = [None] * (num_blocks + 1)
+    best[0] = (0, 0.0, None, None)
+    for position in range(num_blocks):
+        if best[position] is None:
+            continue
+        hops, seconds, _, _ = best[position]
+        for server in servers:
+            info = server.info
+            if not info.start <= position < info.end:
+                continue
+            share = (info.end - position) / (info.end - info.start)
+            candidate = (hops + 1, seconds + share / max(info.throughput, 1e-9))
+            if best[info.end] is None or candidate < best[info.end][:2]:
+                best[info.end] = (*candidate, position, ChainLink(server.peer_id, position, info.end))
+
+    chain, position = [], num_blocks
+    while position > 0:
+        _, _, previous, link = best[position]
+        chain.append(link)
+        position = previous
+    return chain[::-1]
+
+
+def choose_span(servers: Iterable[RemoteServer], num_blocks: int, span_length: int) -> tuple[int, int]:
+    """The span of `span_length` blocks that the swarm serves least (fewest servers per block, summed)."""
+    span_length = min(span_length, num_blocks)
+    servers_per_block = [0] * num_blocks
+    for server in servers:
+        for index in range(server.info.start, min(server.info.end, num_blocks)):
+            servers_per_block[index] += 1
+    start = min(
+        range(num_blocks - span_length + 1),
+        key=lambda first: (sum(servers_per_block[first : first + span_length]), first),
+    )
+    return start, start + span_length

@@ -1,0 +1,162 @@
+"""The block server's RPC over libp2p: one servicer class gives both the server's handlers and the clients' stubs.
+
+Messages are hivemind's ExpertRequest/ExpertResponse: tensors plus msgpack metadata.
+
+    rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, version, loaded_names}
+    rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less, whole sequences
+    rpc_inference  a stream: first {start, end, max_length, batch_size} -> {ok}
+                   then per step [hidden] {position} -> [hidden]
+                   closing the request stream ends the session and frees its cache
+
+A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
+broken stream, so the client can raise the same SwarmError the server raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+
+from swarm.protocol import BadRequestError, ServerUnavailableError, SwarmError, error_from_wire, error_to_wire
+
+logger = logging.getLogger(__name__)
+
+
+def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None, request: bool = True):
+    message = runtime_pb2.ExpertRequest() if request else runtime_pb2.ExpertResponse()
+    message.tensors.extend(serialize_torch_tensor(tensor) for tensor in tensors)
+    message.metadata = MSGPackSerializer.dumps(metadata or {})
+    return message
+
+
+def unpack(message) -> tuple[list[torch.Tensor], dict]:
+    try:
+        metadata = MSGPackSerializer.loads(message.metadata) if message.metadata else {}
+        tensors = [deserialize_torch_tensor(tensor) for tensor in message.tensors]
+    except Exception as error:  # any garbage in a stranger's message
+        raise BadRequestError(f"undecodable message: {error}") from None
+    if not isinstance(metadata, dict):
+        raise BadRequestError("message metadata must be a map")
+    return tensors, metadata
+
+
+def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None):
+    return pack(tensors, metadata, request=False)
+
+
+def error_reply(error: Exception):
+    if not isinstance(error, SwarmError):
+        logger.exception("request failed", exc_info=error)
+        error = SwarmError("internal server error")  # details stay in the server's log
+    return reply(metadata=error_to_wire(error))
+
+
+class BlockService(ServicerBase):
+    """Decodes requests, hands them to the server's backend (see server.Backend), encodes replies."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return reply(metadata=self.backend.info())
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            tensors, metadata = unpack(request)
+            return reply((await self.backend.forward(tensors, metadata),))
+        except Exception as error:
+            return error_reply(error)
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            _, metadata = unpack(await anext(requests))
+            session = self.backend.open_session(metadata)
+        except StopAsyncIteration:
+            return
+        except Exception as error:
+            yield error_reply(error)
+            return
+        try:
+            yield reply(metadata={"ok": True})
+            async for request in requests:
+                try:
+                    tensors, metadata = unpack(request)
+                    yield reply((await session.step(tensors, metadata),))
+                except Exception as error:  # a refused step leaves the session as it was
+                    yield error_reply(error)
+        finally:
+            session.close()
+
+
+# ------------------------------------------------------------------------------------------- client side
+
+
+def _raise_if_error(metadata: dict) -> None:
+    error = error_from_wire(metadata)
+    if error is not None:
+        raise error
+
+
+async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
+    stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
+    response = await stub.rpc_info(pack(), timeout=timeout)
+    _, metadata = unpack(response)
+    return metadata
+
+
+async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end: int, timeout: float) -> torch.Tensor:
+    stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
+    try:
+        response = await stub.rpc_forward(pack((hidden,), {"start": start, "end": end}), timeout=timeout)
+    except Exception as error:
+        reason = "did not answer in time" if isinstance(error, asyncio.TimeoutError) else f"failed: {error!r}"
+        raise ServerUnavailableError(f"server {peer_id} {reason} (blocks {start}:{end})") from None
+    tensors, metadata = unpack(response)
+    _raise_if_error(metadata)
+    return tensors[0]
+
+
+class InferenceStream:
+    """The client's end of one server's inference session: push a step, await its reply."""
+
+    def __init__(self, p2p, peer_id: str, start: int, end: int, timeout: float):
+        self.p2p, self.peer_id, self.start, self.end, self.timeout = p2p, peer_id, start, end, timeout
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._responses = None
+
+    async def open(self, max_length: int, batch_size: int) -> None:
+        stub = BlockService.get_stub(self.p2p, PeerID.from_base58(self.peer_id))
+        self._responses = await stub.rpc_inference(self._iterate_requests())
+        opening = {"start": self.start, "end": self.end, "max_length": max_length, "batch_size": batch_size}
+        await self._exchange(pack(metadata=opening))
+
+    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        tensors, _ = await self._exchange(pack((hidden,), {"position": position}))
+        return tensors[0]
+
+    async def close(self) -> None:
+        self._requests.put_nowait(None)  # ends the request stream: the server frees the cache
+
+    async def _exchange(self, request) -> tuple[list[torch.Tensor], dict]:
+        self._requests.put_nowait(request)
+        try:
+            response = await asyncio.wait_for(anext(self._responses), self.timeout)
+        except Exception as error:  # timeouts, a closed stream, any failure of the transport
+            reason = "did not answer in time" if isinstance(error, asyncio.TimeoutError) else f"failed: {error!r}"
+            raise ServerUnavailableError(f"server {self.peer_id} {reason} (blocks {self.start}:{self.end})") from None
+        tensors, metadata = unpack(response)
+        _raise_if_error(metadata)
+        return tensors, metadata
+
+    async def _iterate_requests(self):
+        while (request := await self._requests.get()) is not None:
+            yield request

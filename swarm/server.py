@@ -1,0 +1,248 @@
+"""A block server: holds a span of a model's blocks, announces it in the DHT and serves inference sessions.
+
+    python -m swarm.server --model NAME_OR_PATH --blocks START:END --initial-peers MADDR [...]
+
+Compute runs on one dedicated thread (torch releases the GIL, so the event loop keeps answering the
+network meanwhile); everything else happens on the asyncio loop of the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import torch
+
+from swarm.blocks import BlockSpan
+from swarm.cache import CacheBudget
+from swarm.protocol import (
+    PROTOCOL_VERSION,
+    BadRequestError,
+    ServerInfo,
+    ServerState,
+    SessionLengthError,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_SIZE = 64
+
+
+class Backend:
+    """What the RPC handlers call: validates requests against the span, runs them, tracks the cache."""
+
+    def __init__(self, span: BlockSpan, budget: CacheBudget):
+        self.span, self.budget = span, budget
+        self.hidden_size = span.config.hidden_size
+        self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def info(self) -> dict:
+        return {
+            "start": self.span.start,
+            "end": self.span.end,
+            "dtype": str(self.span.dtype).removeprefix("torch."),
+            "device": str(self.span.device),
+            "cache_tokens_free": self.budget.free,
+            "version": PROTOCOL_VERSION,
+            "loaded_names": self.span.loaded_names,
+        }
+
+    async def run(self, hidden: torch.Tensor, position: int, caches, start: int, end: int) -> torch.Tensor:
+        call = partial(self.span.forward, hidden, position, caches, start, end)
+        output = await asyncio.get_running_loop().run_in_executor(self._compute, call)
+        return output.to("cpu", hidden.dtype)
+
+    async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
+        start, end = self._block_range(metadata)
+        hidden = self._hidden_states(tensors)
+        if hidden.shape[1] > self.max_positions:
+            raise SessionLengthError(f"sequence of {hidden.shape[1]} tokens exceeds {self.max_positions} positions")
+        return await self.run(hidden, 0, None, start, end)
+
+    def open_session(self, metadata: dict) -> "ServerSession":
+        start, end = self._block_range(metadata)
+        max_length = _int_field(metadata, "max_length", 1, self.max_positions)
+        batch_size = _int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
+        self.budget.reserve(max_length * batch_size)
+        return ServerSession(self, start, end, max_length, batch_size)
+
+    def _block_range(self, metadata: dict) -> tuple[int, int]:
+        start = _int_field(metadata, "start", self.span.start, self.span.end - 1)
+        end = _int_field(metadata, "end", start + 1, self.span.end)
+        return start, end
+
+    def _hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise BadRequestError(f"expected one tensor of hidden states, got {len(tensors)}")
+        hidden = tensors[0]
+        if hidden.ndim != 3 or hidden.shape[2] != self.hidden_size or hidden.shape[1] < 1 or hidden.shape[0] < 1:
+            raise BadRequestError(
+                f"hidden states must have shape (batch, length >= 1, {self.hidden_size}), got {tuple(hidden.shape)}"
+            )
+        if batch_size is not None and hidden.shape[0] != batch_size:
+            raise BadRequestError(f"this session has batch size {batch_size}, got {hidden.shape[0]}")
+        if not hidden.is_floating_point():
+            raise BadRequestError(f"hidden states must be floating point, got {hidden.dtype}")
+        return hidden
+
+
+class ServerSession:
+    """One client's inference session on this server: its attention cache and how far it is filled."""
+
+    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int):
+        self.backend, self.start, self.end = backend, start, end
+        self.max_length, self.batch_size = max_length, batch_size
+        self.caches = backend.span.new_cache(start, end, batch_size, max_length)
+        self.length = 0  # positions filled in the cache
+        self._closed = False
+
+    async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        hidden = self.backend._hidden_states(tensors, self.batch_size)
+        # a position below the current length rewinds the session (regenerate, or a replay after failover)
+        position = _int_field(metadata, "position", 0, self.length)
+        end = position + hidden.shape[1]
+        if end > self.max_length:
+            raise SessionLengthError(
+                f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
+            )
+        output = await self.backend.run(hidden, position, self.caches, self.start, self.end)
+        self.length = end
+        return output
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.caches = None
+            self.backend.budget.release(self.max_length * self.batch_size)
+
+
+def _int_field(metadata: dict, name: str, low: int, high: int) -> int:
+    value = metadata.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequestError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def measure_throughput(span: BlockSpan, repeats: int = 5) -> float:
+    """Tokens per second of one decode step through the whole span (a median, after one warm-up)."""
+    hidden = torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device)
+    timings = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        span(hidden)
+        timings.append(time.perf_counter() - began)
+    return 1.0 / max(statistics.median(timings[1:]), 1e-9)
+
+
+# ------------------------------------------------------------------------------------------- process
+
+
+async def serve(args) -> None:
+    from swarm import dht
+    from swarm.blocks import load_span
+    from swarm.protocol import dht_prefix
+    from swarm.routing import choose_span
+    from swarm.rpc import BlockService
+    from swarm.weights import load_config, resolve_model
+
+    folder = resolve_model(args.model, args.cache_dir)
+    num_blocks = load_config(folder).num_hidden_layers
+    if args.blocks is not None and args.blocks[1] > num_blocks:
+        raise BadRequestError(f"--blocks {args.blocks[0]}:{args.blocks[1]} is out of range: {args.model} has blocks 0:{num_blocks}")
+    prefix = args.dht_prefix or dht_prefix(args.model)
+
+    node = await dht.start_node(args.initial_peers, args.host, args.port, args.identity)
+    try:
+        if args.blocks is not None:
+            start, end = args.blocks
+        else:
+            start, end = choose_span(await dht.fetch_servers(node, prefix, num_blocks), num_blocks, args.num_blocks)
+        # off the event loop, so that the DHT node keeps answering its peers while weights load
+        span = await asyncio.to_thread(load_span, folder, start, end, device=args.device, dtype=args.dtype)
+        throughput = await asyncio.to_thread(measure_throughput, span)
+        backend = Backend(span, CacheBudget(args.cache_tokens))
+        await BlockService(backend).add_p2p_handlers(node.p2p)
+
+        def record(state: ServerState) -> ServerInfo:
+            return ServerInfo(state, start, end, throughput, backend.budget.free)
+
+        await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+        print(
+            f"ready: blocks {start}:{end} of {prefix} as peer {dht.peer_id_of(node)}, "
+            f"{str(span.dtype).removeprefix('torch.')} on {span.device}, {throughput:.1f} tokens/s, "
+            f"cache {args.cache_tokens} tokens",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), args.announce_period)
+            except asyncio.TimeoutError:
+                await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+        # withdraw at once: clients stop routing new sessions here
+        await dht.announce(node, prefix, record(ServerState.OFFLINE), expiration=args.announce_period)
+        logger.info("shut down cleanly")
+    finally:
+        await node.shutdown()
+
+
+def parse_args(argv=None):
+    from config import SwarmSettings
+    from swarm.cli import ArgumentParser, parse_block_range
+    from swarm.dht import parse_multiaddr
+
+    settings = SwarmSettings.from_env()
+    parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
+    parser.add_argument("--model", default=settings.model, help="a known model name or a Hugging Face folder")
+    span = parser.add_mutually_exclusive_group(required=True)
+    span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
+    span.add_argument("--num-blocks", type=int, help="hold N blocks, choosing the span the swarm serves least")
+    parser.add_argument("--initial-peers", nargs="*", type=parse_multiaddr, default=list(settings.initial_peers))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--cache-tokens", type=int, default=settings.cache_tokens, help="attention cache budget")
+    parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
+    parser.add_argument("--announce-period", type=float, default=settings.announce_period)
+    parser.add_argument("--threads", type=int, help="torch threads for compute (default: torch's choice)")
+    args = parser.parse_args(argv)
+
+    if args.num_blocks is not None and args.num_blocks < 1:
+        parser.error("--num-blocks must be at least 1")
+    if args.cache_tokens < 1:
+        parser.error("--cache-tokens must be at least 1")
+    if not args.initial_peers:
+        parser.error("--initial-peers is required (or set INITIAL_PEERS): start a bootstrap peer with python -m swarm.dht")
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device (use cpu, cuda or cuda:N)")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} asked for, but CUDA is not available on this machine")
+    args.dtype = getattr(torch, args.dtype)
+    args.cache_dir = settings.cache_dir
+    return args
+
+
+def main(argv=None) -> None:
+    from swarm.cli import run_main, setup_logging
+
+    args = parse_args(argv)
+    setup_logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_main(lambda: asyncio.run(serve(args)))
+
+
+if __name__ == "__main__":
+    main()

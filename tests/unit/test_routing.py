@@ -1,0 +1,49 @@
+import pytest
+
+from swarm.protocol import MissingBlocksError, RemoteServer, ServerInfo, ServerState
+from swarm.routing import ChainLink, choose_chain, choose_span, missing_ranges
+
+
+def server(peer_id, start, end, throughput=10.0):
+    return RemoteServer(peer_id, ServerInfo(ServerState.ONLINE, start, end, throughput, 1000))
+
+
+def test_chain_prefers_fewest_hops():
+    servers = [server("a", 0, 10), server("b", 10, 20), server("whole", 0, 20, throughput=1.0)]
+    assert choose_chain(servers, 20, "m") == [ChainLink("whole", 0, 20)]
+
+
+def test_chain_breaks_ties_by_throughput():
+    servers = [server("slow", 0, 10, 1.0), server("fast", 0, 10, 50.0), server("b", 10, 20)]
+    assert choose_chain(servers, 20, "m") == [ChainLink("fast", 0, 10), ChainLink("b", 10, 20)]
+
+
+def test_chain_enters_a_server_mid_span():
+    servers = [server("a", 0, 12), server("b", 8, 20)]
+    assert choose_chain(servers, 20, "m") == [ChainLink("a", 0, 12), ChainLink("b", 12, 20)]
+
+
+def test_chain_skips_excluded_peers():
+    servers = [server("a", 0, 20), server("b", 0, 20, throughput=1.0)]
+    assert choose_chain(servers, 20, "m", exclude={"a"}) == [ChainLink("b", 0, 20)]
+
+
+def test_missing_blocks_are_named():
+    servers = [server("a", 0, 15)]
+    with pytest.raises(MissingBlocksError, match=r"no server holds blocks 15\.\.29 of SmolLM"):
+        choose_chain(servers, 30, "SmolLM")
+    with pytest.raises(MissingBlocksError, match=r"blocks 0\.\.29 of m"):
+        choose_chain([], 30, "m")
+
+
+def test_missing_ranges():
+    servers = [server("a", 2, 4), server("b", 6, 7)]
+    assert missing_ranges(servers, 9) == [(0, 2), (4, 6), (7, 9)]
+    assert missing_ranges([server("a", 0, 9)], 9) == []
+
+
+def test_span_goes_where_the_swarm_is_thinnest():
+    assert choose_span([server("a", 0, 15)], 30, 15) == (15, 30)
+    assert choose_span([], 30, 10) == (0, 10)
+    assert choose_span([server("a", 0, 10), server("b", 0, 20)], 30, 10) == (20, 30)
+    assert choose_span([], 4, 99) == (0, 4)
