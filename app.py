@@ -33,12 +33,11 @@ def chat(args) -> None:
 
 def main(argv=None) -> None:
     from config import SwarmSettings
-    from swarm.cli import ArgumentParser, run_main, setup_logging
-    from swarm.dht import parse_multiaddr
+    from swarm.cli import ArgumentParser, multiaddr, run_main, setup_logging
 
     settings = SwarmSettings.from_env()
     parser = ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--initial-peers", nargs="*", type=parse_multiaddr, default=list(settings.initial_peers))
+    parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
     parser.add_argument("--model", default=settings.model)
     parser.add_argument("--prompt", default=DEMO_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=128)

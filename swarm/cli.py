@@ -33,6 +33,16 @@ def parse_block_range(text: str) -> tuple[int, int]:
     return start, end
 
 
+def multiaddr(text: str) -> str:
+    """An --initial-peers value, checked before anything starts."""
+    from swarm.dht import parse_multiaddr
+
+    try:
+        return parse_multiaddr(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
+
+
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

@@ -66,12 +66,11 @@ def run(args) -> None:
 
 def main(argv=None) -> None:
     from config import SwarmSettings
-    from swarm.cli import ArgumentParser, run_main, setup_logging
-    from swarm.dht import parse_multiaddr
+    from swarm.cli import ArgumentParser, multiaddr, run_main, setup_logging
 
     settings = SwarmSettings.from_env()
     parser = ArgumentParser(prog="python -m swarm.generate", description="Generate text through a swarm.")
-    parser.add_argument("--initial-peers", nargs="*", type=parse_multiaddr, default=list(settings.initial_peers))
+    parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
     parser.add_argument("--model", default=settings.model, help="a known model name or a Hugging Face folder")
     parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
     parser.add_argument("--prompt", required=True)

@@ -73,9 +73,13 @@ class ChildProcess:
     def log_tail(self, lines: int = 15) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def terminate(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.terminate()
+        if self.process.poll() is None:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -118,7 +122,7 @@ class LocalSwarm:
     def add_server(self, args: Sequence[str], wait: bool = True) -> ChildProcess:
         """Start one more block server with these arguments (plus the swarm's model and peers)."""
         name = f"server{len(self.servers)}"
-        command = ["-m", "swarm.server", "--model", self.model, *args, *self.server_args]
+        command = ["-m", "swarm.server", "--model", self.model, *self.server_args, *args]  # args override
         server = ChildProcess(name, [*command, "--initial-peers", *self.initial_peers], self.log_dir, self.env)
         self.servers.append(server)
         if wait:
@@ -126,6 +130,8 @@ class LocalSwarm:
         return server
 
     def stop(self) -> None:
+        for server in self.servers:  # all at once: each withdraws its records while the DHT is still up
+            server.terminate()
         for child in [*self.servers, self.bootstrap]:
             if child is not None:
                 child.stop()

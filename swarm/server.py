@@ -187,17 +187,21 @@ async def serve(args) -> None:
                 await asyncio.wait_for(stop.wait(), args.announce_period)
             except asyncio.TimeoutError:
                 await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
-        # withdraw at once: clients stop routing new sessions here
-        await dht.announce(node, prefix, record(ServerState.OFFLINE), expiration=args.announce_period)
-        logger.info("shut down cleanly")
+        # withdraw at once: clients stop routing new sessions here. The DHT keeps whichever record expires
+        # last, so the OFFLINE one must outlive the ONLINE one it replaces.
+        withdrawal = dht.announce(node, prefix, record(ServerState.OFFLINE), expiration=3 * args.announce_period)
+        try:
+            await asyncio.wait_for(withdrawal, timeout=5)
+            logger.info("withdrew from the swarm; shutting down")
+        except asyncio.TimeoutError:
+            logger.warning("could not withdraw in time; the records will expire by themselves")
     finally:
         await node.shutdown()
 
 
 def parse_args(argv=None):
     from config import SwarmSettings
-    from swarm.cli import ArgumentParser, parse_block_range
-    from swarm.dht import parse_multiaddr
+    from swarm.cli import ArgumentParser, multiaddr, parse_block_range
 
     settings = SwarmSettings.from_env()
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
@@ -205,7 +209,7 @@ def parse_args(argv=None):
     span = parser.add_mutually_exclusive_group(required=True)
     span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
     span.add_argument("--num-blocks", type=int, help="hold N blocks, choosing the span the swarm serves least")
-    parser.add_argument("--initial-peers", nargs="*", type=parse_multiaddr, default=list(settings.initial_peers))
+    parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")

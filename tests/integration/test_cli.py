@@ -1,0 +1,78 @@
+"""The command-line tools as an operator runs them: bad input gives one line and a non-zero exit."""
+
+import pytest
+
+from conftest import TINY_PREFIX, run_tool
+
+BOGUS_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRzzgPQQS3Z3gKbcainfUKGvvRv1vjhyvf9NVGzGidZAY"
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["-m", "swarm.server", "--blocks", "0:1", "--bogus"], ["unrecognized arguments: --bogus"]),
+        (["-m", "swarm.server"], ["--blocks --num-blocks is required"]),
+        (["-m", "swarm.server", "--blocks", "0:2"], ["--initial-peers is required"]),
+        (["-m", "swarm.server", "--blocks", "5:2", "--initial-peers", BOGUS_PEER], ["START < END"]),
+        (["-m", "swarm.server", "--blocks", "x", "--initial-peers", BOGUS_PEER], ["START:END"]),
+        (["-m", "swarm.server", "--blocks", "0:2", "--initial-peers", "not-an-address"], ["malformed multiaddr"]),
+        (["-m", "swarm.server", "--blocks", "0:2", "--initial-peers", "/ip4/127.0.0.1/tcp/9"], ["/p2p/"]),
+        (["-m", "swarm.server", "--model", "no-such-model", "--blocks", "0:2", "--initial-peers", BOGUS_PEER],
+         ["unknown model 'no-such-model'"]),
+        (["-m", "swarm.server", "--blocks", "0:1", "--device", "cuda", "--initial-peers", BOGUS_PEER],
+         ["CUDA is not available"]),
+        (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", "nope"], ["malformed multiaddr"]),
+        (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--top-p", "0"], ["--top-p"]),
+        (["-m", "swarm.dht", "--port", "x"], ["--port"]),
+        (["app.py", "--initial-peers", "garbage"], ["malformed multiaddr"]),
+    ],
+)
+def test_bad_arguments(args, fragments):
+    assert_one_line_error(run_tool(*args), *fragments)
+
+
+def test_block_range_out_of_bounds(tiny_llama):
+    result = run_tool("-m", "swarm.server", "--model", str(tiny_llama), "--blocks", "2:9", "--initial-peers", BOGUS_PEER)
+    assert_one_line_error(result, "out of range", "blocks 0:4")
+
+
+def test_generate_names_missing_blocks(tiny_swarm, tiny_llama):
+    result = run_tool("-m", "swarm.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
+                      "--dht-prefix", "nobody-serves-this", "--prompt", "Hello")
+    assert_one_line_error(result, "no server holds blocks 0..3 of")
+
+
+def test_generate_streams_through_the_swarm(tiny_swarm, tiny_llama):
+    result = run_tool("-m", "swarm.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
+                      "--dht-prefix", TINY_PREFIX, "--prompt", "Hello", "--chat", "--max-new-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    assert "tokens/s" in result.stderr and result.stdout.strip()
+
+
+def test_bootstrap_peer_keeps_its_identity(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def peer_line():
+        process = subprocess.Popen([sys.executable, "-m", "swarm.dht", "--identity", str(tmp_path / "id.key")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        try:
+            return process.stdout.readline().strip()
+        finally:
+            process.terminate()
+            process.wait(10)
+
+    first, second = peer_line(), peer_line()
+    assert first.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in first
+    assert first.split("/p2p/")[1] == second.split("/p2p/")[1]
