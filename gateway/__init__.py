@@ -1,0 +1,1 @@
+"""Everything that knows about users: the HTTP, WebSocket and OpenAI-compatible APIs (not built yet)."""

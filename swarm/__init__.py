@@ -1,0 +1,21 @@
+"""The distributed model: everything that knows about block servers, the DHT and remote sessions.
+
+In data-flow order:
+
+    weights.py   resolve a model name or folder; convert the shipped GGUF once; read only the tensors asked for
+    blocks.py    a span of decoder layers with an in-place attention cache (every family quirk lives here)
+    cache.py     a server's cache budget, in token slots
+    protocol.py  DHT key scheme, the ServerInfo record, the SwarmError tree that crosses the wire
+    dht.py       the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`
+    rpc.py       the block server's RPC: handlers and client stubs over libp2p
+    server.py    a block server; `python -m swarm.server`
+    routing.py   pure choices: the chain that serves a session, the span a new server takes
+    client.py    SwarmClient and RemoteSession: hidden states through a chain of servers
+    model.py     RemoteModel: embeddings -> remote blocks -> norm -> LM head; session(max_length).step(ids)
+    decoding.py  logits -> token (greedy, temperature, top-k, top-p), and a streaming detokenizer
+    generate.py  `python -m swarm.generate`, an operator's quick check
+    local.py     LocalSwarm: a bootstrap peer and block servers as child processes on this machine
+    cli.py       what the command-line tools share: one-line errors, never a traceback
+
+This package never imports flask or gateway; torch, transformers and hivemind load only when used.
+"""
