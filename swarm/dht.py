@@ -105,11 +105,8 @@ async def fetch_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer
             continue
         for peer_id, record in entry.value.items():
             info = ServerInfo.from_wire(getattr(record, "value", None))
-            if info is None or info.end > num_blocks or not isinstance(peer_id, str):
-                continue
-            known = servers.get(peer_id)
-            if known is None:
-                servers[peer_id] = RemoteServer(peer_id, info)
+            if info is not None and info.end <= num_blocks and isinstance(peer_id, str):
+                servers.setdefault(peer_id, RemoteServer(peer_id, info))  # the same record under each block
     return [server for server in servers.values() if server.info.state == ServerState.ONLINE]
 
 

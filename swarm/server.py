@@ -60,7 +60,7 @@ class Backend:
 
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
         start, end = self._block_range(metadata)
-        hidden = self._hidden_states(tensors)
+        hidden = self.check_hidden_states(tensors)
         if hidden.shape[1] > self.max_positions:
             raise SessionLengthError(f"sequence of {hidden.shape[1]} tokens exceeds {self.max_positions} positions")
         return await self.run(hidden, 0, None, start, end)
@@ -77,7 +77,7 @@ class Backend:
         end = _int_field(metadata, "end", start + 1, self.span.end)
         return start, end
 
-    def _hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
+    def check_hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
         if len(tensors) != 1:
             raise BadRequestError(f"expected one tensor of hidden states, got {len(tensors)}")
         hidden = tensors[0]
@@ -103,7 +103,7 @@ class ServerSession:
         self._closed = False
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
-        hidden = self.backend._hidden_states(tensors, self.batch_size)
+        hidden = self.backend.check_hidden_states(tensors, self.batch_size)
         # a position below the current length rewinds the session (regenerate, or a replay after failover)
         position = _int_field(metadata, "position", 0, self.length)
         end = position + hidden.shape[1]
@@ -136,6 +136,8 @@ def measure_throughput(span: BlockSpan, repeats: int = 5) -> float:
     for _ in range(repeats + 1):
         began = time.perf_counter()
         span(hidden)
+        if span.device.type == "cuda":
+            torch.cuda.synchronize(span.device)
         timings.append(time.perf_counter() - began)
     return 1.0 / max(statistics.median(timings[1:]), 1e-9)
 
