@@ -1,67 +1,44 @@
-"""The product's entry point: `python app.py`.
+"""The product's entry point: the gateway (Petals Chat HTTP and WebSocket APIs) in front of a swarm.
 
-With no initial peers configured (--initial-peers or INITIAL_PEERS), it starts its own local swarm (a
-bootstrap peer and two block servers that split the model's blocks, as child processes stopped on exit),
-then streams a demo answer through it and, on a terminal, keeps answering prompts until EOF or Ctrl-C.
+    gunicorn app:app --worker-class gthread --threads 100 --bind HOST:PORT
+    python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
+
+With no initial peers configured (--initial-peers or INITIAL_PEERS), it starts an embedded local swarm:
+a bootstrap peer and two block servers per served model, as child processes stopped when it exits.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
+from pathlib import Path
 
-DEMO_PROMPT = "Explain in three sentences what a swarm of block servers is."
+from gateway import create_app
 
-
-def halves(num_blocks: int) -> list[tuple[int, int]]:
-    middle = num_blocks // 2
-    return [(0, middle), (middle, num_blocks)] if middle else [(0, num_blocks)]
-
-
-def chat(args) -> None:
-    from swarm.generate import run
-
-    run(args)
-    while sys.stdin.isatty():
-        try:
-            args.prompt = input("\nprompt> ").strip()
-        except EOFError:
-            return
-        if args.prompt:
-            run(args)
+app = create_app()  # cheap: the swarm client is built in the worker, on the first request that needs it
 
 
 def main(argv=None) -> None:
-    from config import SwarmSettings
-    from swarm.cli import ArgumentParser, multiaddr, run_main, setup_logging
+    from swarm.cli import ArgumentParser, multiaddr
 
-    settings = SwarmSettings.from_env()
     parser = ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
-    parser.add_argument("--model", default=settings.model)
-    parser.add_argument("--prompt", default=DEMO_PROMPT)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=5000)
+    parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
+    parser.add_argument("--model", help="the model to serve: a known name or a Hugging Face folder")
     args = parser.parse_args(argv)
-    args.__dict__.update(
-        chat=True, temperature=0.0, top_k=0, top_p=1.0, seed=None, dht_prefix=None, cache_dir=settings.cache_dir
-    )
-    setup_logging()
-    # SIGTERM ends us like Ctrl-C does: through the `with` below, which stops the local swarm's processes
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    def body():
-        if args.initial_peers:
-            return chat(args)
-        from swarm.local import LocalSwarm
-        from swarm.weights import load_config, resolve_model
+    environment = []  # handed to gunicorn, which sets it before the master's hooks and the worker read config
+    if args.initial_peers:
+        environment += ["--env", "INITIAL_PEERS=" + " ".join(args.initial_peers)]
+    if args.model:
+        environment += ["--env", f"MODEL={args.model}"]
+    sys.argv = [
+        "gunicorn", "--config", str(Path(__file__).with_name("gunicorn.conf.py")),
+        "--bind", f"{args.host}:{args.port}", *environment, "app:app",
+    ]
+    from gunicorn.app.wsgiapp import run
 
-        num_blocks = load_config(resolve_model(args.model, settings.cache_dir)).num_hidden_layers
-        print(f"starting a local swarm for {args.model} ...", file=sys.stderr, flush=True)
-        with LocalSwarm(args.model, halves(num_blocks)) as swarm:
-            args.initial_peers = swarm.initial_peers
-            chat(args)
-
-    run_main(body)
+    run()
 
 
 if __name__ == "__main__":

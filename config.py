@@ -5,10 +5,15 @@ Each command-line tool takes its defaults from here, so an operator can set them
     SWARM_CACHE_DIR   where converted models live (default: $XDG_CACHE_HOME/swarm-gateway or ~/.cache/...)
     INITIAL_PEERS     space- or comma-separated multiaddrs of DHT peers to join
     MODEL             the model served by default (a known name or a local Hugging Face folder)
+    MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
+                      [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
+    MAX_SESSIONS, SESSION_IDLE_TIMEOUT, MAX_NEW_TOKENS, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES
+                      the gateway's limits (see Limits)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -51,9 +56,79 @@ class SwarmSettings:
 
 
 @dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request gets for each generation parameter it leaves out."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str  # what clients call it
+    path: str  # a known model name or a local Hugging Face folder
+    dht_prefix: str | None = None  # its name in the DHT; by default derived from path
+    max_session_length: int = 2048
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "ModelConfig":
+        fields = dict(fields)
+        fields.setdefault("path", fields.get("name"))
+        defaults = GenerationDefaults(**fields.pop("defaults", {}))
+        return cls(defaults=defaults, **fields)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sessions: int = 256  # open inference sessions per gateway process, HTTP and WebSocket together
+    session_idle_timeout: float = 600.0  # seconds; an idle HTTP session is then closed on the servers too
+    max_new_tokens: int = 4096  # the most one request may ask for
+    ws_ping_interval: float = 25.0  # keep-alive pings on WebSocket connections, seconds
+    ws_max_message_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    models: tuple[ModelConfig, ...]
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def default_model(self) -> ModelConfig:
+        return self.models[0]
+
+    def model(self, name: str | None) -> ModelConfig | None:
+        """The served model called `name` (None: the default one)."""
+        if name is None:
+            return self.default_model
+        return next((model for model in self.models if name in (model.name, model.path)), None)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "GatewaySettings":
+        if environ.get("MODELS"):
+            models = tuple(ModelConfig.from_dict(entry) for entry in json.loads(environ["MODELS"]))
+        else:
+            name = environ.get("MODEL", DEFAULT_MODEL)
+            models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name),)
+        limits = Limits(
+            **{
+                key: type(getattr(Limits, key))(environ[key.upper()])
+                for key in Limits.__dataclass_fields__
+                if environ.get(key.upper())
+            }
+        )
+        return cls(models=models, limits=limits)
+
+
+@dataclass(frozen=True)
 class Settings:
     swarm: SwarmSettings = field(default_factory=lambda: SwarmSettings.from_env())
+    gateway: GatewaySettings = field(default_factory=lambda: GatewaySettings.from_env())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
-        return cls(swarm=SwarmSettings.from_env(environ))
+        return cls(swarm=SwarmSettings.from_env(environ), gateway=GatewaySettings.from_env(environ))

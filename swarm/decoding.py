@@ -5,7 +5,7 @@ The gateway's sampling builds on these; `python -m swarm.generate` uses them as 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,11 +50,13 @@ class IncrementalDetokenizer:
     first tokens as context so that tokenizers that merge spaces across tokens decode correctly.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()):
+        """`context`: the last few tokens before the new ones (their text was shown earlier), so that the
+        first new token decodes as it would mid-sequence (SentencePiece drops a leading space otherwise)."""
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self.tokens: list[int] = []
+        self.tokens: list[int] = [int(token) for token in context]
         self.prefix_offset = 0  # start of the context window
-        self.read_offset = 0  # tokens before this have been emitted
+        self.read_offset = len(self.tokens)  # tokens before this have been emitted
 
     def push(self, token: int) -> str:
         """Add a token; return the new text it completes (may be empty while a character is incomplete)."""
@@ -65,4 +67,12 @@ class IncrementalDetokenizer:
         if len(full) <= len(emitted) or full.endswith("\ufffd"):
             return ""  # nothing new yet, or a character still waits for its remaining bytes
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return full[len(emitted) :]
+
+    def flush(self) -> str:
+        """The end of the text: whatever was held back for an incomplete character, as decode gives it."""
+        decode = lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+        emitted = decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.tokens)
         return full[len(emitted) :]

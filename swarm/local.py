@@ -141,3 +141,30 @@ class LocalSwarm:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def halves(num_blocks: int) -> list[tuple[int, int]]:
+    """Two servers splitting the blocks, as a small swarm on one machine would."""
+    middle = num_blocks // 2
+    return [(0, middle), (middle, num_blocks)] if middle else [(0, num_blocks)]
+
+
+def start_for_models(settings) -> LocalSwarm:
+    """A local swarm serving every model the gateway serves (config.Settings), two servers per model."""
+    from swarm.weights import load_config, resolve_model
+
+    swarm = None
+    try:
+        for model in settings.gateway.models:
+            num_blocks = load_config(resolve_model(model.path, settings.swarm.cache_dir)).num_hidden_layers
+            prefix_args = ["--dht-prefix", model.dht_prefix] if model.dht_prefix else []
+            if swarm is None:
+                swarm = LocalSwarm(model.path, halves(num_blocks), server_args=prefix_args).start()
+                continue
+            for start, end in halves(num_blocks):
+                swarm.add_server(["--model", model.path, "--blocks", f"{start}:{end}", *prefix_args])
+    except BaseException:
+        if swarm is not None:
+            swarm.stop()
+        raise
+    return swarm

@@ -2,7 +2,7 @@
 
 Messages are hivemind's ExpertRequest/ExpertResponse: tensors plus msgpack metadata.
 
-    rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, version, loaded_names}
+    rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, version, loaded_names}
     rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less, whole sequences
     rpc_inference  a stream: first {start, end, max_length, batch_size} -> {ok}
                    then per step [hidden] {position} -> [hidden]

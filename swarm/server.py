@@ -41,6 +41,7 @@ class Backend:
         self.hidden_size = span.config.hidden_size
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
 
     def info(self) -> dict:
         return {
@@ -49,6 +50,7 @@ class Backend:
             "dtype": str(self.span.dtype).removeprefix("torch."),
             "device": str(self.span.device),
             "cache_tokens_free": self.budget.free,
+            "positions_served": self.positions_served,
             "version": PROTOCOL_VERSION,
             "loaded_names": self.span.loaded_names,
         }
@@ -113,6 +115,7 @@ class ServerSession:
             )
         output = await self.backend.run(hidden, position, self.caches, self.start, self.end)
         self.length = end
+        self.backend.positions_served += hidden.shape[1]
         return output
 
     def close(self) -> None:

@@ -63,3 +63,78 @@ def real_model(settings) -> Path:
 def run_tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run one of the project's command-line tools the way a user would."""
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Gateway:
+    """A real gunicorn process serving app:app on a free port."""
+
+    def __init__(self, env: dict, log_path: Path):
+        import os
+        import time
+
+        import requests
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        command = [sys.executable, "-m", "gunicorn", "app:app", "--worker-class", "gthread", "--threads", "100",
+                   "--bind", f"127.0.0.1:{self.port}"]
+        self.process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gunicorn exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=30).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"gunicorn not healthy in time: {self.log_path.read_text()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+TINY_MAX_SESSIONS = 6
+TINY_IDLE_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="session")
+def gateway(tiny_swarm, tiny_llama, tmp_path_factory):
+    """gunicorn in front of the tiny swarm, with a small cap on sessions and a short idle timeout."""
+    import json
+
+    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": 256}]
+    env = {
+        "INITIAL_PEERS": " ".join(tiny_swarm.initial_peers),
+        "MODELS": json.dumps(models),
+        "MAX_SESSIONS": str(TINY_MAX_SESSIONS),
+        "SESSION_IDLE_TIMEOUT": str(TINY_IDLE_TIMEOUT),
+        "MAX_NEW_TOKENS": "200",
+        "WS_PING_INTERVAL": "1",
+    }
+    server = Gateway(env, tmp_path_factory.mktemp("gateway") / "gunicorn.log")
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log() or "expected" in server.log()

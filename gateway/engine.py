@@ -1,0 +1,229 @@
+"""The one generation loop of the repository, and the served models and sessions it runs on.
+
+    request (schema) --API module--> GenerationRequest --Engine.generate--> Delta, Delta, ... (text + finish)
+
+Every API (HTTP, WebSocket, OpenAI) calls `Engine.generate`; none has a loop of its own. Each step sends
+only the new tokens through the swarm: the servers' caches hold the rest of the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+from config import ModelConfig, Settings
+from gateway.errors import BadRequest, LengthExceeded, NotFound
+from gateway.sampling import SamplingParams, choose_token
+from gateway.sessions import SessionRegistry
+from gateway.text import StopMatcher
+
+logger = logging.getLogger(__name__)
+
+DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    inputs: Optional[str]  # new text appended to the session (None: continue from where it stopped)
+    sampling: SamplingParams
+    max_new_tokens: Optional[int]  # None: until a stop or the session's length
+    max_length: Optional[int] = None  # a cap on the session's total length for this request
+    stop_sequences: tuple[str, ...] = ()
+    include_stop: bool = True  # Petals clients get the matched stop sequence in the text
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_count: int  # tokens generated for this piece of text
+    finish_reason: Optional[str] = None  # "stop" (end of sequence or a stop sequence), "length", "cancelled"
+
+
+class ServedModel:
+    """A model the gateway serves: the client half of it (embeddings, LM head, tokenizer) on the swarm."""
+
+    def __init__(self, config: ModelConfig, remote):
+        self.config, self.remote = config, remote
+        self.tokenizer = remote.tokenizer
+        eos = remote.config.eos_token_id
+        self.stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.stop_ids.add(self.tokenizer.eos_token_id)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def encode(self, text: str, at_start: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=at_start)["input_ids"]
+
+
+@dataclass(eq=False)
+class GatewaySession:
+    """One inference session: the remote session on the servers, and what the gateway knows of it."""
+
+    model: ServedModel
+    remote: object  # swarm.model.InferenceSession
+    max_length: int
+    expires: bool  # HTTP sessions expire when idle; a WebSocket's lives as long as its connection
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    history: list[int] = field(default_factory=list)  # token ids in the servers' caches
+    pending: list[int] = field(default_factory=list)  # the last sampled token, shown but not yet sent
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def close(self) -> None:
+        """Free the servers' caches; safe to call twice and from any thread."""
+        self.closed = True
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            try:
+                remote.close()
+            except Exception:  # the servers free the cache when the stream breaks, too
+                logger.warning("closing session %s failed", self.id, exc_info=True)
+
+
+class Engine:
+    def __init__(self, settings: Settings, connect: Optional[Callable[[ModelConfig], object]] = None):
+        """`connect(model_config) -> RemoteModel` builds a model's client half; the default joins the swarm."""
+        self.settings = settings
+        self.limits = settings.gateway.limits
+        self._connect = connect or self._connect_to_swarm
+        self._models: dict[str, ServedModel] = {}
+        self._models_lock = threading.Lock()
+        self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout)
+
+    # ----------------------------------------------------------------------------------- models
+
+    def model_config(self, name: Optional[str]) -> ModelConfig:
+        config = self.settings.gateway.model(name)
+        if config is None:
+            served = ", ".join(model.name for model in self.settings.gateway.models)
+            raise NotFound(f"unknown model {name!r}; served models: {served}", field="model")
+        return config
+
+    def model(self, name: Optional[str]) -> ServedModel:
+        config = self.model_config(name)
+        with self._models_lock:  # the first request to a model connects it; the others wait for that
+            if config.name not in self._models:
+                self._models[config.name] = ServedModel(config, self._connect(config))
+            return self._models[config.name]
+
+    def _connect_to_swarm(self, config: ModelConfig):
+        from swarm.model import RemoteModel
+
+        swarm = self.settings.swarm
+        return RemoteModel.from_pretrained(config.path, swarm.initial_peers, swarm.cache_dir, config.dht_prefix)
+
+    def coverage(self, name: Optional[str]) -> dict:
+        """Whether the swarm now holds every block of the model, and how many servers serve it."""
+        from swarm.protocol import format_block_ranges
+        from swarm.routing import missing_ranges
+
+        model = self.model(name)
+        remote = model.remote
+        servers = remote.client.servers(remote.prefix, remote.num_blocks)
+        missing = missing_ranges(servers, remote.num_blocks)
+        return {
+            "num_blocks": remote.num_blocks,
+            "servers": len(servers),
+            "covered": not missing,
+            "missing_blocks": format_block_ranges(missing) if missing else None,
+        }
+
+    # ----------------------------------------------------------------------------------- sessions
+
+    def open_session(self, model_name: Optional[str], max_length: int, expires: bool) -> GatewaySession:
+        config = self.model_config(model_name)
+        if max_length > config.max_session_length:
+            raise BadRequest(
+                f"max_length: at most {config.max_session_length} for {config.name}, got {max_length}",
+                field="max_length",
+            )
+        with self.sessions.reserve():
+            model = self.model(config.name)
+            session = GatewaySession(model, model.remote.session(max_length), max_length, expires)
+            self.sessions.add(session)
+        return session
+
+    def close_session(self, session: GatewaySession) -> None:
+        self.sessions.remove(session)
+        session.close()
+
+    # ----------------------------------------------------------------------------------- the loop
+
+    def generate(
+        self, session: GatewaySession, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[Delta]:
+        """Append the request's inputs to the session and stream the reply. The caller holds session.lock."""
+        if session.closed:
+            raise NotFound(f"inference session {session.id} is closed", field="session_id")
+        model = session.model
+        new_ids = model.encode(request.inputs, at_start=not session.history) if request.inputs else []
+        feed = session.pending + new_ids
+        if not feed:
+            raise BadRequest("inputs: required to start a session's first generation", field="inputs")
+
+        limit = session.max_length if request.max_length is None else min(session.max_length, request.max_length)
+        used = len(session.history) + len(feed)
+        if used > limit:
+            raise LengthExceeded(
+                f"the inputs need {used} tokens, over the session's max_length of {limit}; "
+                "open a session with a larger max_length",
+                field="max_length" if request.max_length else "inputs",
+            )
+        budget = limit - used if request.max_new_tokens is None else min(request.max_new_tokens, limit - used)
+        generator = request.sampling.generator()
+        detokenizer = _detokenizer(model, session.history + feed)
+        stopper = StopMatcher(request.stop_sequences, request.include_stop)
+
+        if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
+            self._step(session, feed)
+            session.pending = []
+            yield Delta("", 0, "length")
+            return
+        for count in range(1, budget + 1):
+            if cancelled():
+                yield Delta(_remaining_text(detokenizer, stopper), 0, "cancelled")
+                return
+            logits = self._step(session, feed)
+            token = choose_token(logits, session.history, request.sampling, generator)
+            session.pending = feed = [token]
+
+            if token in model.stop_ids:
+                yield Delta(_remaining_text(detokenizer, stopper), 1, "stop")
+                return
+            text, matched = stopper.push(detokenizer.push(token))
+            if matched:
+                yield Delta(text, 1, "stop")
+                return
+            if count == budget:
+                yield Delta(text + _remaining_text(detokenizer, stopper), 1, "length")
+                return
+            yield Delta(text, 1)
+
+    @staticmethod
+    def _step(session: GatewaySession, feed: list[int]):
+        if session.closed:
+            raise NotFound(f"inference session {session.id} was closed", field="session_id")
+        logits = session.remote.step([feed])[0]  # (vocab,)
+        session.history.extend(feed)
+        session.last_used = time.monotonic()
+        return logits
+
+
+def _detokenizer(model: ServedModel, context: list[int]):
+    from swarm.decoding import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(model.tokenizer, context=context[-DETOKENIZER_CONTEXT:])
+
+
+def _remaining_text(detokenizer, stopper: StopMatcher) -> str:
+    """At the end of a reply, the text held back for an incomplete character or a possible stop sequence."""
+    text, matched = stopper.push(detokenizer.flush())
+    return text if matched else text + stopper.flush()

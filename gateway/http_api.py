@@ -1,0 +1,143 @@
+"""Petals Chat's HTTP API (/api/v1/...), the model list and the health check: thin translators to the engine."""
+
+from __future__ import annotations
+
+import json
+
+from flask import Blueprint, current_app, jsonify, request
+
+from config import ModelConfig
+from gateway.engine import Engine, GenerationRequest
+from gateway.errors import BadRequest, Unavailable, from_exception
+from gateway.sampling import SamplingParams
+from gateway.schemas import CloseSession, GenerationFields, HttpGenerate, OpenSession, parse
+
+blueprint = Blueprint("petals_http", __name__)
+
+
+def get_engine() -> Engine:
+    return current_app.extensions["engine"]
+
+
+def request_fields() -> dict:
+    """Query and form fields, overlaid by a JSON body when there is one (chat.petals.dev read request.values)."""
+    fields = request.values.to_dict()
+    body = request.get_data(cache=True)
+    if body.strip() and not request.form:
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise BadRequest(f"the body is not valid JSON: {error}") from None
+        if not isinstance(payload, dict):
+            raise BadRequest("the JSON body must be an object")
+        fields.update(payload)
+    return fields
+
+
+def generation_request(fields: GenerationFields, model: ModelConfig, max_new_tokens_cap: int, streaming: bool):
+    """A validated request's generation fields as the engine's GenerationRequest, with the model's defaults.
+
+    `streaming` is the WebSocket's stop_sequence mode: generation goes on until a stop sequence or the
+    session's length, and max_new_tokens is the size of each streamed chunk instead of a total.
+    """
+    if fields.max_new_tokens is not None and fields.max_new_tokens > max_new_tokens_cap:
+        raise BadRequest(f"max_new_tokens: at most {max_new_tokens_cap}, got {fields.max_new_tokens}",
+                         field="max_new_tokens")
+    if fields.max_length is not None and fields.max_length > model.max_session_length:
+        raise BadRequest(f"max_length: at most {model.max_session_length} for {model.name}, got {fields.max_length}",
+                         field="max_length")
+    defaults = model.defaults
+    pick = lambda value, default: default if value is None else value
+    sampling = SamplingParams(
+        do_sample=pick(fields.do_sample, defaults.do_sample),
+        temperature=pick(fields.temperature, defaults.temperature),
+        top_k=pick(fields.top_k, defaults.top_k),
+        top_p=pick(fields.top_p, defaults.top_p),
+        repetition_penalty=pick(fields.repetition_penalty, defaults.repetition_penalty),
+        seed=fields.seed,
+    )
+    if streaming:
+        max_new_tokens = None
+    elif fields.max_new_tokens is None and fields.max_length is not None:
+        max_new_tokens = None  # Petals: either bound may be given; max_length alone bounds the whole text
+    else:
+        max_new_tokens = pick(fields.max_new_tokens, defaults.max_new_tokens)
+    return GenerationRequest(
+        inputs=fields.inputs,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        max_length=fields.max_length,
+        stop_sequences=tuple(fields.stop_sequences()),
+    )
+
+
+@blueprint.post("/api/v1/generate")
+def generate():
+    fields = parse(HttpGenerate, request_fields())
+    engine = get_engine()
+    if fields.session_id:
+        with engine.sessions.use(fields.session_id) as session:
+            if fields.model and engine.model_config(fields.model).name != session.model.name:
+                raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
+            return _generate(engine, session, fields)
+
+    config = engine.model_config(fields.model)
+    request_ = generation_request(fields, config, engine.limits.max_new_tokens, streaming=False)
+    prompt_length = len(engine.model(config.name).encode(fields.inputs or "", at_start=True))
+    max_length = fields.max_length or min(prompt_length + request_.max_new_tokens, config.max_session_length)
+    session = engine.open_session(config.name, max(max_length, 1), expires=True)
+    try:
+        with engine.sessions.use(session.id):
+            return _generate(engine, session, fields)
+    finally:
+        engine.close_session(session)
+
+
+def _generate(engine: Engine, session, fields: HttpGenerate):
+    request_ = generation_request(fields, session.model.config, engine.limits.max_new_tokens, streaming=False)
+    outputs, token_count = [], 0
+    for delta in engine.generate(session, request_):
+        outputs.append(delta.text)
+        token_count += delta.token_count
+    return jsonify(ok=True, outputs="".join(outputs), token_count=token_count)
+
+
+@blueprint.route("/api/v1/open_inference_session", methods=["GET", "POST"])
+def open_inference_session():
+    fields = parse(OpenSession, request_fields())
+    session = get_engine().open_session(fields.model, fields.max_length, expires=True)
+    return jsonify(ok=True, session_id=session.id)
+
+
+@blueprint.route("/api/v1/close_inference_session", methods=["GET", "POST"])
+def close_inference_session():
+    fields = parse(CloseSession, request_fields())
+    engine = get_engine()
+    with engine.sessions.use(fields.session_id) as session:
+        engine.close_session(session)
+    return jsonify(ok=True)
+
+
+@blueprint.get("/api/v1/models")
+def models():
+    engine = get_engine()
+    listed = []
+    for config in engine.settings.gateway.models:
+        entry = {"name": config.name, "max_session_length": config.max_session_length}
+        try:
+            entry.update(engine.coverage(config.name))
+        except Exception as error:  # one unreachable model must not hide the others
+            entry.update(covered=False, error=from_exception(error).message)
+        listed.append(entry)
+    return jsonify(ok=True, default_model=engine.settings.gateway.default_model.name, models=listed)
+
+
+@blueprint.get("/health")
+def health():
+    """200 when a request to the default model could be served now; 503 with the reason when not."""
+    engine = get_engine()
+    name = engine.settings.gateway.default_model.name
+    coverage = engine.coverage(name)
+    if not coverage["covered"]:
+        raise Unavailable(f"no server holds blocks {coverage['missing_blocks']} of {name}")
+    return jsonify(ok=True, model=name, **coverage, open_sessions=len(engine.sessions))

@@ -1,0 +1,96 @@
+"""The open inference sessions of one gateway process: a cap on their number, and expiry of idle ones.
+
+Expired sessions are closed actively, so the block servers free their caches at once rather than when a
+client comes back. A session serves one request at a time; a second one at once is refused (409).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from gateway.errors import NotFound, SessionBusy, TooManySessions
+
+logger = logging.getLogger(__name__)
+
+
+class SessionRegistry:
+    def __init__(self, max_sessions: int, idle_timeout: float):
+        self.max_sessions, self.idle_timeout = max_sessions, idle_timeout
+        self._sessions: dict = {}  # id -> engine.GatewaySession
+        self._opening = 0  # slots held by sessions whose servers are still being contacted
+        self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @contextmanager
+    def reserve(self) -> Iterator[None]:
+        """Hold a slot under the cap while a session opens (that takes network round trips)."""
+        with self._lock:
+            if len(self._sessions) + self._opening >= self.max_sessions:
+                raise TooManySessions(
+                    f"too many open inference sessions ({self.max_sessions}); close one or retry later"
+                )
+            self._opening += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._opening -= 1
+
+    def add(self, session) -> None:
+        with self._lock:
+            self._sessions[session.id] = session
+            if self._reaper is None:  # started lazily: never in a gunicorn master, never at import
+                self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
+                self._reaper.start()
+
+    def get(self, session_id: str):
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"unknown inference session {session_id!r} (closed, expired or never opened)",
+                           field="session_id")
+        return session
+
+    def remove(self, session) -> None:
+        with self._lock:
+            self._sessions.pop(session.id, None)
+
+    @contextmanager
+    def use(self, session_id: str):
+        """The session, held for one request."""
+        session = self.get(session_id)
+        if not session.lock.acquire(blocking=False):
+            raise SessionBusy(f"inference session {session_id} is busy with another request", field="session_id")
+        try:
+            yield session
+        finally:
+            session.last_used = time.monotonic()
+            session.lock.release()
+
+    def expire_idle(self) -> int:
+        """Close every expiring session idle for longer than the timeout and not in use; return how many."""
+        now, expired = time.monotonic(), 0
+        for session in list(self._sessions.values()):
+            if session.expires and now - session.last_used > self.idle_timeout and session.lock.acquire(False):
+                try:
+                    self.remove(session)
+                    session.close()
+                    expired += 1
+                    logger.info("closed inference session %s after %.0f s idle", session.id, now - session.last_used)
+                finally:
+                    session.lock.release()
+        return expired
+
+    def _reap_forever(self) -> None:
+        while True:
+            time.sleep(min(max(self.idle_timeout / 4, 0.2), 5.0))
+            try:
+                self.expire_idle()
+            except Exception:
+                logger.exception("expiring sessions failed")

@@ -1,0 +1,143 @@
+"""The one generation loop, over a stand-in for the swarm that runs the tiny model in process."""
+
+import time
+
+import pytest
+import torch
+import transformers
+
+from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
+from gateway.engine import Engine, GenerationRequest
+from gateway.errors import BadRequest, LengthExceeded, NotFound, TooManySessions
+from gateway.sampling import SamplingParams
+
+
+class LocalSession:
+    """Stands in for swarm.model.InferenceSession: records what would be sent to the servers."""
+
+    def __init__(self, model, max_length):
+        self.model, self.max_length = model, max_length
+        self.ids, self.sent, self.closed = [], [], False
+
+    def step(self, ids):
+        self.sent.append(list(ids[0]))
+        self.ids += ids[0]
+        assert len(self.ids) <= self.max_length
+        with torch.no_grad():
+            return self.model(torch.tensor([self.ids])).logits[:, -1]
+
+    def close(self):
+        self.closed = True
+
+
+class LocalRemote:
+    def __init__(self, folder):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        self.config = self.model.config
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        self.sessions = []
+
+    def session(self, max_length):
+        self.sessions.append(LocalSession(self.model, max_length))
+        return self.sessions[-1]
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_llama):
+    return LocalRemote(tiny_llama)
+
+
+@pytest.fixture
+def engine(tiny_llama, remote, tmp_path):
+    gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), max_session_length=64),),
+                              limits=Limits(max_sessions=2, session_idle_timeout=0.2))
+    return Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
+
+
+def greedy(max_new_tokens=None, inputs=None, **fields):
+    return GenerationRequest(inputs=inputs, sampling=SamplingParams(), max_new_tokens=max_new_tokens, **fields)
+
+
+def run(engine, session, request, **kwargs):
+    deltas = list(engine.generate(session, request, **kwargs))
+    return "".join(delta.text for delta in deltas), deltas
+
+
+def reference_tokens(remote, ids, count):
+    with torch.no_grad():
+        output = remote.model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False)
+    return output[0, len(ids):].tolist()
+
+
+def test_greedy_reply_equals_transformers_and_continues_without_resending(engine, remote):
+    session = engine.open_session("tiny", 64, expires=True)
+    first_ids = remote.tokenizer("Hello, world!")["input_ids"]
+    text, deltas = run(engine, session, greedy(6, inputs="Hello, world!"))
+    generated = reference_tokens(remote, first_ids, 6)
+    assert text == remote.tokenizer.decode(generated) and deltas[-1].finish_reason == "length"
+    assert sum(delta.token_count for delta in deltas) == 6
+
+    more_ids = remote.tokenizer(" How are you?", add_special_tokens=False)["input_ids"]
+    text, _ = run(engine, session, greedy(4, inputs=" How are you?"))
+    sent = remote.sessions[-1].sent
+    assert sent[6] == [generated[-1], *more_ids]  # the pending token and the new text, nothing older
+    history = first_ids + generated + more_ids
+    assert text == remote.tokenizer.decode(reference_tokens(remote, history, 4))
+
+
+def test_stop_sequence_ends_the_reply(engine, remote):
+    session = engine.open_session("tiny", 64, expires=True)
+    full, _ = run(engine, session, greedy(12, inputs="The quick"))
+    engine.close_session(session)
+    stop = full[4:9]
+    session = engine.open_session("tiny", 64, expires=True)
+    text, deltas = run(engine, session, greedy(12, inputs="The quick", stop_sequences=(stop,)))
+    assert text == full[: full.index(stop) + len(stop)]
+    assert deltas[-1].finish_reason == "stop"
+
+
+def test_cancel_ends_the_reply_and_keeps_the_session(engine):
+    session = engine.open_session("tiny", 64, expires=True)
+    calls = iter(range(100))
+    _, deltas = run(engine, session, greedy(10, inputs="Hi"), cancelled=lambda: next(calls) >= 3)
+    assert deltas[-1].finish_reason == "cancelled" and sum(d.token_count for d in deltas) == 3
+    text, _ = run(engine, session, greedy(2, inputs=" again"))
+    assert not session.closed
+
+
+def test_lengths(engine):
+    session = engine.open_session("tiny", 8, expires=True)
+    with pytest.raises(LengthExceeded, match="max_length of 8"):
+        list(engine.generate(session, greedy(1, inputs="The quick brown fox jumps over the lazy dog.")))
+    _, deltas = run(engine, session, greedy(None, inputs="Hi"))  # until the session is full
+    assert deltas[-1].finish_reason == "length" and len(session.history) + len(session.pending) == 8
+    with pytest.raises(BadRequest, match="max_length: at most 64"):
+        engine.open_session("tiny", 65, expires=True)
+
+
+def test_prefill_only_and_inputs_required(engine, remote):
+    session = engine.open_session("tiny", 64, expires=True)
+    with pytest.raises(BadRequest, match="inputs: required"):
+        list(engine.generate(session, greedy(3)))
+    _, deltas = run(engine, session, greedy(0, inputs="Hello"))
+    assert deltas == [deltas[0]] and deltas[0].token_count == 0 and session.pending == []
+    assert remote.sessions[-1].ids == remote.tokenizer("Hello")["input_ids"]
+
+
+def test_cap_and_idle_expiry(engine, remote):
+    first = engine.open_session("tiny", 16, expires=True)
+    engine.open_session("tiny", 16, expires=False)
+    with pytest.raises(TooManySessions):
+        engine.open_session("tiny", 16, expires=True)
+    time.sleep(0.6)
+    engine.sessions.expire_idle()  # the registry's reaper thread may have done it already
+    assert first.closed and remote.sessions[-2].closed
+    assert len(engine.sessions) == 1  # the WebSocket-style session does not expire
+    with pytest.raises(NotFound):
+        engine.sessions.get(first.id)
+    engine.open_session("tiny", 16, expires=True)
+
+
+def test_unknown_model(engine):
+    with pytest.raises(NotFound, match="unknown model 'nope'; served models: tiny"):
+        engine.open_session("nope", 16, expires=True)
