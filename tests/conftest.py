@@ -60,6 +60,15 @@ def real_model(settings) -> Path:
     return resolve_model("SmolLM2-135M-Instruct", settings.cache_dir)
 
 
+@pytest.fixture(scope="session")
+def real_swarm(real_model, tmp_path_factory):
+    """The default model on two real block servers: blocks 0:15 and 15:30."""
+    from swarm.local import LocalSwarm
+
+    with LocalSwarm("SmolLM2-135M-Instruct", [(0, 15), (15, 30)], log_dir=tmp_path_factory.mktemp("real-logs")) as swarm:
+        yield swarm
+
+
 def run_tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run one of the project's command-line tools the way a user would."""
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)

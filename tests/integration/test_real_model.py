@@ -11,14 +11,6 @@ pytestmark = pytest.mark.real_model
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
-@pytest.fixture(scope="module")
-def real_swarm(real_model, tmp_path_factory):
-    from swarm.local import LocalSwarm
-
-    with LocalSwarm("SmolLM2-135M-Instruct", [(0, 15), (15, 30)], log_dir=tmp_path_factory.mktemp("real-logs")) as swarm:
-        yield swarm
-
-
 def test_converted_model_is_the_expected_llama(real_model):
     config = transformers.AutoConfig.from_pretrained(real_model)
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
