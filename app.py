@@ -25,13 +25,27 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
     parser.add_argument("--model", help="the model to serve: a known name or a Hugging Face folder")
+    # MLC's server flags (and its older --allow-* spellings)
+    parser.add_argument("--api-key", action="append", help="require this API key (repeatable)")
+    parser.add_argument("--api-key-file", help="require one of the keys in this file (one per line)")
+    parser.add_argument("--allowed-origins", "--allow-origins", nargs="+", help="CORS origins (default: *)")
+    parser.add_argument("--allowed-methods", "--allow-methods", nargs="+", help="CORS methods (default: *)")
+    parser.add_argument("--allowed-headers", "--allow-headers", nargs="+", help="CORS headers (default: *)")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     args = parser.parse_args(argv)
 
-    environment = []  # handed to gunicorn, which sets it before the master's hooks and the worker read config
-    if args.initial_peers:
-        environment += ["--env", "INITIAL_PEERS=" + " ".join(args.initial_peers)]
-    if args.model:
-        environment += ["--env", f"MODEL={args.model}"]
+    # handed to gunicorn, which sets them before the master's hooks and the worker read config.py
+    settings = {
+        "INITIAL_PEERS": " ".join(args.initial_peers or []),
+        "MODEL": args.model,
+        "API_KEYS": ",".join(args.api_key or []),
+        "API_KEY_FILE": args.api_key_file,
+        "ALLOWED_ORIGINS": ",".join(args.allowed_origins or []),
+        "ALLOWED_METHODS": ",".join(args.allowed_methods or []),
+        "ALLOWED_HEADERS": ",".join(args.allowed_headers or []),
+        "ALLOW_CREDENTIALS": "true" if args.allow_credentials else "",
+    }
+    environment = [part for name, value in settings.items() if value for part in ("--env", f"{name}={value}")]
     sys.argv = [
         "gunicorn", "--config", str(Path(__file__).with_name("gunicorn.conf.py")),
         "--bind", f"{args.host}:{args.port}", *environment, "app:app",

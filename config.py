@@ -9,6 +9,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
     MAX_SESSIONS, SESSION_IDLE_TIMEOUT, MAX_NEW_TOKENS, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES
                       the gateway's limits (see Limits)
+    API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS
+                      who may call the APIs (see AccessSettings)
 """
 
 from __future__ import annotations
@@ -93,9 +95,31 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class AccessSettings:
+    """Who may call the APIs: API keys (none configured: open) and the CORS allowlists (MLC's server flags)."""
+
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "AccessSettings":
+        keys = list(_split_list(environ.get("API_KEYS", "")))
+        if environ.get("API_KEY_FILE"):
+            keys += Path(environ["API_KEY_FILE"]).expanduser().read_text().split()
+        lists = {name: _split_list(environ[name.upper()]) for name in ("allowed_origins", "allowed_methods",
+                                                                      "allowed_headers") if environ.get(name.upper())}
+        credentials = environ.get("ALLOW_CREDENTIALS", "").lower() in ("1", "true", "yes")
+        return cls(api_keys=tuple(keys), allow_credentials=credentials, **lists)
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     models: tuple[ModelConfig, ...]
     limits: Limits = field(default_factory=Limits)
+    access: AccessSettings = field(default_factory=AccessSettings)
 
     @property
     def default_model(self) -> ModelConfig:
@@ -121,7 +145,7 @@ class GatewaySettings:
                 if environ.get(key.upper())
             }
         )
-        return cls(models=models, limits=limits)
+        return cls(models=models, limits=limits, access=AccessSettings.from_env(environ))
 
 
 @dataclass(frozen=True)

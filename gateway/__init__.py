@@ -5,11 +5,20 @@ In data-flow order:
     schemas.py    every request and reply shape (pydantic); a bad field is a 400 that names it
     http_api.py   /api/v1/generate, open/close_inference_session, /api/v1/models, /health
     ws_api.py     /api/v2/generate: a session per WebSocket connection, streamed replies, a stop message
+    openai_api.py the OpenAI-compatible API under /v1, /api/oai and /api/oai/v1; /tokenize, /stats, ...
+    openai_params.py  OpenAI-style fields -> SamplingParams, token budget, stops, grammar
+    openai_format.py  OpenAI's wire format: completions, chunks, logprobs, usage, the error envelope
+    prompts.py    chat messages -> prompt (the model's chat template, tools); tool calls out of a reply
+    sse.py        server-sent events: keep-alives, errors as a last event, cancel when the client leaves
     engine.py     the one generation loop: inputs + GenerationRequest -> Deltas; served models and sessions
-    sampling.py   SamplingParams and the pure choice of a token (penalties, greedy, temperature, top-k/p)
+    sampling.py   SamplingParams and the per-sequence Sampler (penalties, bias, Mirostat, top-k/p, min-p, ...)
+    grammar.py    structured output: a token mask per step from a JSON schema or grammar (llguidance)
+    stats.py      prefill and decode speeds of recent requests
     text.py       stop sequences matched across token boundaries, never shown half
     sessions.py   open sessions: a cap, idle expiry that frees the servers' caches, one request at a time
     errors.py     the APIError tree, and how any exception becomes a clean reply
+    access.py     API keys and CORS
+    docs.py       /openapi.json from the schemas, and a Swagger UI page at /docs (no CDN)
 
 create_app() is cheap: the engine connects to the swarm on the first request that needs a model.
 """
@@ -28,9 +37,12 @@ def create_app(settings=None, engine=None):
     from werkzeug.exceptions import HTTPException
 
     from config import Settings
+    from gateway import access, docs
     from gateway.engine import Engine
     from gateway.errors import APIError, error_body, from_exception
     from gateway.http_api import blueprint as http_blueprint
+    from gateway.openai_api import blueprint as openai_blueprint
+    from gateway.openai_api import extras as openai_extras
     from gateway.ws_api import blueprint as ws_blueprint
     from gateway.ws_api import sock
 
@@ -43,8 +55,13 @@ def create_app(settings=None, engine=None):
         "max_message_size": limits.ws_max_message_bytes,
     }
     app.extensions["engine"] = engine or Engine(settings)
+    access.install(app, settings.gateway.access)
     app.register_blueprint(http_blueprint)
     app.register_blueprint(ws_blueprint)
+    for prefix in ("/v1", "/api/oai", "/api/oai/v1"):  # OpenAI's, and Ai00's two
+        app.register_blueprint(openai_blueprint, url_prefix=prefix, name="openai" + prefix.replace("/", "_"))
+    app.register_blueprint(openai_extras)
+    app.register_blueprint(docs.blueprint)
     sock.init_app(app)
 
     @app.errorhandler(HTTPException)
@@ -55,6 +72,6 @@ def create_app(settings=None, engine=None):
     @app.errorhandler(Exception)
     def api_error(error: Exception):
         api_error: APIError = from_exception(error)
-        return jsonify(error_body(api_error)), api_error.status
+        return jsonify(error_body(api_error)), api_error.status, api_error.headers()
 
     return app

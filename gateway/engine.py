@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound
-from gateway.sampling import SamplingParams, choose_token
+from gateway.sampling import Sampler, SamplingParams
+from gateway.stats import EngineStats, RequestStats
 from gateway.sessions import SessionRegistry
 from gateway.text import StopMatcher
 
@@ -33,7 +34,18 @@ class GenerationRequest:
     max_new_tokens: Optional[int]  # None: until a stop or the session's length
     max_length: Optional[int] = None  # a cap on the session's total length for this request
     stop_sequences: tuple[str, ...] = ()
-    include_stop: bool = True  # Petals clients get the matched stop sequence in the text
+    include_stop: bool = True  # Petals clients get the matched stop sequence in the text; OpenAI's don't
+    input_ids: tuple[int, ...] = ()  # new tokens given as ids (after `inputs`, if both are given)
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's own end-of-sequence tokens
+    logprobs: Optional[int] = None  # None: off; k: each token's log-probability and the k likeliest
+    constraint: Optional[Callable[[], object]] = None  # a fresh grammar.Constraint: structured output
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the likeliest tokens at this step, best first
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class Delta:
     text: str
     token_count: int  # tokens generated for this piece of text
     finish_reason: Optional[str] = None  # "stop" (end of sequence or a stop sequence), "length", "cancelled"
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class ServedModel:
@@ -53,10 +66,24 @@ class ServedModel:
         self.stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.stop_ids.add(self.tokenizer.eos_token_id)
+        self._grammars, self._grammars_lock = None, threading.Lock()
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.remote.config.vocab_size
+
+    def grammars(self):
+        """What compiles grammars against this model's tokenizer, built on first use (it takes a moment)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from gateway.grammar import TokenizerGrammars
+
+                self._grammars = TokenizerGrammars(self.tokenizer, self.vocab_size, eos_token_ids=self.stop_ids)
+            return self._grammars
 
     def encode(self, text: str, at_start: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=at_start)["input_ids"]
@@ -97,6 +124,7 @@ class Engine:
         self._models: dict[str, ServedModel] = {}
         self._models_lock = threading.Lock()
         self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout)
+        self.stats = EngineStats()
 
     # ----------------------------------------------------------------------------------- models
 
@@ -158,14 +186,21 @@ class Engine:
     # ----------------------------------------------------------------------------------- the loop
 
     def generate(
-        self, session: GatewaySession, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
+        self,
+        session: GatewaySession,
+        request: GenerationRequest,
+        cancelled: Callable[[], bool] = lambda: False,
+        stats: Optional[RequestStats] = None,
     ) -> Iterator[Delta]:
-        """Append the request's inputs to the session and stream the reply. The caller holds session.lock."""
+        """Append the request's inputs to the session and stream the reply. The caller holds session.lock.
+
+        `cancelled` is asked between tokens (a stop message, a client gone); `stats` collects the timings of
+        one API request across its choices (default: a record of its own in engine.stats)."""
         if session.closed:
             raise NotFound(f"inference session {session.id} is closed", field="session_id")
         model = session.model
         new_ids = model.encode(request.inputs, at_start=not session.history) if request.inputs else []
-        feed = session.pending + new_ids
+        feed = session.pending + new_ids + list(request.input_ids)
         if not feed:
             raise BadRequest("inputs: required to start a session's first generation", field="inputs")
 
@@ -178,9 +213,13 @@ class Engine:
                 field="max_length" if request.max_length else "inputs",
             )
         budget = limit - used if request.max_new_tokens is None else min(request.max_new_tokens, limit - used)
-        generator = request.sampling.generator()
         detokenizer = _detokenizer(model, session.history + feed)
         stopper = StopMatcher(request.stop_sequences, request.include_stop)
+        sampler = Sampler(request.sampling, model.vocab_size, context=session.history + feed)
+        constraint = request.constraint() if request.constraint else None
+        stop_ids = model.stop_ids | set(request.stop_token_ids)
+        stats = stats or self.stats.begin()
+        stats.prompt(len(feed))
 
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
             self._step(session, feed)
@@ -192,29 +231,62 @@ class Engine:
                 yield Delta(_remaining_text(detokenizer, stopper), 0, "cancelled")
                 return
             logits = self._step(session, feed)
-            token = choose_token(logits, session.history, request.sampling, generator)
+            stats.step_done(first=count == 1)
+            token = sampler(logits, constraint.allowed() if constraint else None)
             session.pending = feed = [token]
+            logprobs = (_logprob(logits, token, request.logprobs),) if request.logprobs is not None else ()
 
-            if token in model.stop_ids:
-                yield Delta(_remaining_text(detokenizer, stopper), 1, "stop")
+            if token in stop_ids:
+                yield Delta(_remaining_text(detokenizer, stopper), 1, "stop", logprobs)
                 return
+            if constraint:
+                constraint.accept(token)
             text, matched = stopper.push(detokenizer.push(token))
-            if matched:
-                yield Delta(text, 1, "stop")
+            if matched or (constraint and constraint.is_finished()):
+                yield Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs)
                 return
             if count == budget:
-                yield Delta(text + _remaining_text(detokenizer, stopper), 1, "length")
+                yield Delta(text + _remaining_text(detokenizer, stopper), 1, "length", logprobs)
                 return
-            yield Delta(text, 1)
+            yield Delta(text, 1, None, logprobs)
+
+    def rewind(self, session: GatewaySession, length: int) -> None:
+        """Forget everything after the first `length` tokens (another choice for the same prompt, a regenerate):
+        the servers overwrite their caches from there, so the prompt is not computed again."""
+        tokens = session.history + session.pending
+        session.history, session.pending = tokens[: length - 1], tokens[length - 1 : length]
 
     @staticmethod
     def _step(session: GatewaySession, feed: list[int]):
         if session.closed:
             raise NotFound(f"inference session {session.id} was closed", field="session_id")
-        logits = session.remote.step([feed])[0]  # (vocab,)
+        logits = session.remote.step([feed], position=len(session.history))[0]  # (vocab,)
         session.history.extend(feed)
         session.last_used = time.monotonic()
         return logits
+
+    # ----------------------------------------------------------------------------------- scoring
+
+    def token_logprobs(self, model_name: Optional[str], ids: list[int], top: int = 0) -> list[Optional[TokenLogprob]]:
+        """Each token's log-probability given the ones before it (None for the first), in one cache-less pass."""
+        logits = self.model(model_name).remote.forward([ids])[0]  # (length, vocab)
+        return [None] + [_logprob(logits[index - 1], ids[index], top) for index in range(1, len(ids))]
+
+    def embed(self, model_name: Optional[str], ids: list[int], layer: Optional[int]) -> list[float]:
+        """Mean-pooled hidden states after `layer` blocks (default: the last, after the final norm)."""
+        remote = self.model(model_name).remote
+        if layer is not None and layer > remote.num_blocks:
+            raise BadRequest(f"layer: at most {remote.num_blocks} for this model, got {layer}", field="layer")
+        return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
+
+
+def _logprob(logits, token: int, top: int) -> TokenLogprob:
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def _detokenizer(model: ServedModel, context: list[int]):

@@ -3,10 +3,12 @@
     APIError                      500  internal_error        (the message never carries a traceback)
     ├── BadRequest                400  invalid_request       a field is missing, mistyped or out of range
     │   └── LengthExceeded        400  context_length_exceeded
+    ├── Unauthorized              401  invalid_api_key       keys are configured and none (or a wrong one) came
     ├── NotFound                  404  not_found             unknown model, session or route
     ├── SessionBusy               409  session_busy          another request is using this session
+    ├── TooManySessions           429  too_many_sessions     the gateway's cap on open sessions is reached
+    │                                                        (with Retry-After)
     └── Unavailable               503  swarm_unavailable     the swarm cannot serve this now
-        └── TooManySessions       503  too_many_sessions     the gateway's cap on open sessions is reached
 
 Petals Chat replies are `{ok: false, error, traceback}`; `traceback` repeats the clean message for old clients.
 """
@@ -32,9 +34,14 @@ class APIError(Exception):
     status = 500
     code = "internal_error"
 
+    retry_after: int | None = None
+
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.message, self.field = message, field
+
+    def headers(self) -> dict:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after else {}
 
 
 class BadRequest(APIError):
@@ -43,6 +50,10 @@ class BadRequest(APIError):
 
 class LengthExceeded(BadRequest):
     code = "context_length_exceeded"
+
+
+class Unauthorized(APIError):
+    status, code = 401, "invalid_api_key"
 
 
 class NotFound(APIError):
@@ -57,8 +68,9 @@ class Unavailable(APIError):
     status, code = 503, "swarm_unavailable"
 
 
-class TooManySessions(Unavailable):
-    code = "too_many_sessions"
+class TooManySessions(APIError):
+    status, code = 429, "too_many_sessions"
+    retry_after = 1  # seconds: sessions come and go quickly
 
 
 def from_exception(error: BaseException) -> APIError:

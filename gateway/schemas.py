@@ -108,3 +108,163 @@ class WsGenerateReply(GenerateReply):
 class SessionReply(BaseModel):
     ok: bool = True
     session_id: str
+
+
+# ============================================================================================ OpenAI API
+# The union of OpenAI's own fields and those of MLC-LLM, mistral.rs and Ai00. Unknown fields are accepted
+# and ignored (logged once per field name), as vLLM does.
+
+
+class _OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class StreamOptions(_OpenAIRequest):
+    include_usage: bool = False
+
+
+class SamplerOverride(_OpenAIRequest):
+    """Ai00's per-request sampler: Nucleus (default), Mirostat or Typical."""
+
+    type: Literal["Nucleus", "Mirostat", "Typical"] = "Nucleus"
+    temperature: Optional[float] = Field(None, ge=0, le=100)
+    top_k: Optional[int] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    penalty: Optional[float] = Field(None, gt=0)  # a half-life in tokens for the accumulated penalties
+    penalty_decay: Optional[float] = Field(None, gt=0, le=1)
+    tau: Optional[float] = Field(None, gt=0)  # Mirostat's target surprise, or Typical's mass
+    rate: Optional[float] = Field(None, gt=0, le=1)  # Mirostat's learning rate
+
+
+class JsonSchemaFormat(_OpenAIRequest):
+    name: str = "response"
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponseFormat(_OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class SamplingFields(_OpenAIRequest):
+    """What chat and text completions share."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = Field(None, ge=0, le=100)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)  # -1 or 0: off
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    typical_p: Optional[float] = Field(None, gt=0, le=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
+    penalty_decay: Optional[float] = Field(None, gt=0, le=1)
+    logit_bias: Optional[dict[int, float]] = None
+    bias: Optional[dict[int, float]] = None  # Ai00's name for logit_bias
+    mirostat: Optional[int] = Field(None, ge=0, le=2)
+    mirostat_tau: Optional[float] = Field(None, gt=0)
+    mirostat_eta: Optional[float] = Field(None, gt=0, le=1)
+    sampler_override: Optional[SamplerOverride] = None
+    sampler: Optional[SamplerOverride] = None  # Ai00 accepts both names
+    seed: Optional[int] = None
+    n: int = Field(1, ge=1, le=16)
+    stop: Optional[Union[str, list[Union[str, int]]]] = None  # strings, or token ids as mistral.rs allows
+    stop_token_ids: Optional[list[int]] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_gen_len: Optional[int] = Field(None, ge=1)  # MLC-Chat
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[ResponseFormat] = None
+    grammar: Optional[str] = None  # llama.cpp's GBNF
+    bnf_schema: Optional[str] = None  # Ai00's BNF grammar
+    user: Optional[str] = None
+
+
+class ContentPart(_OpenAIRequest):
+    type: str
+    text: Optional[str] = None
+
+
+class FunctionCall(_OpenAIRequest):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_OpenAIRequest):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class FunctionDefinition(_OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: Optional[bool] = None
+
+
+class Tool(_OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_OpenAIRequest):
+    type: Literal["function"]
+    function: dict
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    suffix: Optional[str] = None
+
+
+class EmbeddingRequest(_OpenAIRequest):
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    layer: Optional[int] = Field(None, ge=0)  # Ai00: use this layer's hidden states (0 = the embeddings)
+    dimensions: Optional[int] = Field(None, ge=1)
+
+
+class ChooseRequest(_OpenAIRequest):
+    input: Union[str, list[str]]
+    choices: list[str] = Field(min_length=1)
+    model: Optional[str] = None
+
+
+class TokenizeRequest(_OpenAIRequest):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    text: Optional[str] = None  # llama.cpp and MLC spell it content or text
+    content: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_OpenAIRequest):
+    model: Optional[str] = None
+    tokens: list[int]

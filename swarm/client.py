@@ -30,8 +30,12 @@ class SwarmClient:
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
         return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks))
 
-    def chain(self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = ()) -> list[ChainLink]:
-        return choose_chain(self.servers(prefix, num_blocks), num_blocks, model_name, exclude)
+    def chain(
+        self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None
+    ) -> list[ChainLink]:
+        """The best chain over blocks [0, end) (default: all of them)."""
+        servers = self.servers(prefix, num_blocks)
+        return choose_chain(servers, num_blocks if end is None else end, model_name, exclude)
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))

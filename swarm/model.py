@@ -61,10 +61,19 @@ class RemoteModel:
     @torch.inference_mode()
     def forward(self, token_ids) -> torch.Tensor:
         """Logits of every position of whole sequences, with no session: (batch, length, vocab)."""
-        token_ids = _as_batch(token_ids)
-        chain = self.client.chain(self.prefix, self.num_blocks, self.name)
-        hidden = self.client.forward(chain, self.embed_tokens(token_ids))
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(self.hidden_states(token_ids))
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids, layer: Optional[int] = None) -> torch.Tensor:
+        """Hidden states of whole sequences after `layer` blocks, as transformers' hidden_states[layer]:
+        0 is the embeddings, num_blocks (the default) the last block's output after the final norm.
+        Only the blocks up to `layer` run on the swarm."""
+        layer = self.num_blocks if layer is None else layer
+        hidden = self.embed_tokens(_as_batch(token_ids))  # (batch, length, hidden)
+        if layer > 0:
+            chain = self.client.chain(self.prefix, self.num_blocks, self.name, end=layer)
+            hidden = self.client.forward(chain, hidden)
+        return self.norm(hidden) if layer == self.num_blocks else hidden
 
     def close(self) -> None:
         self.client.shutdown()

@@ -57,10 +57,11 @@ def choose_chain(
             info = server.info
             if not info.start <= position < info.end:
                 continue
-            share = (info.end - position) / (info.end - info.start)
+            end = min(info.end, num_blocks)  # a chain may stop before the model's last block (embeddings)
+            share = (end - position) / (info.end - info.start)
             candidate = (hops + 1, seconds + share / max(info.throughput, 1e-9))
-            if best[info.end] is None or candidate < best[info.end][:2]:
-                best[info.end] = (*candidate, position, ChainLink(server.peer_id, position, info.end))
+            if best[end] is None or candidate < best[end][:2]:
+                best[end] = (*candidate, position, ChainLink(server.peer_id, position, end))
 
     chain, position = [], num_blocks
     while position > 0:

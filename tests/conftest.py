@@ -126,6 +126,7 @@ class Gateway:
 
 
 TINY_MAX_SESSIONS = 6
+TINY_MAX_SESSION_LENGTH = 1024  # the tiny tokenizer spends a token on nearly every character
 TINY_IDLE_TIMEOUT = 3.0
 
 
@@ -134,7 +135,7 @@ def gateway(tiny_swarm, tiny_llama, tmp_path_factory):
     """gunicorn in front of the tiny swarm, with a small cap on sessions and a short idle timeout."""
     import json
 
-    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": 256}]
+    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": TINY_MAX_SESSION_LENGTH}]
     env = {
         "INITIAL_PEERS": " ".join(tiny_swarm.initial_peers),
         "MODELS": json.dumps(models),

@@ -53,7 +53,7 @@ def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=len(tokenizer),
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

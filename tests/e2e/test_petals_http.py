@@ -119,8 +119,9 @@ def test_session_cap(gateway):
             assert reply.status_code == 200
             opened.append(reply.json()["session_id"])
         refused = api(gateway, "/api/v1/open_inference_session", json={"max_length": 16})
-        assert refused.status_code == 503 and refused.json()["code"] == "too_many_sessions"
-        assert api(gateway, "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1}).status_code == 503
+        assert refused.status_code == 429 and refused.json()["code"] == "too_many_sessions"
+        assert refused.headers["Retry-After"] == "1"
+        assert api(gateway, "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1}).status_code == 429
     finally:
         for session_id in opened:
             api(gateway, "/api/v1/close_inference_session", params={"session_id": session_id})
@@ -148,17 +149,17 @@ def test_a_busy_session_refuses_a_second_request(gateway):
         ("/api/v1/generate", {"json": {"inputs": "hi", "max_new_tokens": -1}}, 400, "max_new_tokens"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "max_new_tokens": 10**9}}, 400, "max_new_tokens: at most 200"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "max_length": -5}}, 400, "max_length"),
-        ("/api/v1/generate", {"json": {"inputs": "hi", "max_length": 10**9}}, 400, "max_length: at most 256"),
+        ("/api/v1/generate", {"json": {"inputs": "hi", "max_length": 10**9}}, 400, "max_length: at most 1024"),
         ("/api/v1/generate", {"json": {"inputs": 5}}, 400, "inputs"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "temperature": "hot"}}, 400, "temperature"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "top_p": 2}}, 400, "top_p"),
         ("/api/v1/generate", {"json": {"max_new_tokens": 3}}, 400, "inputs: required"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "model": "gpt-9"}}, 404, "unknown model 'gpt-9'"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "session_id": "no-such"}}, 404, "unknown inference session"),
-        ("/api/v1/generate", {"json": {"inputs": "word " * 300, "max_new_tokens": 1}}, 400, "max_length"),
+        ("/api/v1/generate", {"json": {"inputs": "word " * 1000, "max_new_tokens": 1}}, 400, "max_length"),
         ("/api/v1/open_inference_session", {"json": {}}, 400, "max_length: Field required"),
         ("/api/v1/open_inference_session", {"json": {"max_length": 0}}, 400, "max_length"),
-        ("/api/v1/open_inference_session", {"json": {"max_length": 100000}}, 400, "max_length: at most 256"),
+        ("/api/v1/open_inference_session", {"json": {"max_length": 100000}}, 400, "max_length: at most 1024"),
         ("/api/v1/open_inference_session", {"json": {"max_length": 8, "model": "nope"}}, 404, "unknown model"),
         ("/api/v1/close_inference_session", {"json": {}}, 400, "session_id"),
         ("/api/v1/close_inference_session", {"json": {"session_id": "nope"}}, 404, "unknown inference session"),

@@ -116,7 +116,7 @@ def test_session_belongs_to_the_connection_and_can_be_closed(gateway, ws):
         (json.dumps({"type": "open_inference_session"}), "max_length: Field required"),
         (json.dumps({"type": "open_inference_session", "max_length": "long"}), "max_length"),
         (json.dumps({"type": "open_inference_session", "max_length": -3}), "max_length"),
-        (json.dumps({"type": "open_inference_session", "max_length": 10**8}), "max_length: at most 256"),
+        (json.dumps({"type": "open_inference_session", "max_length": 10**8}), "max_length: at most 1024"),
         (json.dumps({"type": "open_inference_session", "max_length": 8, "model": "nope"}), "unknown model"),
     ],
 )

@@ -94,3 +94,36 @@ def test_python_app_py_answers_within_a_minute(tmp_path):
         log.close()
     time.sleep(1)
     assert not [child for child in family if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_openai_chat_greedy_equals_transformers(real_gateway, expected):
+    import openai
+
+    _, text, count, prompt_tokens = expected
+    client = openai.OpenAI(base_url=real_gateway.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=48,
+                                           messages=[{"role": "user", "content": QUESTION}])
+    assert reply.choices[0].message.content == text
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens, count)
+
+
+def test_chooses_ranks_paris_first(real_gateway):
+    reply = requests.post(real_gateway.url + "/v1/chooses", timeout=60, json={
+        "input": "The Eiffel Tower is located in the city of", "choices": [" Seattle", " Paris", " Shanghai"]})
+    data = reply.json()["data"]
+    assert data[0]["choice"] == " Paris" and data[0]["rank"] == 0 and data[0]["index"] == 1
+    assert data[0]["perplexity"] < data[1]["perplexity"] < data[2]["perplexity"] or data[0]["perplexity"] < 3
+
+
+def test_real_model_json_schema(real_gateway):
+    import openai
+
+    client = openai.OpenAI(base_url=real_gateway.url + "/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=40,
+        messages=[{"role": "user", "content": "Where is the Eiffel Tower? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
+    data = json.loads(reply.choices[0].message.content)
+    assert set(data) == {"city", "country"} and "Paris" in data["city"]

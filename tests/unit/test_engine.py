@@ -19,9 +19,9 @@ class LocalSession:
         self.model, self.max_length = model, max_length
         self.ids, self.sent, self.closed = [], [], False
 
-    def step(self, ids):
+    def step(self, ids, position=None):
         self.sent.append(list(ids[0]))
-        self.ids += ids[0]
+        self.ids = self.ids[: len(self.ids) if position is None else position] + list(ids[0])
         assert len(self.ids) <= self.max_length
         with torch.no_grad():
             return self.model(torch.tensor([self.ids])).logits[:, -1]
@@ -59,7 +59,8 @@ def greedy(max_new_tokens=None, inputs=None, **fields):
 
 
 def run(engine, session, request, **kwargs):
-    deltas = list(engine.generate(session, request, **kwargs))
+    with engine.sessions.use(session.id):  # as the APIs do: held sessions never expire mid-reply
+        deltas = list(engine.generate(session, request, **kwargs))
     return "".join(delta.text for delta in deltas), deltas
 
 
@@ -108,7 +109,7 @@ def test_cancel_ends_the_reply_and_keeps_the_session(engine):
 def test_lengths(engine):
     session = engine.open_session("tiny", 8, expires=True)
     with pytest.raises(LengthExceeded, match="max_length of 8"):
-        list(engine.generate(session, greedy(1, inputs="The quick brown fox jumps over the lazy dog.")))
+        run(engine, session, greedy(1, inputs="The quick brown fox jumps over the lazy dog."))
     _, deltas = run(engine, session, greedy(None, inputs="Hi"))  # until the session is full
     assert deltas[-1].finish_reason == "length" and len(session.history) + len(session.pending) == 8
     with pytest.raises(BadRequest, match="max_length: at most 64"):
@@ -118,7 +119,7 @@ def test_lengths(engine):
 def test_prefill_only_and_inputs_required(engine, remote):
     session = engine.open_session("tiny", 64, expires=True)
     with pytest.raises(BadRequest, match="inputs: required"):
-        list(engine.generate(session, greedy(3)))
+        run(engine, session, greedy(3))
     _, deltas = run(engine, session, greedy(0, inputs="Hello"))
     assert deltas == [deltas[0]] and deltas[0].token_count == 0 and session.pending == []
     assert remote.sessions[-1].ids == remote.tokenizer("Hello")["input_ids"]

@@ -47,3 +47,9 @@ def test_span_goes_where_the_swarm_is_thinnest():
     assert choose_span([], 30, 10) == (0, 10)
     assert choose_span([server("a", 0, 10), server("b", 0, 20)], 30, 10) == (20, 30)
     assert choose_span([], 4, 99) == (0, 4)
+
+
+def test_chain_may_stop_before_the_last_block():
+    servers = [server("a", 0, 10), server("b", 10, 30)]
+    assert choose_chain(servers, 15, "m") == [ChainLink("a", 0, 10), ChainLink("b", 10, 15)]
+    assert choose_chain(servers, 5, "m") == [ChainLink("a", 0, 5)]

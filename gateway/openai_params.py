@@ -1,0 +1,109 @@
+"""OpenAI-style request fields (with MLC's, mistral.rs's and Ai00's) converted once into the engine's terms:
+SamplingParams, a token budget, stop sequences and stop tokens, and a grammar for structured output."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from config import GenerationDefaults
+from gateway.errors import BadRequest
+from gateway.sampling import SamplingParams
+from gateway.schemas import NamedToolChoice, SamplerOverride, SamplingFields
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def sampling_params(fields: SamplingFields, defaults: GenerationDefaults, vocab_size: int) -> SamplingParams:
+    values = dict(
+        temperature=_pick(fields.temperature, defaults.temperature),
+        top_k=max(_pick(fields.top_k, defaults.top_k), 0),
+        top_p=_pick(fields.top_p, defaults.top_p),
+        min_p=_pick(fields.min_p, 0.0),
+        typical_p=_pick(fields.typical_p, 1.0),
+        repetition_penalty=_pick(fields.repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=_pick(fields.presence_penalty, 0.0),
+        frequency_penalty=_pick(fields.frequency_penalty, 0.0),
+        penalty_decay=_pick(fields.penalty_decay, 1.0),
+        logit_bias=logit_bias(fields, vocab_size),
+        mirostat=_pick(fields.mirostat, 0),
+        mirostat_tau=_pick(fields.mirostat_tau, 5.0),
+        mirostat_eta=_pick(fields.mirostat_eta, 0.1),
+        seed=fields.seed,
+    )
+    override = fields.sampler_override or fields.sampler
+    if override is not None:
+        values.update(ai00_sampler(override))
+    return SamplingParams(do_sample=values["temperature"] > 0, **values)  # OpenAI: temperature 0 is greedy
+
+
+def ai00_sampler(override: SamplerOverride) -> dict:
+    """Ai00's sampler_override in our terms. `penalty` is a half-life in tokens: a decay of 0.5 ** (1 / penalty)."""
+    values = {name: getattr(override, name) for name in ("temperature", "top_k", "top_p", "presence_penalty",
+                                                          "frequency_penalty", "penalty_decay")
+              if getattr(override, name) is not None}
+    if override.penalty is not None and override.penalty_decay is None:
+        values["penalty_decay"] = 0.5 ** (1.0 / override.penalty)
+    if override.type == "Mirostat":
+        values.update(mirostat=2, mirostat_tau=_pick(override.tau, 5.0), mirostat_eta=_pick(override.rate, 0.1))
+    elif override.type == "Typical":
+        values["typical_p"] = min(_pick(override.tau, 0.95), 1.0)
+    return values
+
+
+def logit_bias(fields: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    merged = {**(fields.bias or {}), **(fields.logit_bias or {})}
+    for token, bias in merged.items():
+        if not 0 <= token < vocab_size:
+            raise BadRequest(f"logit_bias: token id {token} is not in [0, {vocab_size})", field="logit_bias")
+        if not -100 <= bias <= 100:
+            raise BadRequest(f"logit_bias: bias {bias} for token {token} is not in [-100, 100]", field="logit_bias")
+    return tuple(sorted(merged.items()))
+
+
+def max_new_tokens(fields: SamplingFields, cap: int, remaining: int) -> int:
+    """The completion's token budget: as asked (under the gateway's cap), else whatever context remains."""
+    for name in ("max_completion_tokens", "max_tokens", "max_gen_len"):
+        value = getattr(fields, name)
+        if value is not None:
+            if value > cap:
+                raise BadRequest(f"{name}: at most {cap}, got {value}", field=name)
+            return value
+    return max(min(cap, remaining), 1)
+
+
+def stop_fields(fields: SamplingFields) -> tuple[list[str], list[int]]:
+    stops = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
+    strings = [stop for stop in stops if isinstance(stop, str) and stop]
+    token_ids = [stop for stop in stops if isinstance(stop, int)] + list(fields.stop_token_ids or [])
+    return strings, token_ids
+
+
+def constraint_spec(fields: SamplingFields, tool_choice=None):
+    """The grammar that constrains the reply, if any: a forced tool call, a response_format, or a grammar."""
+    from gateway.grammar import GrammarSpec, tool_call_spec
+
+    if tool_choice is not None:
+        choice, tools, parallel = tool_choice
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.get("name")
+            if name not in {tool.function.name for tool in tools}:
+                raise BadRequest(f"tool_choice: no tool is named {name!r}", field="tool_choice")
+            choice = {"type": "function", "function": {"name": name}}
+        if choice != "auto" and choice != "none":
+            spec = tool_call_spec([tool.model_dump(exclude_none=True) for tool in tools], choice, parallel)
+            # the call is ours to format: single spaces at most, so no model can wander in blank space
+            return replace(spec, value={**spec.value, "x-guidance": {"whitespace_pattern": "[ ]"}})
+    response_format = fields.response_format
+    if response_format is not None and response_format.type == "json_object":
+        return GrammarSpec("json_object")
+    if response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise BadRequest("response_format.json_schema: required for type json_schema",
+                             field="response_format.json_schema")
+        schema = response_format.json_schema
+        return GrammarSpec("json_schema", schema.schema_, strict=bool(schema.strict))
+    grammar = fields.grammar or fields.bnf_schema
+    return GrammarSpec("gbnf", grammar) if grammar else None

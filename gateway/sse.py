@@ -1,0 +1,57 @@
+"""Server-sent events for streamed replies: keep-alive comments on long pauses, an error as a final event,
+and a client that goes away cancels the generation (which then closes its swarm session).
+
+The events are produced on a thread of their own, so that a silent stretch (a long prompt, a slow swarm)
+can still be filled with keep-alive comments, and so that the response notices a closed connection at
+the next write, whatever the producer is doing.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from typing import Callable, Iterator
+
+from flask import Response
+
+from gateway.errors import from_exception
+
+KEEPALIVE_SECONDS = 10.0
+_END = object()
+
+
+def event_stream(events: Callable[[Callable[[], bool]], Iterator[dict]], error_body: Callable,
+                 keepalive: float = KEEPALIVE_SECONDS) -> Response:
+    """`events(cancelled)` yields the JSON events; it should stop when `cancelled()` turns true."""
+    outbox: queue.Queue = queue.Queue()
+    gone = threading.Event()
+
+    def produce():
+        try:
+            for event in events(gone.is_set):
+                outbox.put(event)
+        except Exception as error:  # once a stream has started, an error is its last event, never a traceback
+            outbox.put(error_body(from_exception(error)))
+        finally:
+            outbox.put(_END)
+
+    def stream():
+        producer = threading.Thread(target=produce, name="sse-producer", daemon=True)
+        producer.start()
+        try:
+            while True:
+                try:
+                    event = outbox.get(timeout=keepalive)
+                except queue.Empty:
+                    yield ": keep-alive\n\n"
+                    continue
+                if event is _END:
+                    break
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: gunicorn closes this generator at the failed write
+            gone.set()
+
+    return Response(stream(), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

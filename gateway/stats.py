@@ -1,0 +1,96 @@
+"""Speed of recent requests: prefill (the prompt's first step) and decode (every step after it).
+
+MLC-Chat's /stats and /verbose_stats read them; the OpenAI API's usage carries mistral.rs's timing extras.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    _step_began: float = field(default_factory=time.perf_counter)
+
+    def prompt(self, tokens: int) -> None:
+        """A generation starts: its first step will carry these many prompt tokens."""
+        self.prompt_tokens += tokens
+        self._step_began = time.perf_counter()
+
+    def step_done(self, first: bool) -> None:
+        now = time.perf_counter()
+        if first:
+            self.prefill_seconds += now - self._step_began
+        else:
+            self.decode_seconds += now - self._step_began
+        self.completion_tokens += 1
+        self._step_began = now
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decoded = self.completion_tokens - 1  # the first token came out of the prefill step
+        return decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
+
+    def timing(self) -> dict:
+        """mistral.rs's usage extras."""
+        total = time.perf_counter() - self.started
+        return {
+            "avg_tok_per_sec": round((self.prompt_tokens + self.completion_tokens) / total, 3) if total else 0.0,
+            "avg_prompt_tok_per_sec": round(self.prefill_tokens_per_s, 3),
+            "avg_compl_tok_per_sec": round(self.decode_tokens_per_s, 3),
+            "total_time_sec": round(total, 3),
+            "total_prompt_time_sec": round(self.prefill_seconds, 3),
+            "total_completion_time_sec": round(self.decode_seconds, 3),
+        }
+
+
+class EngineStats:
+    def __init__(self, keep: int = 32):
+        self._recent: deque[RequestStats] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def begin(self) -> RequestStats:
+        stats = RequestStats()
+        with self._lock:
+            self._recent.append(stats)
+        return stats
+
+    def summary(self) -> dict:
+        """The last finished request's speeds (MLC's /stats)."""
+        with self._lock:
+            done = [stats for stats in self._recent if stats.completion_tokens]
+        last = done[-1] if done else RequestStats()
+        return {"prefill_tokens_per_s": round(last.prefill_tokens_per_s, 3),
+                "decode_tokens_per_s": round(last.decode_tokens_per_s, 3)}
+
+    def verbose(self) -> dict:
+        """Totals over the recent requests, and the last one's detail (MLC's /verbose_stats)."""
+        with self._lock:
+            done = [stats for stats in self._recent if stats.completion_tokens]
+        prompt = sum(stats.prompt_tokens for stats in done)
+        completion = sum(stats.completion_tokens for stats in done)
+        prefill = sum(stats.prefill_seconds for stats in done)
+        decode = sum(stats.decode_seconds for stats in done)
+        decoded = sum(stats.completion_tokens - 1 for stats in done)
+        return {
+            **self.summary(),
+            "requests": len(done),
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "prefill_seconds": round(prefill, 3),
+            "decode_seconds": round(decode, 3),
+            "average_prefill_tokens_per_s": round(prompt / prefill, 3) if prefill else 0.0,
+            "average_decode_tokens_per_s": round(decoded / decode, 3) if decode else 0.0,
+        }

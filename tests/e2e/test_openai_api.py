@@ -1,0 +1,302 @@
+"""The OpenAI-compatible API through real gunicorn in front of the tiny swarm, driven by the official client."""
+
+import base64
+import json
+import struct
+import time
+
+import openai
+import pytest
+import requests
+import torch
+import transformers
+
+from conftest import Gateway
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="not-needed", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_llama):
+    return (transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval(),
+            transformers.AutoTokenizer.from_pretrained(tiny_llama))
+
+
+def local_greedy(local, ids, count):
+    model, tokenizer = local
+    with torch.no_grad():
+        output = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False)
+    new = [token for token in output[0, len(ids):].tolist() if token != tokenizer.eos_token_id]
+    return tokenizer.decode(new), len(new)
+
+
+def chat_prompt_ids(local):
+    tokenizer = local[1]
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_completion_equals_local_greedy(client, local):
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=8)
+    ids = chat_prompt_ids(local)
+    text, count = local_greedy(local, ids, 8)
+    assert reply.object == "chat.completion" and reply.model == "tiny"
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == text
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), count)
+    assert reply.usage.total_tokens == len(ids) + count
+    assert reply.model_extra["usage"]["avg_compl_tok_per_sec"] > 0 if "usage" in reply.model_extra else True
+
+
+def test_chat_stream_chunks(client):
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=8)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=8,
+                                                 stream=True))
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(chunk.usage is None for chunk in chunks)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert text == full.choices[0].message.content and len(chunks) >= 4
+
+
+def test_include_usage_adds_a_last_chunk(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=5,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+
+
+def test_n_and_seed(client):
+    ask = lambda seed: client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, n=2,
+                                                      max_tokens=12, seed=seed)
+    first, again, other = ask(7), ask(7), ask(8)
+    texts = lambda reply: [choice.message.content for choice in reply.choices]
+    assert [choice.index for choice in first.choices] == [0, 1]
+    assert texts(first) == texts(again)
+    assert texts(first)[0] != texts(first)[1] and texts(first) != texts(other)
+    assert first.usage.completion_tokens == 24
+
+
+def test_logprobs_with_top_logprobs(client):
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=5,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        values = [top.logprob for top in item.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
+
+
+def test_completions_with_echo_and_logprobs(client, local):
+    prompt = "The quick brown"
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and choice.text.startswith(prompt)
+    prompt_ids = local[1](prompt)["input_ids"]
+    generated, _ = local_greedy(local, prompt_ids, 4)
+    assert choice.text == prompt + generated
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 4 == len(logprobs.token_logprobs) == len(logprobs.text_offset)
+    assert logprobs.token_logprobs[0] is None and all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])  # a dict: equal texts merge
+    assert "".join(logprobs.tokens) == choice.text
+
+
+def test_completions_stream_and_prompt_lists(client):
+    chunks = list(client.completions.create(model="tiny", prompt=["Hello", "World"], max_tokens=3, temperature=0,
+                                            stream=True))
+    assert {chunk.choices[0].index for chunk in chunks} == {0, 1}
+    assert sum(1 for chunk in chunks if chunk.choices[0].finish_reason) == 2
+
+
+def test_json_schema_output_validates(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "mood"],
+              "properties": {"name": {"type": "string", "maxLength": 6},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                             "mood": {"enum": ["happy", "sad"]}}}
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=60, temperature=0.7, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    data = json.loads(reply.choices[0].message.content)
+    assert set(data) == {"name", "age", "mood"} and isinstance(data["age"], int) and 0 <= data["age"] <= 120
+    assert isinstance(data["name"], str) and len(data["name"]) <= 6 and data["mood"] in ("happy", "sad")
+
+
+def test_json_object_output_parses(client):
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=80, temperature=0.5, seed=1,
+                                           response_format={"type": "json_object"}, stop=None)
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:
+        assert reply.choices[0].message.content.lstrip().startswith("{")
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Tokyo"]}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_forced_tool_call_parses(client):
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")
+
+
+def test_required_tool_call_streams_as_tool_calls(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True))
+    calls = [call for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls
+             for call in chunk.choices[0].delta.tool_calls]
+    assert calls and calls[0].index == 0 and calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_history_is_accepted(client):
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_embeddings(client):
+    reply = client.embeddings.create(model="tiny", input=["hello", "goodbye world"])
+    first, second = (item.embedding for item in reply.data)
+    assert len(first) == len(second) == 64 and first != second
+    assert reply.usage.prompt_tokens > 0
+    early = client.embeddings.create(model="tiny", input="hello", extra_body={"layer": 2}).data[0].embedding
+    assert len(early) == 64 and early != first
+    encoded = client.embeddings.create(model="tiny", input="hello", encoding_format="base64").data[0].embedding
+    decoded = struct.unpack("<64f", base64.b64decode(encoded))
+    assert decoded == pytest.approx(client.embeddings.create(model="tiny", input="hello").data[0].embedding)
+
+
+def test_models_list(client):
+    assert [model.id for model in client.models.list().data] == ["tiny"]
+
+
+def test_ai00_routes_and_extras(gateway):
+    for prefix in ("/api/oai", "/api/oai/v1"):
+        reply = requests.post(gateway.url + prefix + "/chat/completions",
+                              json={"messages": MESSAGES, "max_tokens": 2, "temperature": 0,
+                                    "sampler_override": {"type": "Mirostat", "tau": 3.0, "rate": 0.1}})
+        assert reply.status_code == 200 and reply.json()["object"] == "chat.completion"
+        assert requests.get(gateway.url + prefix + "/models").json()["data"][0]["id"] == "tiny"
+    ranked = requests.post(gateway.url + "/api/oai/chooses", json={"input": "Hello,", "choices": [" world", " zzz"]})
+    data = ranked.json()["data"]
+    assert [item["rank"] for item in data] == [0, 1] and data[0]["perplexity"] <= data[1]["perplexity"]
+    assert {item["choice"] for item in data} == {" world", " zzz"}
+
+    tokens = requests.post(gateway.url + "/tokenize", json={"prompt": "Hello, world!"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = requests.post(gateway.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == "Hello, world!"
+    stats = requests.get(gateway.url + "/stats").json()
+    assert stats["decode_tokens_per_s"] >= 0 and stats["prefill_tokens_per_s"] > 0
+    assert requests.get(gateway.url + "/verbose_stats").json()["requests"] >= 1
+
+
+def test_samplers_accept_their_fields(client, gateway):
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0.8, top_p=0.9, seed=5, presence_penalty=0.5,
+        frequency_penalty=0.5, logit_bias={"5": 10}, stop=["zzz", "qq"],
+        extra_body={"top_k": 20, "min_p": 0.05, "typical_p": 0.9, "repetition_penalty": 1.1, "mirostat": 0,
+                    "penalty_decay": 0.99, "unknown_field": 1})
+    assert reply.choices[0].message.content is not None
+    forced = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
+                                            logit_bias={"65": 100})
+    assert forced.choices[0].logprobs is None
+    tokenizer_piece = requests.post(gateway.url + "/detokenize", json={"tokens": [65, 65, 65]}).json()["prompt"]
+    assert forced.choices[0].message.content == tokenizer_piece
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": MESSAGES, "temperature": -1}, "temperature"),
+        ({"messages": MESSAGES, "n": 0}, "n"),
+        ({"messages": MESSAGES, "max_tokens": 10**9}, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": MESSAGES, "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_schema",
+                                                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format"),
+        ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "word " * 1000}]}, "messages"),
+    ],
+)
+def test_bad_requests_raise_bad_request(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", **kwargs)
+    error = caught.value.body
+    assert error["type"] == "invalid_request_error" and param in (error["param"] or "") + error["message"]
+    assert "Traceback" not in json.dumps(error)
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_not_json_is_400_not_422(gateway):
+    reply = requests.post(gateway.url + "/v1/chat/completions", data="nope", headers={"Content-Type": "text/plain"})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_client_disconnect_stops_generation_and_closes_the_session(gateway):
+    with requests.post(gateway.url + "/v1/completions", stream=True,
+                       json={"prompt": "Go", "max_tokens": 200, "stream": True, "temperature": 0}) as reply:
+        lines = reply.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and requests.get(gateway.url + "/health").json()["open_sessions"]:
+        time.sleep(0.2)
+    assert requests.get(gateway.url + "/health").json()["open_sessions"] == 0
+
+
+def test_api_keys(tiny_swarm, tiny_llama, tmp_path):
+    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": "tiny", "max_session_length": 64}]
+    keyed = Gateway({"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models),
+                     "API_KEYS": "secret-1,secret-2"}, tmp_path / "keyed.log")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="secret-2", max_retries=0)
+        assert good.models.list().data[0].id == "tiny"
+        assert requests.get(keyed.url + "/health").status_code == 200  # stays open
+        petals = requests.post(keyed.url + "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1})
+        assert petals.status_code == 401 and petals.json()["ok"] is False
+        assert requests.post(keyed.url + "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1},
+                             headers={"X-API-Key": "secret-1"}).status_code == 200
+    finally:
+        keyed.stop()
+
+
+def test_openapi_and_docs(gateway):
+    document = requests.get(gateway.url + "/openapi.json").json()
+    assert "/v1/chat/completions" in document["paths"] and "ChatCompletionRequest" in document["components"]["schemas"]
+    page = requests.get(gateway.url + "/docs")
+    assert page.status_code == 200 and "/docs/assets/swagger-ui-bundle.js" in page.text and "http" not in page.text.split("<body>")[1].replace("/openapi.json", "")
+    assert requests.get(gateway.url + "/docs/assets/swagger-ui-bundle.js").status_code == 200
