@@ -33,7 +33,7 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 def create_app(settings=None, engine=None):
     """The Flask app. `settings` defaults to config.Settings.from_env(); tests may pass their own engine."""
-    from flask import Flask, jsonify
+    from flask import Flask, jsonify, send_from_directory
     from werkzeug.exceptions import HTTPException
 
     from config import Settings
@@ -63,6 +63,10 @@ def create_app(settings=None, engine=None):
     app.register_blueprint(openai_extras)
     app.register_blueprint(docs.blueprint)
     sock.init_app(app)
+
+    @app.get("/")
+    def chat_page():
+        return send_from_directory(STATIC_DIR, "index.html")
 
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException):

@@ -100,6 +100,7 @@ class GatewaySession:
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     history: list[int] = field(default_factory=list)  # token ids in the servers' caches
     pending: list[int] = field(default_factory=list)  # the last sampled token, shown but not yet sent
+    reply_start: Optional[int] = None  # session length where the last reply began: regenerate rewinds there
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
@@ -220,6 +221,7 @@ class Engine:
         stop_ids = model.stop_ids | set(request.stop_token_ids)
         stats = stats or self.stats.begin()
         stats.prompt(len(feed))
+        session.reply_start = used
 
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
             self._step(session, feed)
@@ -254,7 +256,10 @@ class Engine:
         """Forget everything after the first `length` tokens (another choice for the same prompt, a regenerate):
         the servers overwrite their caches from there, so the prompt is not computed again."""
         tokens = session.history + session.pending
-        session.history, session.pending = tokens[: length - 1], tokens[length - 1 : length]
+        if length <= 0:
+            session.history, session.pending = [], []
+        else:
+            session.history, session.pending = tokens[: length - 1], tokens[length - 1 : length]
 
     @staticmethod
     def _step(session: GatewaySession, feed: list[int]):

@@ -57,6 +57,11 @@ class WsOpenSession(OpenSession):
 
 class WsGenerate(GenerationFields):
     type: Literal["generate"]
+    # chat mode: new turns, rendered with the model's chat template; the gateway keeps the transcript
+    messages: Optional[list["ChatMessage"]] = None
+    stream: bool = False  # frames of max_new_tokens tokens until a stop, as a stop_sequence does
+    max_reply_tokens: Optional[int] = Field(None, ge=1)  # with stream: a bound on the whole reply
+    regenerate: bool = False  # rewind to the start of the last reply and generate it again
 
 
 class WsStop(_Request):
@@ -67,47 +72,6 @@ class WsStop(_Request):
 
 class WsCloseSession(_Request):
     type: Literal["close_inference_session"]
-
-
-WsMessage = TypeAdapter(
-    Annotated[Union[WsOpenSession, WsGenerate, WsStop, WsCloseSession], Field(discriminator="type")]
-)
-
-
-def parse(schema, data):
-    """Validate `data` into `schema` (a model class or WsMessage); a BadRequest names the first bad field."""
-    if not isinstance(data, dict):
-        raise BadRequest("the request must be a JSON object")
-    try:
-        return schema.validate_python(data) if schema is WsMessage else schema.model_validate(data)
-    except ValidationError as error:
-        first = error.errors()[0]
-        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            raise BadRequest(f"type: must be one of {', '.join(WS_MESSAGE_TYPES)}", field="type") from None
-        location = first["loc"][1:] if schema is WsMessage else first["loc"]  # a union's errors start with the tag
-        field = ".".join(str(part) for part in location)
-        raise BadRequest(f"{field}: {first['msg']}", field=field) from None
-
-
-WS_MESSAGE_TYPES = ("open_inference_session", "generate", "stop", "close_inference_session")
-
-
-# -------------------------------------------------------------------------------------------- replies
-
-
-class GenerateReply(BaseModel):
-    ok: bool = True
-    outputs: str
-    token_count: int
-
-
-class WsGenerateReply(GenerateReply):
-    stop: bool
-
-
-class SessionReply(BaseModel):
-    ok: bool = True
-    session_id: str
 
 
 # ============================================================================================ OpenAI API
@@ -268,3 +232,28 @@ class TokenizeRequest(_OpenAIRequest):
 class DetokenizeRequest(_OpenAIRequest):
     model: Optional[str] = None
     tokens: list[int]
+
+
+# ============================================================================================ parsing
+
+WsMessage = TypeAdapter(
+    Annotated[Union[WsOpenSession, WsGenerate, WsStop, WsCloseSession], Field(discriminator="type")]
+)
+
+
+def parse(schema, data):
+    """Validate `data` into `schema` (a model class or WsMessage); a BadRequest names the first bad field."""
+    if not isinstance(data, dict):
+        raise BadRequest("the request must be a JSON object")
+    try:
+        return schema.validate_python(data) if schema is WsMessage else schema.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            raise BadRequest(f"type: must be one of {', '.join(WS_MESSAGE_TYPES)}", field="type") from None
+        location = first["loc"][1:] if schema is WsMessage else first["loc"]  # a union's errors start with the tag
+        field = ".".join(str(part) for part in location)
+        raise BadRequest(f"{field}: {first['msg']}", field=field) from None
+
+
+WS_MESSAGE_TYPES = ("open_inference_session", "generate", "stop", "close_inference_session")

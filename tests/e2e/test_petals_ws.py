@@ -47,7 +47,8 @@ def test_one_reply_without_stop_sequence(gateway, ws):
     send(ws, type="generate", inputs="Hello, world!", max_new_tokens=6)
     [frame] = read_reply(ws)
     expected = http_greedy(gateway, "Hello, world!", 6)
-    assert frame == {"ok": True, "outputs": expected["outputs"], "stop": True, "token_count": 6}
+    assert frame == {"ok": True, "outputs": expected["outputs"], "stop": True, "token_count": 6,
+                     "finish_reason": "length"}
 
 
 def test_streams_token_by_token_until_a_multi_token_stop(gateway, ws):
@@ -171,3 +172,56 @@ def test_keepalive_pings(gateway, caplog):
             send(connection, type="generate", inputs="hi", max_new_tokens=1)
             assert read_reply(connection)[-1]["ok"]
     assert any("PING" in record.getMessage() for record in caplog.records)
+
+
+def test_chat_mode_sends_only_new_turns_and_regenerates(gateway, ws, tiny_swarm, tiny_llama):
+    import transformers
+
+    from swarm.client import SwarmClient
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    client = SwarmClient(tiny_swarm.initial_peers)
+    first_server = min(client.servers("tiny", 4), key=lambda server: server.info.start)
+    served = lambda: client.server_info(first_server.peer_id)["positions_served"]
+    try:
+        open_session(ws, max_length=1024)
+        send(ws, type="generate", messages=[{"role": "user", "content": "Hello!"}], stream=True, max_new_tokens=1,
+             max_reply_tokens=5, do_sample=False)
+        first = read_reply(ws)
+        assert len(first) == 5 and first[-1]["finish_reason"] == "length"
+        reply = "".join(frame["outputs"] for frame in first)
+
+        before = served()
+        send(ws, type="generate", messages=[{"role": "user", "content": "More"}], stream=True, max_new_tokens=1,
+             max_reply_tokens=3, do_sample=False)
+        second = read_reply(ws)
+        conversation = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": reply},
+                        {"role": "user", "content": "More"}]
+        whole = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        first_turn = tokenizer.apply_chat_template(conversation[:1], add_generation_prompt=True, tokenize=False)
+        new_text = whole[len(first_turn) + len(reply):]
+        assert new_text.startswith("<|im_end|>") and new_text.endswith("<|im_start|>assistant\n")
+        new_tokens = len(tokenizer(new_text, add_special_tokens=False)["input_ids"])
+        assert served() - before == 1 + new_tokens + (3 - 1)  # the pending token, the new turn, the reply
+
+        send(ws, type="generate", regenerate=True, stream=True, max_new_tokens=1, max_reply_tokens=3, do_sample=False)
+        again = read_reply(ws)
+        assert [frame["outputs"] for frame in again] == [frame["outputs"] for frame in second]  # greedy: the same
+    finally:
+        client.shutdown()
+
+
+def test_stopped_reply_says_cancelled(gateway, ws):
+    open_session(ws, max_length=512)
+    send(ws, type="generate", inputs="Tell me", stream=True, max_new_tokens=1)
+    receive(ws)
+    send(ws, type="stop")
+    frames = read_reply(ws)
+    assert frames[-1]["stop"] and frames[-1]["finish_reason"] == "cancelled"
+
+
+def test_regenerate_needs_a_reply(gateway, ws):
+    open_session(ws)
+    send(ws, type="generate", regenerate=True, inputs="x")
+    error = receive(ws)
+    assert error["ok"] is False and "regenerate" in error["error"]
