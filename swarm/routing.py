@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Mapping, Optional
 
 from swarm.protocol import MissingBlocksError, RemoteServer, format_block_ranges
 
@@ -17,9 +17,9 @@ class ChainLink:
     end: int
 
 
-def missing_ranges(servers: Iterable[RemoteServer], num_blocks: int) -> list[tuple[int, int]]:
-    """Half-open ranges of blocks that no server holds."""
-    covered = [False] * num_blocks
+def missing_ranges(servers: Iterable[RemoteServer], num_blocks: int, start: int = 0) -> list[tuple[int, int]]:
+    """Half-open ranges of blocks in [start, num_blocks) that no server holds."""
+    covered = [index < start for index in range(num_blocks)]
     for server in servers:
         for index in range(server.info.start, min(server.info.end, num_blocks)):
             covered[index] = True
@@ -34,22 +34,34 @@ def missing_ranges(servers: Iterable[RemoteServer], num_blocks: int) -> list[tup
 
 
 def choose_chain(
-    servers: Collection[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str] = ()
+    servers: Collection[RemoteServer],
+    num_blocks: int,
+    model_name: str,
+    exclude: Collection[str] = (),
+    start: int = 0,
+    load: Optional[Mapping[str, float]] = None,
+    min_cache_tokens: int = 0,
 ) -> list[ChainLink]:
-    """A chain covering blocks [0, num_blocks): fewest hops first, then the least estimated time per token.
+    """A chain covering blocks [start, num_blocks): fewest hops first, then the least estimated time per token.
 
     Each hop runs from the current block to the end of some server's span: going as far as possible never
-    costs an extra hop, and a server may be entered in the middle of its span.
+    costs an extra hop, and a server may be entered in the middle of its span. `load[peer]` multiplies a
+    server's estimated time (the client's own view: observed latency, sessions it already has there);
+    servers announcing less free cache than `min_cache_tokens` are left out while others can serve.
     """
     servers = [server for server in servers if server.peer_id not in exclude]
-    missing = missing_ranges(servers, num_blocks)
+    roomy = [server for server in servers if server.info.cache_tokens_free >= min_cache_tokens]
+    if not missing_ranges(roomy, num_blocks, start):
+        servers = roomy
+    missing = missing_ranges(servers, num_blocks, start)
     if missing:
         raise MissingBlocksError(f"no server holds blocks {format_block_ranges(missing)} of {model_name}")
+    load = load or {}
 
     # best[position] = (hops, seconds per token, previous position, link); positions only grow: a DAG
     best: list = [None] * (num_blocks + 1)
-    best[0] = (0, 0.0, None, None)
-    for position in range(num_blocks):
+    best[start] = (0, 0.0, None, None)
+    for position in range(start, num_blocks):
         if best[position] is None:
             continue
         hops, seconds, _, _ = best[position]
@@ -59,12 +71,13 @@ def choose_chain(
                 continue
             end = min(info.end, num_blocks)  # a chain may stop before the model's last block (embeddings)
             share = (end - position) / (info.end - info.start)
-            candidate = (hops + 1, seconds + share / max(info.throughput, 1e-9))
+            estimate = share / max(info.throughput, 1e-9) * load.get(server.peer_id, 1.0)
+            candidate = (hops + 1, seconds + estimate)
             if best[end] is None or candidate < best[end][:2]:
                 best[end] = (*candidate, position, ChainLink(server.peer_id, position, end))
 
     chain, position = [], num_blocks
-    while position > 0:
+    while position > start:
         _, _, previous, link = best[position]
         chain.append(link)
         position = previous

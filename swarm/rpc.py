@@ -135,21 +135,26 @@ class InferenceStream:
 
     async def open(self, max_length: int, batch_size: int) -> None:
         stub = BlockService.get_stub(self.p2p, PeerID.from_base58(self.peer_id))
-        self._responses = await stub.rpc_inference(self._iterate_requests())
+        try:
+            self._responses = await asyncio.wait_for(stub.rpc_inference(self._iterate_requests()), self.timeout)
+        except Exception as error:
+            raise ServerUnavailableError(f"server {self.peer_id} could not be reached: {error!r}") from None
         opening = {"start": self.start, "end": self.end, "max_length": max_length, "batch_size": batch_size}
-        await self._exchange(pack(metadata=opening))
+        await self._exchange(pack(metadata=opening), self.timeout)
 
-    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        tensors, _ = await self._exchange(pack((hidden,), {"position": position}))
+    async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None) -> torch.Tensor:
+        """The outputs for these positions; a server silent for `timeout` seconds counts as failed (after
+        a timeout the stream is out of step and must not be used again)."""
+        tensors, _ = await self._exchange(pack((hidden,), {"position": position}), timeout or self.timeout)
         return tensors[0]
 
     async def close(self) -> None:
         self._requests.put_nowait(None)  # ends the request stream: the server frees the cache
 
-    async def _exchange(self, request) -> tuple[list[torch.Tensor], dict]:
+    async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
         self._requests.put_nowait(request)
         try:
-            response = await asyncio.wait_for(anext(self._responses), self.timeout)
+            response = await asyncio.wait_for(anext(self._responses), timeout)
         except Exception as error:  # timeouts, a closed stream, any failure of the transport
             reason = "did not answer in time" if isinstance(error, asyncio.TimeoutError) else f"failed: {error!r}"
             raise ServerUnavailableError(f"server {self.peer_id} {reason} (blocks {self.start}:{self.end})") from None

@@ -3,7 +3,8 @@
     python -m swarm.server --model NAME_OR_PATH --blocks START:END --initial-peers MADDR [...]
 
 Compute runs on one dedicated thread (torch releases the GIL, so the event loop keeps answering the
-network meanwhile); everything else happens on the asyncio loop of the main thread.
+network meanwhile); everything else happens on the asyncio loop of the main thread. With --metrics-port,
+prometheus_client serves the server's metrics (swarm/metrics.py) from a thread of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import partial
 
 import torch
 
+from swarm import metrics
 from swarm.blocks import BlockSpan
 from swarm.cache import CacheBudget
 from swarm.protocol import (
@@ -57,7 +59,10 @@ class Backend:
 
     async def run(self, hidden: torch.Tensor, position: int, caches, start: int, end: int) -> torch.Tensor:
         call = partial(self.span.forward, hidden, position, caches, start, end)
+        began = time.perf_counter()
         output = await asyncio.get_running_loop().run_in_executor(self._compute, call)
+        metrics.STEP_SECONDS.observe(time.perf_counter() - began)
+        metrics.BATCH_SIZE.observe(hidden.shape[0])
         return output.to("cpu", hidden.dtype)
 
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
@@ -72,7 +77,11 @@ class Backend:
         max_length = _int_field(metadata, "max_length", 1, self.max_positions)
         batch_size = _int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
         self.budget.reserve(max_length * batch_size)
-        return ServerSession(self, start, end, max_length, batch_size)
+        try:
+            return ServerSession(self, start, end, max_length, batch_size)
+        except BaseException:  # e.g. out of memory for the cache: the reservation must not leak
+            self.budget.release(max_length * batch_size)
+            raise
 
     def _block_range(self, metadata: dict) -> tuple[int, int]:
         start = _int_field(metadata, "start", self.span.start, self.span.end - 1)
@@ -103,6 +112,7 @@ class ServerSession:
         self.caches = backend.span.new_cache(start, end, batch_size, max_length)
         self.length = 0  # positions filled in the cache
         self._closed = False
+        metrics.SESSIONS.inc()
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
         hidden = self.backend.check_hidden_states(tensors, self.batch_size)
@@ -116,6 +126,7 @@ class ServerSession:
         output = await self.backend.run(hidden, position, self.caches, self.start, self.end)
         self.length = end
         self.backend.positions_served += hidden.shape[1]
+        metrics.POSITIONS_SERVED.inc(hidden.shape[1])
         return output
 
     def close(self) -> None:
@@ -123,6 +134,7 @@ class ServerSession:
             self._closed = True
             self.caches = None
             self.backend.budget.release(self.max_length * self.batch_size)
+            metrics.SESSIONS.dec()
 
 
 def _int_field(metadata: dict, name: str, low: int, high: int) -> int:
@@ -161,6 +173,8 @@ async def serve(args) -> None:
     if args.blocks is not None and args.blocks[1] > num_blocks:
         raise BadRequestError(f"--blocks {args.blocks[0]}:{args.blocks[1]} is out of range: {args.model} has blocks 0:{num_blocks}")
     prefix = args.dht_prefix or dht_prefix(args.model)
+    # first, so that a port already taken fails in a second rather than after the weights load
+    metrics_server, metrics_address = _start_metrics(args)
 
     node = await dht.start_node(args.initial_peers, args.host, args.port, args.identity)
     try:
@@ -168,10 +182,17 @@ async def serve(args) -> None:
             start, end = args.blocks
         else:
             start, end = choose_span(await dht.fetch_servers(node, prefix, num_blocks), num_blocks, args.num_blocks)
-        # off the event loop, so that the DHT node keeps answering its peers while weights load
-        span = await asyncio.to_thread(load_span, folder, start, end, device=args.device, dtype=args.dtype)
-        throughput = await asyncio.to_thread(measure_throughput, span)
+
+        async def load():
+            # off the event loop, so that the DHT node keeps answering its peers while weights load
+            span = await asyncio.to_thread(load_span, folder, start, end, device=args.device, dtype=args.dtype)
+            return span, await asyncio.to_thread(measure_throughput, span)
+
+        # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
+        joining = ServerInfo(ServerState.JOINING, start, end, 0.0, args.cache_tokens)
+        span, throughput = await _announced_while(node, prefix, joining, args.announce_period, load())
         backend = Backend(span, CacheBudget(args.cache_tokens))
+        metrics.watch_cache(backend.budget)
         await BlockService(backend).add_p2p_handlers(node.p2p)
 
         def record(state: ServerState) -> ServerInfo:
@@ -181,7 +202,7 @@ async def serve(args) -> None:
         print(
             f"ready: blocks {start}:{end} of {prefix} as peer {dht.peer_id_of(node)}, "
             f"{str(span.dtype).removeprefix('torch.')} on {span.device}, {throughput:.1f} tokens/s, "
-            f"cache {args.cache_tokens} tokens",
+            f"cache {args.cache_tokens} tokens" + (f", metrics at {metrics_address}" if metrics_address else ""),
             flush=True,
         )
         stop = asyncio.Event()
@@ -202,6 +223,33 @@ async def serve(args) -> None:
             logger.warning("could not withdraw in time; the records will expire by themselves")
     finally:
         await node.shutdown()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+def _start_metrics(args):
+    """prometheus_client's HTTP server for --metrics-port (none for 0), and the address it serves."""
+    if not args.metrics_port:
+        return None, None
+    try:
+        return metrics.start_server_metrics(args.host, args.metrics_port)
+    except OSError as error:
+        raise BadRequestError(f"--metrics-port {args.metrics_port}: cannot listen on {args.host}: {error.strerror}") from None
+
+
+async def _announced_while(node, prefix: str, info: ServerInfo, period: float, work):
+    """Await `work`, keeping `info` announced until it is done; returns what `work` returns."""
+    from swarm import dht
+
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            await dht.announce(node, prefix, info, expiration=3 * period)
+            done, _ = await asyncio.wait({task}, timeout=period)
+            if done:
+                return task.result()
+    finally:
+        task.cancel()  # a no-op once done; otherwise an announce failed and the work is not wanted anymore
 
 
 def parse_args(argv=None):
@@ -224,12 +272,16 @@ def parse_args(argv=None):
     parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
     parser.add_argument("--announce-period", type=float, default=settings.announce_period)
     parser.add_argument("--threads", type=int, help="torch threads for compute (default: torch's choice)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     args = parser.parse_args(argv)
 
     if args.num_blocks is not None and args.num_blocks < 1:
         parser.error("--num-blocks must be at least 1")
     if args.cache_tokens < 1:
         parser.error("--cache-tokens must be at least 1")
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be a TCP port (0 for off), got {args.metrics_port}")
     if not args.initial_peers:
         parser.error("--initial-peers is required (or set INITIAL_PEERS): start a bootstrap peer with python -m swarm.dht")
     try:

@@ -55,7 +55,7 @@ def test_exceeding_max_length_says_so(tiny_remote):
         session.step([[7, 8]])  # the session goes on after a refused step
 
         # the server enforces it too, for clients that don't check
-        stream = session.remote.streams[0]
+        stream = session.remote.hops[0].stream
         hidden = torch.zeros(1, 3, tiny_remote.config.hidden_size)
         with pytest.raises(SessionLengthError, match="max_length=8"):
             tiny_remote.client.loop.run(stream.step(hidden, 7))
@@ -63,7 +63,7 @@ def test_exceeding_max_length_says_so(tiny_remote):
 
 def test_servers_refuse_malformed_steps(tiny_remote):
     with tiny_remote.session(max_length=8) as session:
-        stream = session.remote.streams[0]
+        stream = session.remote.hops[0].stream
         run = tiny_remote.client.loop.run
         with pytest.raises(BadRequestError, match="shape"):
             run(stream.step(torch.zeros(1, 2, 5), 0))

@@ -53,3 +53,19 @@ def test_chain_may_stop_before_the_last_block():
     servers = [server("a", 0, 10), server("b", 10, 30)]
     assert choose_chain(servers, 15, "m") == [ChainLink("a", 0, 10), ChainLink("b", 10, 15)]
     assert choose_chain(servers, 5, "m") == [ChainLink("a", 0, 5)]
+
+
+def test_chain_over_a_middle_range_for_failover():
+    servers = [server("a", 0, 10), server("b", 5, 20), server("c", 10, 30)]
+    assert choose_chain(servers, 20, "m", start=12) == [ChainLink("c", 12, 20)]  # a smaller share of its span
+    assert choose_chain(servers, 20, "m", start=12, exclude={"c"}) == [ChainLink("b", 12, 20)]
+    with pytest.raises(MissingBlocksError, match=r"blocks 12\.\.19"):
+        choose_chain([server("a", 0, 10)], 20, "m", start=12)
+
+
+def test_load_and_free_cache_steer_new_sessions():
+    twins = [server("busy", 0, 10), server("idle", 0, 10)]
+    assert choose_chain(twins, 10, "m", load={"busy": 3.0}) == [ChainLink("idle", 0, 10)]
+    full = RemoteServer("full", ServerInfo(ServerState.ONLINE, 0, 10, 100.0, 5))
+    assert choose_chain([full, server("roomy", 0, 10)], 10, "m", min_cache_tokens=64) == [ChainLink("roomy", 0, 10)]
+    assert choose_chain([full], 10, "m", min_cache_tokens=64) == [ChainLink("full", 0, 10)]  # the only choice

@@ -1,0 +1,79 @@
+"""The gateway's Prometheus metrics, and GET /metrics (Prometheus text format).
+
+    gateway_open_sessions                       gauge      HTTP and WebSocket sessions open now
+    gateway_requests_total{api, status}         counter    api: petals_http, petals_ws, openai; status: HTTP code
+    gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
+    gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
+    gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
+    swarm_client_retries_total, swarm_client_failovers_total   the swarm client's (swarm/metrics.py)
+
+Hooks are central: an after_request counts every HTTP reply, ws_api counts each WebSocket message once
+(with the status its reply carries), and Engine.generate times tokens through TokenTimer. gunicorn runs one
+worker process, so prometheus_client's default registry holds everything.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+import swarm.metrics  # noqa: F401  (registers the swarm client's counters, even before a client exists)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+OPEN_SESSIONS = Gauge("gateway_open_sessions", "Inference sessions open on this gateway, HTTP and WebSocket")
+REQUESTS = Counter("gateway_requests_total", "API requests (WebSocket: messages) by API and status code",
+                   ["api", "status"])
+TIME_TO_FIRST_TOKEN = Histogram("gateway_time_to_first_token_seconds",
+                                "From the start of a generation (prompt sent) to its first token", ["model"],
+                                buckets=_LATENCY_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("gateway_inter_token_latency_seconds", "Between two tokens of one generation",
+                                ["model"], buckets=_LATENCY_BUCKETS)
+GENERATED_TOKENS = Counter("gateway_generated_tokens_total", "Tokens generated (rate() gives tokens/s)", ["model"])
+
+
+def install(app) -> None:
+    """Count every HTTP reply of the Flask app by API and status, and serve /metrics."""
+    from flask import Response, request  # here, not at import: Engine imports this module for TokenTimer
+
+    @app.get("/metrics")
+    def metrics():
+        OPEN_SESSIONS.set(len(app.extensions["engine"].sessions))  # read at scrape time: never stale
+        return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+
+    @app.after_request
+    def count_request(response):
+        api = api_of(request.blueprint)
+        if api is not None and api != "petals_ws":  # a WebSocket counts its messages, not its upgrade
+            REQUESTS.labels(api, str(response.status_code)).inc()
+        return response
+
+
+def api_of(blueprint_name) -> str | None:
+    """The API label of a blueprint; None for the routes not counted (docs, static files, pages, /metrics)."""
+    if blueprint_name in ("petals_http", "petals_ws"):
+        return blueprint_name
+    if blueprint_name and blueprint_name.startswith("openai"):  # once per prefix (openai_v1, ...), and extras
+        return "openai"
+    return None
+
+
+def count_ws_message(status: int) -> None:
+    REQUESTS.labels("petals_ws", str(status)).inc()
+
+
+class TokenTimer:
+    """Times the tokens of one generation: the first against the start, every other against the one before."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.last = time.perf_counter()
+        self.first = True
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        histogram = TIME_TO_FIRST_TOKEN if self.first else INTER_TOKEN_LATENCY
+        histogram.labels(self.model).observe(now - self.last)
+        GENERATED_TOKENS.labels(self.model).inc()
+        self.last, self.first = now, False

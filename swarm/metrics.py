@@ -1,0 +1,57 @@
+"""Prometheus metrics of the swarm's processes: the client's retries and failovers, and a block server's load.
+
+The client's counters live in prometheus_client's default registry, so whatever process runs a SwarmClient
+(the gateway) exposes them with its own metrics. A block server's metrics live in a registry of their own,
+served by prometheus_client's HTTP server when the server runs with --metrics-port: a gateway that imports
+this module does not expose a block server's (empty) gauges.
+
+Importing this module only creates metric objects: no thread, no socket.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+# ---------------------------------------------------------------------------------------- client side
+
+RETRIES = Counter("swarm_client_retries_total", "Steps of a session sent again to a server after a failure")
+FAILOVERS = Counter("swarm_client_failovers_total", "Servers of a session's chain replaced by others after a failure")
+
+# ---------------------------------------------------------------------------------------- server side
+
+SERVER_REGISTRY = CollectorRegistry()
+for _collector in (ProcessCollector, PlatformCollector, GCCollector):  # what the default registry would show
+    _collector(registry=SERVER_REGISTRY)
+
+SESSIONS = Gauge("swarm_server_open_sessions", "Inference sessions open on this server", registry=SERVER_REGISTRY)
+CACHE_TOKENS_USED = Gauge("swarm_server_cache_tokens_used", "Attention cache token slots reserved by open sessions",
+                          registry=SERVER_REGISTRY)
+CACHE_TOKENS_FREE = Gauge("swarm_server_cache_tokens_free", "Attention cache token slots free for new sessions",
+                          registry=SERVER_REGISTRY)
+BATCH_SIZE = Histogram("swarm_server_batch_size", "Sequences in one forward pass through the span",
+                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=SERVER_REGISTRY)
+STEP_SECONDS = Histogram(
+    "swarm_server_step_seconds", "Time of one forward pass through the span, queueing for the compute thread included",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    registry=SERVER_REGISTRY,
+)
+POSITIONS_SERVED = Counter("swarm_server_positions_served_total",
+                           "Positions run through inference sessions (re-sent ones included)", registry=SERVER_REGISTRY)
+
+
+def watch_cache(budget) -> None:
+    """Read the cache gauges from the server's budget at scrape time, so they are never stale."""
+    CACHE_TOKENS_FREE.set_function(lambda: budget.free)
+    CACHE_TOKENS_USED.set_function(lambda: budget.total - budget.free)
+
+
+def start_server_metrics(host: str, port: int):
+    """Serve the block server's registry as Prometheus text on http://host:port/metrics (a daemon thread).
+
+    Returns prometheus_client's HTTP server (call .shutdown() to stop it) and the address it serves."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=SERVER_REGISTRY)
+    bound_host, bound_port = server.server_address[:2]
+    return server, f"http://{bound_host}:{bound_port}/metrics"

@@ -1,0 +1,129 @@
+"""Fault tolerance on a real localhost swarm with two replicas of each span: servers die (kill -9) or stall
+(SIGSTOP) in the middle of a greedy generation, and every generation completes with the no-fault output."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from swarm.client import SwarmClient
+from swarm.local import LocalSwarm
+from swarm.model import InferenceSession, RemoteModel
+
+PREFIX = "chaos"
+NEW_TOKENS = 128
+SPANS = [(0, 2), (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def chaos_swarm(tiny_llama, tmp_path_factory):
+    swarm = LocalSwarm(str(tiny_llama), SPANS * 2, server_args=["--dht-prefix", PREFIX],
+                       log_dir=tmp_path_factory.mktemp("chaos-logs"))
+    with swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def model(chaos_swarm, tiny_llama):
+    # a short step timeout, so that a stalled server is noticed within seconds
+    remote = RemoteModel(tiny_llama, SwarmClient(chaos_swarm.initial_peers, step_timeout=1.5), str(tiny_llama), PREFIX)
+    yield remote
+    remote.close()
+
+
+PROMPT = [5, 17, 42, 99, 7, 250, 31]
+
+
+def greedy(model, on_step=lambda step, session: None) -> list[int]:
+    tokens = []
+    with model.session(max_length=len(PROMPT) + NEW_TOKENS) as session:
+        logits = session.step([PROMPT])
+        for step in range(NEW_TOKENS):
+            tokens.append(int(logits[0].argmax()))
+            on_step(step, session)
+            logits = session.step([[tokens[-1]]])
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[int]:
+    return greedy(model)
+
+
+def server_of(swarm, peer_id):
+    return next(server for server in swarm.servers if server.peer_id == peer_id)
+
+
+def replace_server(swarm, victim):
+    """Start a new server for the victim's span (it announces itself a few seconds later)."""
+    span = next(span for span in SPANS if f"blocks {span[0]}:{span[1]} " in victim.ready_line)
+    return swarm.add_server(["--blocks", f"{span[0]}:{span[1]}"], wait=False)
+
+
+def wait_ready(server):
+    if server.ready_line is None:
+        server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 120)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_generation_survives_faults_with_identical_output(chaos_swarm, model, reference, fault):
+    rounds = 10 if fault == "kill" else 4
+    replacements = {}  # hop index -> the server started to replace the last victim there
+    for round_ in range(rounds):
+        victims = []
+        if round_ % 2 in replacements:  # two live replicas of the span this round strikes
+            wait_ready(replacements.pop(round_ % 2))
+
+        def strike(step, session: InferenceSession):
+            if step == 7 + round_ * 11:  # a different step each round, on alternating hops of the chain
+                peer = session.remote.chain[round_ % 2].peer_id
+                victim = server_of(chaos_swarm, peer)
+                victim.process.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                victims.append(victim)
+
+        began = time.monotonic()
+        assert greedy(model, strike) == reference, f"round {round_}"
+        assert victims, "the fault was injected"
+        assert time.monotonic() - began < 60
+        for victim in victims:
+            if fault == "stall":
+                victim.process.send_signal(signal.SIGKILL)  # the stalled one leaves for good
+            victim.process.wait(10)
+            replacements[round_ % 2] = replace_server(chaos_swarm, victim)
+    for server in replacements.values():
+        wait_ready(server)
+
+
+def test_when_nothing_can_serve_the_span_the_error_names_the_blocks(tiny_llama, tmp_path):
+    from swarm.protocol import MissingBlocksError
+
+    with LocalSwarm(str(tiny_llama), SPANS, server_args=["--dht-prefix", "fragile"], log_dir=tmp_path) as swarm:
+        remote = RemoteModel(tiny_llama, SwarmClient(swarm.initial_peers, step_timeout=1.5, max_retries=2),
+                             str(tiny_llama), "fragile")
+        try:
+            with remote.session(max_length=16) as session:
+                session.step([PROMPT])
+                server_of(swarm, session.remote.chain[1].peer_id).process.send_signal(signal.SIGKILL)
+                with pytest.raises(MissingBlocksError, match=r"no server holds blocks 2\.\.3"):
+                    session.step([[1]])
+        finally:
+            remote.close()
+
+
+def test_a_dead_server_leaves_routing_quickly(tiny_swarm):
+    from config import SwarmSettings
+
+    assert 3 * SwarmSettings(cache_dir=".").announce_period <= 30  # the default: gone within 30 s
+    server = tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "mortal", "--announce-period", "2"])
+    client = SwarmClient(tiny_swarm.initial_peers)
+    try:
+        assert len(client.servers("mortal", 4)) == 1
+        server.process.send_signal(signal.SIGKILL)
+        began = time.monotonic()
+        while client.servers("mortal", 4) and time.monotonic() - began < 20:
+            time.sleep(0.5)
+        assert client.servers("mortal", 4) == [] and time.monotonic() - began <= 3 * 2 + 2
+    finally:
+        client.shutdown()
