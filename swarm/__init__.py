@@ -9,7 +9,8 @@ In data-flow order:
     dht.py       the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`
     rpc.py       the block server's RPC: handlers and client stubs over libp2p
     server.py    a block server; `python -m swarm.server`
-    routing.py   pure choices: the chain that serves a session, the span a new server takes
+    routing.py   pure choices: the chain that serves a session, the span a new server takes, when to move
+    placement.py a server's place in the swarm: claiming a span at start, moving to even the swarm out
     client.py    SwarmClient and RemoteSession: hidden states through a chain of servers
     model.py     RemoteModel: embeddings -> remote blocks -> norm -> LM head; session(max_length).step(ids)
     decoding.py  logits -> token (greedy, temperature, top-k, top-p), and a streaming detokenizer

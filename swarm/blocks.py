@@ -195,19 +195,26 @@ class BlockSpan(nn.Module):
         return hidden
 
 
-def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.float32) -> BlockSpan:
-    """Build blocks [start, end) from a Hugging Face folder, reading only their weights."""
+def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.float32,
+              reuse: Optional[BlockSpan] = None) -> BlockSpan:
+    """Build blocks [start, end) from a Hugging Face folder, reading only their weights; the layers of
+    `reuse` (a span this server held) that fall in the new range are kept, not read again."""
     config = load_config(folder)
     family = family_of(config)
     num_blocks = config.num_hidden_layers
     if not 0 <= start < end <= num_blocks:
         raise BadRequestError(f"blocks {start}:{end} are out of range: this model has blocks 0:{num_blocks}")
+    kept = {} if reuse is None else dict(zip(range(reuse.start, reuse.end), reuse.layers))
     layer_class, _, _ = family.classes()
-    prefixes = tuple(family.layer_key.format(index) for index in range(start, end))
-    tensors = load_tensors(folder, lambda name: name.startswith(prefixes))
+    prefixes = {index: family.layer_key.format(index) for index in range(start, end) if index not in kept}
+    tensors = load_tensors(folder, lambda name: name.startswith(tuple(prefixes.values())))
 
     layers = []
-    for index, prefix in zip(range(start, end), prefixes):
+    for index in range(start, end):
+        if index in kept:
+            layers.append(kept[index])
+            continue
+        prefix = prefixes[index]
         with torch.device("meta"):  # no throwaway random init: the checkpoint fills every parameter
             layer = layer_class(config, index)
         state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
@@ -215,4 +222,7 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
         layer.to(device=device, dtype=dtype)
         layer.attention_window = family.sliding_window(config, index)
         layers.append(layer.eval())
-    return BlockSpan(config, start, end, layers, family, loaded_names=sorted(tensors))
+    kept_prefixes = tuple(family.layer_key.format(index) for index in kept if start <= index < end)
+    kept_names = [name for name in (reuse.loaded_names if reuse else []) if name.startswith(kept_prefixes)] \
+        if kept_prefixes else []
+    return BlockSpan(config, start, end, layers, family, loaded_names=sorted([*tensors, *kept_names]))

@@ -105,16 +105,20 @@ async def fetch_all_servers(node, prefix: str, num_blocks: int) -> list[RemoteSe
     keys = [block_key(prefix, index) for index in range(num_blocks)]
     # latest=True in effect: a cached record may be stale (a server that left), so always ask the swarm
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    servers: dict[str, RemoteServer] = {}
+    latest: dict[str, tuple[float, RemoteServer]] = {}
     for key in keys:
         entry = found.get(key)
         if entry is None or not isinstance(entry.value, dict):
             continue
         for peer_id, record in entry.value.items():
             info = ServerInfo.from_wire(getattr(record, "value", None))
-            if info is not None and info.end <= num_blocks and isinstance(peer_id, str):
-                servers.setdefault(peer_id, RemoteServer(peer_id, info))  # the same record under each block
-    return list(servers.values())
+            if info is None or info.end > num_blocks or not isinstance(peer_id, str):
+                continue
+            # a server that moved left OFFLINE records under its old blocks: its newest record says where it is
+            expiration = getattr(record, "expiration_time", 0.0)
+            if peer_id not in latest or expiration > latest[peer_id][0]:
+                latest[peer_id] = (expiration, RemoteServer(peer_id, info))
+    return [server for _, server in latest.values()]
 
 
 # ------------------------------------------------------------------------------------------- process

@@ -87,12 +87,35 @@ def choose_chain(
 def choose_span(servers: Iterable[RemoteServer], num_blocks: int, span_length: int) -> tuple[int, int]:
     """The span of `span_length` blocks that the swarm serves least (fewest servers per block, summed)."""
     span_length = min(span_length, num_blocks)
-    servers_per_block = [0] * num_blocks
+    counts = servers_per_block(servers, num_blocks)
+    start = min(range(num_blocks - span_length + 1), key=lambda first: (sum(counts[first : first + span_length]), first))
+    return start, start + span_length
+
+
+def servers_per_block(servers: Iterable[RemoteServer], num_blocks: int) -> list[int]:
+    counts = [0] * num_blocks
     for server in servers:
         for index in range(server.info.start, min(server.info.end, num_blocks)):
-            servers_per_block[index] += 1
-    start = min(
-        range(num_blocks - span_length + 1),
-        key=lambda first: (sum(servers_per_block[first : first + span_length]), first),
-    )
-    return start, start + span_length
+            counts[index] += 1
+    return counts
+
+
+def span_to_move_to(others: list[RemoteServer], num_blocks: int, me: RemoteServer) -> Optional[tuple[int, int]]:
+    """Where a server should move to even out the swarm, or None to stay (`others`: every other live server).
+
+    Hysteresis, so that servers never flap: only a server whose every block another server also holds may
+    move, only toward a block nobody serves or one served by at least 2 fewer servers than its own weakest
+    block, and among servers sharing its span only the one with the greatest peer id moves at a time.
+    """
+    start, end = me.info.start, me.info.end
+    counts = servers_per_block(others, num_blocks)
+    if min(counts[start:end]) < 1:
+        return None  # it is the only server of some of its blocks
+    if any(server.info.start == start and server.info.end == end and server.peer_id > me.peer_id
+           for server in others):
+        return None  # a twin with a greater peer id moves first; this one stays
+    target = choose_span(others, num_blocks, end - start)
+    if target == (start, end):
+        return None
+    weakest_target, weakest_mine = min(counts[target[0]:target[1]]), min(counts[start:end])
+    return target if weakest_target == 0 or weakest_mine - weakest_target >= 2 else None

@@ -27,6 +27,7 @@ from swarm.protocol import (
     BadRequestError,
     ServerInfo,
     ServerState,
+    ServerUnavailableError,
     SessionLengthError,
 )
 
@@ -44,6 +45,13 @@ class Backend:
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
+        self.sessions: set[ServerSession] = set()
+
+    def move_to(self, span: BlockSpan) -> None:
+        """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
+        for session in list(self.sessions):
+            session.evicted = True
+        self.span = span
 
     def info(self) -> dict:
         return {
@@ -112,9 +120,13 @@ class ServerSession:
         self.caches = backend.span.new_cache(start, end, batch_size, max_length)
         self.length = 0  # positions filled in the cache
         self._closed = False
+        self.evicted = False  # the server moved to other blocks: the client must go elsewhere
+        backend.sessions.add(self)
         metrics.SESSIONS.inc()
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        if self.evicted:
+            raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
         hidden = self.backend.check_hidden_states(tensors, self.batch_size)
         # a position below the current length rewinds the session (regenerate, or a replay after failover)
         position = _int_field(metadata, "position", 0, self.length)
@@ -134,6 +146,7 @@ class ServerSession:
             self._closed = True
             self.caches = None
             self.backend.budget.release(self.max_length * self.batch_size)
+            self.backend.sessions.discard(self)
             metrics.SESSIONS.dec()
 
 
@@ -163,8 +176,8 @@ def measure_throughput(span: BlockSpan, repeats: int = 5) -> float:
 async def serve(args) -> None:
     from swarm import dht
     from swarm.blocks import load_span
+    from swarm import placement
     from swarm.protocol import dht_prefix
-    from swarm.routing import choose_span
     from swarm.rpc import BlockService
     from swarm.weights import load_config, resolve_model
 
@@ -181,7 +194,7 @@ async def serve(args) -> None:
         if args.blocks is not None:
             start, end = args.blocks
         else:
-            start, end = choose_span(await dht.fetch_servers(node, prefix, num_blocks), num_blocks, args.num_blocks)
+            start, end = await placement.claim_span(node, prefix, num_blocks, args.num_blocks, args.announce_period)
 
         async def load():
             # off the event loop, so that the DHT node keeps answering its peers while weights load
@@ -208,11 +221,31 @@ async def serve(args) -> None:
         stop = asyncio.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        next_check, advice = time.monotonic() + args.rebalance_period, None
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), args.announce_period)
+                continue
             except asyncio.TimeoutError:
                 await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+            if not args.rebalance_period or time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + args.rebalance_period
+            target = await placement.advised_move(node, prefix, num_blocks, record(ServerState.ONLINE))
+            if target is None or target != advice:  # move only on the same advice twice in a row
+                advice = target
+                continue
+            old = record(ServerState.OFFLINE)
+            logger.info("moving from blocks %d:%d to %d:%d to even out the swarm", start, end, *target)
+            span = await asyncio.to_thread(load_span, folder, *target, device=args.device, dtype=args.dtype,
+                                           reuse=backend.span)
+            backend.move_to(span)
+            start, end = target
+            throughput = await asyncio.to_thread(measure_throughput, span)
+            await dht.announce(node, prefix, old, expiration=3 * args.announce_period)  # leave the old blocks
+            await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+            print(f"moved: blocks {start}:{end} of {prefix}", flush=True)
+            advice = None
         # withdraw at once: clients stop routing new sessions here. The DHT keeps whichever record expires
         # last, so the OFFLINE one must outlive the ONLINE one it replaces.
         withdrawal = dht.announce(node, prefix, record(ServerState.OFFLINE), expiration=3 * args.announce_period)
@@ -271,6 +304,9 @@ def parse_args(argv=None):
     parser.add_argument("--cache-tokens", type=int, default=settings.cache_tokens, help="attention cache budget")
     parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
     parser.add_argument("--announce-period", type=float, default=settings.announce_period)
+    parser.add_argument("--rebalance-period", type=float,
+                        help="every this many seconds, consider moving to a span the swarm serves less "
+                             "(default: 6 announce periods with --num-blocks, off with --blocks; 0: off)")
     parser.add_argument("--threads", type=int, help="torch threads for compute (default: torch's choice)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
@@ -280,6 +316,10 @@ def parse_args(argv=None):
         parser.error("--num-blocks must be at least 1")
     if args.cache_tokens < 1:
         parser.error("--cache-tokens must be at least 1")
+    if args.rebalance_period is None:
+        args.rebalance_period = 6 * args.announce_period if args.num_blocks else 0.0
+    if args.rebalance_period < 0 or args.announce_period <= 0:
+        parser.error("--announce-period must be positive and --rebalance-period not negative")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be a TCP port (0 for off), got {args.metrics_port}")
     if not args.initial_peers:

@@ -70,3 +70,14 @@ def test_unsupported_family(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(UnknownModelError, match="'gpt2' is not supported"):
         load_span(tmp_path, 0, 1)
+
+
+def test_moving_a_span_keeps_the_overlap_and_reads_only_new_blocks(family_model):
+    folder, model = family_model
+    old = load_span(folder, 0, 2)
+    moved = load_span(folder, 1, 4, reuse=old)
+    assert moved.layers[0] is old.layers[1]  # block 1 kept, not read again
+    held = {int(name.split(".")[2]) for name in moved.loaded_names}
+    assert held == {1, 2, 3}
+    states = hidden_states(model, torch.randint(0, model.config.vocab_size, (1, 6)))
+    torch.testing.assert_close(moved(states[1], start=1, end=3), states[3], atol=1e-4, rtol=1e-5)

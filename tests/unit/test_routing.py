@@ -69,3 +69,16 @@ def test_load_and_free_cache_steer_new_sessions():
     full = RemoteServer("full", ServerInfo(ServerState.ONLINE, 0, 10, 100.0, 5))
     assert choose_chain([full, server("roomy", 0, 10)], 10, "m", min_cache_tokens=64) == [ChainLink("roomy", 0, 10)]
     assert choose_chain([full], 10, "m", min_cache_tokens=64) == [ChainLink("full", 0, 10)]  # the only choice
+
+
+def test_only_a_redundant_server_moves_and_only_toward_a_gap():
+    from swarm.routing import span_to_move_to
+
+    me, twin = server("b", 0, 2), server("a", 0, 2)
+    assert span_to_move_to([twin], 4, me) == (2, 4)  # redundant, and blocks 2..3 have nobody
+    assert span_to_move_to([server("c", 0, 2)], 4, me) is None  # the twin "c" > "b" moves first
+    assert span_to_move_to([], 4, me) is None  # the only server of its blocks stays
+    assert span_to_move_to([twin, server("c", 2, 4)], 4, me) is None  # balanced: stays
+    crowded = [twin, server("x", 0, 2), server("y", 0, 2), server("z", 2, 4)]
+    assert span_to_move_to(crowded, 4, server("zz", 0, 2)) == (2, 4)  # 3 others on its blocks vs 1 there
+    assert span_to_move_to(crowded[:2] + crowded[3:], 4, server("zz", 0, 2)) is None  # 2 vs 1: within hysteresis

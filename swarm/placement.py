@@ -1,0 +1,53 @@
+"""Where a block server sits in the swarm: the span it claims when it starts with --num-blocks, and when it
+should move to a span the swarm serves less (with hysteresis: see routing.span_to_move_to)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Optional
+
+from swarm import dht
+from swarm.protocol import RemoteServer, ServerInfo, ServerState
+from swarm.routing import choose_span, span_to_move_to
+
+logger = logging.getLogger(__name__)
+
+CLAIM_ROUNDS = 3
+
+
+async def live_others(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
+    """Every other server that serves or is about to serve some blocks (online or joining)."""
+    me = dht.peer_id_of(node)
+    servers = await dht.fetch_all_servers(node, prefix, num_blocks)
+    return [server for server in servers if server.peer_id != me and server.info.state != ServerState.OFFLINE]
+
+
+async def claim_span(node, prefix: str, num_blocks: int, length: int, period: float) -> tuple[int, int]:
+    """The least-served span of `length` blocks, announced as JOINING before the weights load.
+
+    Servers started at the same moment would all see the same empty swarm and pick the same span: each
+    announces its pick, waits a random moment, and yields the span to a rival with a smaller peer id.
+    """
+    me = dht.peer_id_of(node)
+    await asyncio.sleep(random.uniform(0.0, 1.0))
+    for _ in range(CLAIM_ROUNDS):
+        start, end = choose_span(await live_others(node, prefix, num_blocks), num_blocks, length)
+        await dht.announce(node, prefix, ServerInfo(ServerState.JOINING, start, end, 0.0, 0), 3 * period)
+        await asyncio.sleep(random.uniform(0.5, 1.5))
+        rivals = [
+            server for server in await live_others(node, prefix, num_blocks)
+            if server.info.state == ServerState.JOINING and server.peer_id < me
+            and server.info.start < end and start < server.info.end
+        ]
+        if not rivals:
+            break
+        logger.info("blocks %d:%d are being claimed by %s too; choosing again", start, end, rivals[0].peer_id)
+    return start, end
+
+
+async def advised_move(node, prefix: str, num_blocks: int, me: ServerInfo) -> Optional[tuple[int, int]]:
+    """The span this server should move to now, or None."""
+    others = await live_others(node, prefix, num_blocks)
+    return span_to_move_to(others, num_blocks, RemoteServer(dht.peer_id_of(node), me))
