@@ -30,7 +30,6 @@ create_app() is cheap: the engine connects to the swarm on the first request tha
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 

@@ -16,15 +16,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
-from gateway.errors import BadRequest, LengthExceeded, NotFound
+from gateway.errors import BadRequest, LengthExceeded, NotFound, from_exception
 from gateway.metrics import TokenTimer
 from gateway.sampling import Sampler, SamplingParams
 from gateway.stats import EngineStats, RequestStats
 from gateway.sessions import SessionRegistry
 from gateway.text import StopMatcher
+from swarm.protocol import dht_prefix
 
 logger = logging.getLogger(__name__)
 
+CATALOGUE_SECONDS = 5.0  # how long the swarm's model catalogue is trusted before asking again
 DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
 
 
@@ -125,17 +127,66 @@ class Engine:
         self._connect = connect or self._connect_to_swarm
         self._models: dict[str, ServedModel] = {}
         self._models_lock = threading.Lock()
+        self._client = None  # one swarm client (a DHT node) for every model of this process
+        self._client_lock = threading.Lock()
+        self._catalogue: tuple[float, list[ModelConfig]] = (0.0, [])
         self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout)
         self.stats = EngineStats()
 
     # ----------------------------------------------------------------------------------- models
 
     def model_config(self, name: Optional[str]) -> ModelConfig:
+        """A configured model, else one the swarm's catalogue announces."""
         config = self.settings.gateway.model(name)
         if config is None:
-            served = ", ".join(model.name for model in self.settings.gateway.models)
+            config = next((model for model in self.discovered_models() if model.name == name), None)
+        if config is None:
+            served = ", ".join(model.name for model in (*self.settings.gateway.models, *self.discovered_models()))
             raise NotFound(f"unknown model {name!r}; served models: {served}", field="model")
         return config
+
+    def discovered_models(self) -> list[ModelConfig]:
+        """Models the swarm's servers announce that config.py does not name (refreshed every few seconds)."""
+        from swarm import dht
+
+        fetched_at, models = self._catalogue
+        if time.monotonic() - fetched_at < CATALOGUE_SECONDS or self._connect != self._connect_to_swarm:
+            return models
+        client = self.swarm_client()
+        configured = self.settings.gateway.models
+        known = {model.name for model in configured} | {model.dht_prefix or dht_prefix(model.path) for model in configured}
+        try:
+            records = client.loop.run(dht.fetch_catalogue(client.node), timeout=10)
+        except Exception:  # the catalogue is a convenience: the configured models are served regardless
+            logger.warning("could not read the swarm's model catalogue", exc_info=True)
+            records = []
+        models = [ModelConfig(name=record.name, path=record.source, dht_prefix=record.prefix)
+                  for record in records if record.name not in known and record.prefix not in known]
+        self._catalogue = (time.monotonic(), models)
+        return models
+
+    def listed_models(self) -> list[dict]:
+        """Every configured model (with whether the swarm covers it), and every discovered one it covers."""
+        listed = []
+        for config, configured in [(model, True) for model in self.settings.gateway.models] + \
+                                  [(model, False) for model in self.discovered_models()]:
+            entry = {"name": config.name, "max_session_length": config.max_session_length,
+                     "source": "config" if configured else "swarm"}
+            try:
+                entry.update(self.coverage(config.name))
+            except Exception as error:  # one unreachable model must not hide the others
+                entry.update(covered=False, error=from_exception(error).message)
+            if configured or entry["covered"]:
+                listed.append(entry)
+        return listed
+
+    def swarm_client(self):
+        with self._client_lock:
+            if self._client is None:
+                from swarm.client import SwarmClient
+
+                self._client = SwarmClient(self.settings.swarm.initial_peers)
+            return self._client
 
     def model(self, name: Optional[str]) -> ServedModel:
         config = self.model_config(name)
@@ -146,10 +197,11 @@ class Engine:
 
     def _connect_to_swarm(self, config: ModelConfig):
         from swarm.model import RemoteModel
+        from swarm.weights import resolve_model
 
-        swarm = self.settings.swarm
-        return RemoteModel.from_pretrained(config.path, swarm.initial_peers, swarm.cache_dir, config.dht_prefix,
-                                           name=config.name)  # errors name the model as clients know it
+        folder = resolve_model(config.path, self.settings.swarm.cache_dir)
+        prefix = config.dht_prefix or dht_prefix(config.path)  # as servers derive it from their --model
+        return RemoteModel(folder, self.swarm_client(), config.name, prefix)  # errors name it as clients do
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it."""

@@ -126,15 +126,7 @@ def close_inference_session():
 @blueprint.get("/api/v1/models")
 def models():
     engine = get_engine()
-    listed = []
-    for config in engine.settings.gateway.models:
-        entry = {"name": config.name, "max_session_length": config.max_session_length}
-        try:
-            entry.update(engine.coverage(config.name))
-        except Exception as error:  # one unreachable model must not hide the others
-            entry.update(covered=False, error=from_exception(error).message)
-        listed.append(entry)
-    return jsonify(ok=True, default_model=engine.settings.gateway.default_model.name, models=listed)
+    return jsonify(ok=True, default_model=engine.settings.gateway.default_model.name, models=engine.listed_models())
 
 
 @blueprint.get("/health")

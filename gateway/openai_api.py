@@ -30,7 +30,6 @@ from gateway.schemas import (
     parse,
 )
 from gateway.sse import event_stream
-from gateway.stats import RequestStats
 
 logger = logging.getLogger(__name__)
 blueprint = Blueprint("openai", __name__)
@@ -284,9 +283,8 @@ def completions():
 
 @blueprint.get("/models")
 def models():
-    engine = get_engine()
-    data = [{"id": config.name, "object": "model", "created": 0, "owned_by": "swarm",
-             "max_model_len": config.max_session_length} for config in engine.settings.gateway.models]
+    data = [{"id": model["name"], "object": "model", "created": 0, "owned_by": "swarm",
+             "max_model_len": model["max_session_length"]} for model in get_engine().listed_models()]
     return jsonify(object="list", data=data)
 
 

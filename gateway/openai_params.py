@@ -4,7 +4,6 @@ SamplingParams, a token budget, stop sequences and stop tokens, and a grammar fo
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 from config import GenerationDefaults
 from gateway.errors import BadRequest

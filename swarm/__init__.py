@@ -15,6 +15,7 @@ In data-flow order:
     model.py     RemoteModel: embeddings -> remote blocks -> norm -> LM head; session(max_length).step(ids)
     decoding.py  logits -> token (greedy, temperature, top-k, top-p), and a streaming detokenizer
     generate.py  `python -m swarm.generate`, an operator's quick check
+    models.py    `python -m swarm.models`, the catalogue of models the swarm serves
     local.py     LocalSwarm: a bootstrap peer and block servers as child processes on this machine
     metrics.py   Prometheus metrics: the client's retries and failovers, a block server's load (--metrics-port)
     cli.py       what the command-line tools share: one-line errors, never a traceback

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Iterable, Optional
 
-from swarm.protocol import RemoteServer, ServerInfo, ServerState, block_key
+from swarm.protocol import CATALOGUE_KEY, ModelRecord, RemoteServer, ServerInfo, ServerState, block_key
 
 
 class EventLoop:
@@ -91,6 +91,22 @@ async def announce(node, prefix: str, info: ServerInfo, expiration: float) -> No
         expiration_time=get_dht_time() + expiration,
         subkeys=[peer_id_of(node)] * len(keys),
     )
+
+
+async def announce_model(node, record: ModelRecord, expiration: float) -> None:
+    """Add the model to the swarm's catalogue (every server of the model writes the same entry)."""
+    from hivemind.utils import get_dht_time
+
+    await node.store(CATALOGUE_KEY, record.to_wire(), get_dht_time() + expiration, subkey=record.prefix)
+
+
+async def fetch_catalogue(node) -> list[ModelRecord]:
+    """Every model that servers announce, by prefix."""
+    entry = await node.get(CATALOGUE_KEY, latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return []
+    records = (ModelRecord.from_wire(getattr(item, "value", None)) for item in entry.value.values())
+    return sorted((record for record in records if record is not None), key=lambda record: record.name)
 
 
 async def fetch_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer]:

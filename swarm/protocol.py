@@ -2,7 +2,9 @@
 
 DHT layout: one key per transformer block, ``"{prefix}.{index}"``; each server that holds the block stores
 its ServerInfo under that key with its own peer id (base58) as the subkey, so servers never overwrite
-each other and a lookup of N keys returns every server of every block.
+each other and a lookup of N keys returns every server of every block. The catalogue, one more key
+(CATALOGUE_KEY), holds a ModelRecord per model prefix: what a client needs to serve a model it was not
+configured with.
 
 Errors (every one a SwarmError, each with a stable ``code`` that crosses the wire)::
 
@@ -119,6 +121,31 @@ class ServerInfo:
         except (KeyError, TypeError, ValueError):
             return None
         return info if 0 <= info.start < info.end else None
+
+
+CATALOGUE_KEY = "_swarm.models"
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """A model some servers serve: its name, DHT prefix, number of blocks, and where its client-side weights
+    come from (a known model name, or a Hugging Face folder path on the servers' machines)."""
+
+    name: str
+    prefix: str
+    num_blocks: int
+    source: str
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, value) -> "ModelRecord | None":
+        try:
+            record = cls(str(value["name"]), str(value["prefix"]), int(value["num_blocks"]), str(value["source"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return record if record.num_blocks > 0 and record.prefix else None
 
 
 @dataclass(frozen=True)

@@ -177,9 +177,9 @@ async def serve(args) -> None:
     from swarm import dht
     from swarm.blocks import load_span
     from swarm import placement
-    from swarm.protocol import dht_prefix
+    from swarm.protocol import ModelRecord, dht_prefix
     from swarm.rpc import BlockService
-    from swarm.weights import load_config, resolve_model
+    from swarm.weights import KNOWN_MODELS, load_config, resolve_model
 
     folder = resolve_model(args.model, args.cache_dir)
     num_blocks = load_config(folder).num_hidden_layers
@@ -211,7 +211,13 @@ async def serve(args) -> None:
         def record(state: ServerState) -> ServerInfo:
             return ServerInfo(state, start, end, throughput, backend.budget.free)
 
-        await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+        model = ModelRecord(args.model if args.model in KNOWN_MODELS else folder.name, prefix, num_blocks, args.model)
+
+        async def announce_online():
+            await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+            await dht.announce_model(node, model, expiration=3 * args.announce_period)
+
+        await announce_online()
         print(
             f"ready: blocks {start}:{end} of {prefix} as peer {dht.peer_id_of(node)}, "
             f"{str(span.dtype).removeprefix('torch.')} on {span.device}, {throughput:.1f} tokens/s, "
@@ -227,7 +233,7 @@ async def serve(args) -> None:
                 await asyncio.wait_for(stop.wait(), args.announce_period)
                 continue
             except asyncio.TimeoutError:
-                await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
+                await announce_online()
             if not args.rebalance_period or time.monotonic() < next_check:
                 continue
             next_check = time.monotonic() + args.rebalance_period

@@ -39,33 +39,58 @@ def build_tokenizer(vocab_size: int = 512):
     )
 
 
-def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 4, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight causal LM of `model_type` with `num_layers` blocks, and a tokenizer, into folder."""
+def build_tiny_model(
+    folder: Path, model_type: str = "llama", num_layers: int = 4, seed: int = 0, perturb_vectors: bool | None = None,
+    **overrides,
+) -> Path:
+    """Save a random-weight causal LM of `model_type` with `num_layers` blocks, and a tokenizer, into folder.
+
+    `perturb_vectors` also randomizes the 1-D parameters (norm weights, biases), which the default init leaves at
+    ones and zeros, so that a test exercises them; by default only for GPT-2 and BLOOM (Llama stays as it was)."""
     import torch
     import transformers
 
     tokenizer = build_tokenizer()
     config = transformers.AutoConfig.for_model(
         model_type,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **_shape_arguments(model_type, num_layers),
         vocab_size=len(tokenizer),
-        max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        **overrides,
+        **{**_tying_arguments(model_type), **overrides},
     )
+    if perturb_vectors is None:
+        perturb_vectors = model_type in ("gpt2", "bloom")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so that greedy choices are not all alike
         for parameter in model.parameters():
             if parameter.ndim == 2:
                 parameter.normal_(0.0, 0.2)
+            elif perturb_vectors:
+                parameter.add_(torch.randn_like(parameter), alpha=0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _shape_arguments(model_type: str, num_layers: int) -> dict:
+    """The tiny shape in each family's own argument names (hidden 64, 4 heads; 2 KV heads where there are any)."""
+    if model_type == "gpt2":  # learned absolute positions: n_positions rows of them
+        return dict(n_embd=64, n_inner=128, n_layer=num_layers, n_head=4, n_positions=2048)
+    if model_type == "bloom":  # ALiBi: no position limit, no KV-head grouping, a 4x MLP
+        return dict(hidden_size=64, n_layer=num_layers, n_head=4)
+    return dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+
+
+def _tying_arguments(model_type: str) -> dict:
+    """GPT-2 and BLOOM checkpoints tie the LM head to the token embeddings; the Llama-style ones here do not."""
+    return {"tie_word_embeddings": model_type in ("gpt2", "bloom")}

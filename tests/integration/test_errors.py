@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from conftest import TINY_PREFIX
 from swarm.model import RemoteModel
-from swarm.protocol import BadRequestError, CacheFullError, MissingBlocksError, ServerState, SessionLengthError
+from swarm.protocol import BadRequestError, CacheFullError, MissingBlocksError, SessionLengthError
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
 """Fault tolerance on a real localhost swarm with two replicas of each span: servers die (kill -9) or stall
 (SIGSTOP) in the middle of a greedy generation, and every generation completes with the no-fault output."""
 
-import os
 import signal
 import time
 
 import pytest
-import torch
 
 from swarm.client import SwarmClient
 from swarm.local import LocalSwarm
