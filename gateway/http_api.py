@@ -86,6 +86,7 @@ def generate():
                 raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
             return _generate(engine, session, fields)
 
+    # no session: one just big enough for this request, closed when it is answered
     config = engine.model_config(fields.model)
     request_ = generation_request(fields, config, engine.limits.max_new_tokens, streaming=False)
     prompt_length = len(engine.model(config.name).encode(fields.inputs or "", at_start=True))
@@ -93,13 +94,13 @@ def generate():
     session = engine.open_session(config.name, max(max_length, 1), expires=True)
     try:
         with engine.sessions.use(session.id):
-            return _generate(engine, session, fields)
+            return _generate(engine, session, fields, request_)
     finally:
         engine.close_session(session)
 
 
-def _generate(engine: Engine, session, fields: HttpGenerate):
-    request_ = generation_request(fields, session.model.config, engine.limits.max_new_tokens, streaming=False)
+def _generate(engine: Engine, session, fields: HttpGenerate, request_: GenerationRequest | None = None):
+    request_ = request_ or generation_request(fields, session.model.config, engine.limits.max_new_tokens, False)
     outputs, token_count = [], 0
     for delta in engine.generate(session, request_):
         outputs.append(delta.text)

@@ -1,9 +1,11 @@
 """Transformer blocks: load a span of decoder layers, and run it over new positions with an attention cache.
 
 Every quirk of a model family lives in this module, in its entry of FAMILIES: which transformers classes
-hold the parameters, where the weights sit in the checkpoint, and how a layer runs. The layer's parameters
-stay in transformers' own modules (projections, MLP, norms: stable for years); the attention itself is ours,
-so that the cache is written in place and attention goes through torch's scaled_dot_product_attention.
+hold the parameters, where the weights sit in the checkpoint, how positions reach the layers (rotary
+cos/sin, an ALiBi bias, or learned embeddings added at the client), how a layer runs, and what the client
+holds (embeddings, final norm, LM head). The layer's parameters stay in transformers' own modules
+(projections, MLP, norms: stable for years); the attention itself is ours, so that the cache is written in
+place and attention goes through torch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -17,40 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.protocol import BadRequestError, UnknownModelError
+from swarm.protocol import BadRequestError, SessionLengthError, UnknownModelError
 from swarm.weights import load_config, load_tensors
-
-
-# ------------------------------------------------------------------------------------------- families
-
-
-@dataclass(frozen=True)
-class Family:
-    module: str  # transformers.models.<module>.modeling_<module>
-    prefix: str  # class-name prefix in that module: LlamaDecoderLayer, LlamaRMSNorm, ...
-    layer_forward: Callable  # (layer, hidden, shared: SharedInputs, cache: LayerCache | None) -> hidden
-    sliding_window: Callable  # (config, layer_index) -> int | None
-    layer_key: str = "model.layers.{}."
-    embed_key: str = "model.embed_tokens.weight"
-    norm_key: str = "model.norm.weight"
-    lm_head_key: str = "lm_head.weight"
-
-    def classes(self):
-        """(decoder layer, rotary embedding, final norm) classes, imported only when a span is built."""
-        modeling = importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
-        return tuple(getattr(modeling, self.prefix + suffix) for suffix in ("DecoderLayer", "RotaryEmbedding", "RMSNorm"))
-
-
-def _no_window(config, layer_index: int) -> Optional[int]:
-    return None
-
-
-def _window_by_layer_type(config, layer_index: int) -> Optional[int]:
-    """Qwen2 and Mistral name their sliding-window layers in config.layer_types (Mistral: all, when set)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return config.sliding_window if layer_types[layer_index] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)
 
 
 # ------------------------------------------------------------------------------------------- the cache
@@ -72,20 +42,25 @@ class LayerCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 
+# ------------------------------------------------------------------------------- what every layer shares
+
+
 @dataclass
 class SharedInputs:
-    """Computed once per forward and passed to every layer, as transformers does."""
+    """Computed once per forward by the family's `shared_inputs` and passed to every layer, as transformers does."""
 
     position: int  # absolute position of the first new token
     length: int  # number of new tokens
-    cos: torch.Tensor  # (1, length, head_dim)
-    sin: torch.Tensor
-    masks: dict  # sliding window (or None) -> boolean mask (length, position + length), or None if causal is enough
+    # attention window (None: full) -> what scaled_dot_product_attention gets as attn_mask: None when is_causal
+    # is enough, a boolean (length, position + length) mask, or an additive float bias (ALiBi, with the causal
+    # mask folded in as -inf) of shape (1, heads, length, position + length)
+    masks: dict
+    cos: Optional[torch.Tensor] = None  # rotary families only: (1, length, head_dim)
+    sin: Optional[torch.Tensor] = None
 
 
-def _attention_mask(position: int, length: int, window: Optional[int], device) -> Optional[torch.Tensor]:
-    if window is None and (length == 1 or position == 0):
-        return None  # a single query sees everything; a fresh prompt is plainly causal
+def _causal_mask(position: int, length: int, window: Optional[int], device) -> torch.Tensor:
+    """Which keys (absolute positions 0..position+length) each new query may see: (length, position + length)."""
     queries = torch.arange(position, position + length, device=device)[:, None]
     keys = torch.arange(position + length, device=device)[None, :]
     mask = keys <= queries
@@ -94,38 +69,263 @@ def _attention_mask(position: int, length: int, window: Optional[int], device) -
     return mask
 
 
+def _attention_mask(position: int, length: int, window: Optional[int], device) -> Optional[torch.Tensor]:
+    if window is None and (length == 1 or position == 0):
+        return None  # a single query sees everything; a fresh prompt is plainly causal
+    return _causal_mask(position, length, window, device)
+
+
+def _masks(position: int, length: int, windows: set, device) -> dict:
+    return {window: _attention_mask(position, length, window, device) for window in windows}
+
+
+def rotary_state(family: "Family", config, device):
+    """Transformers' own rotary embedding of the family (it knows every rope_scaling variant)."""
+    rotary_class = getattr(family.modeling(), family.prefix + "RotaryEmbedding")
+    return rotary_class(config=config).to(device)
+
+
+def rotary_inputs(rotary, hidden: torch.Tensor, position: int, windows: set) -> SharedInputs:
+    length = hidden.shape[1]
+    position_ids = torch.arange(position, position + length, device=hidden.device)[None, :]
+    cos, sin = rotary(hidden, position_ids)
+    return SharedInputs(position, length, _masks(position, length, windows, hidden.device), cos=cos, sin=sin)
+
+
+def alibi_state(family: "Family", config, device) -> torch.Tensor:
+    """ALiBi's per-head slopes (float32, as transformers computes them)."""
+    return family.modeling()._get_alibi_slopes(config.num_attention_heads, torch.device(device))
+
+
+def alibi_inputs(slopes: torch.Tensor, hidden: torch.Tensor, position: int, windows: set) -> SharedInputs:
+    """ALiBi: a bias of slope * key position over the absolute key positions 0..position+length (softmax is
+    invariant to the per-query shift that the paper's relative form adds), so it holds with a cache."""
+    length, device = hidden.shape[1], hidden.device
+    alibi = slopes[:, None, None] * torch.arange(position + length, device=device)  # (heads, 1, keys), float32
+    alibi = alibi.to(hidden.dtype)  # transformers casts it before adding it to the scores
+    masks = {}
+    for window in windows:
+        allowed = _causal_mask(position, length, window, device)  # (length, keys)
+        masks[window] = alibi.masked_fill(~allowed, float("-inf"))[None]  # (1, heads, length, keys)
+    return SharedInputs(position, length, masks)
+
+
+def no_position_state(family: "Family", config, device) -> None:
+    return None
+
+
+def causal_inputs(_state, hidden: torch.Tensor, position: int, windows: set) -> SharedInputs:
+    """Positions already in the hidden states (learned embeddings added at the client): only the mask."""
+    length = hidden.shape[1]
+    return SharedInputs(position, length, _masks(position, length, windows, hidden.device))
+
+
+def _attend(queries, keys, values, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """(batch, heads, new, head_dim) queries over (batch, kv_heads, all, head_dim) keys/values."""
+    return F.scaled_dot_product_attention(
+        queries, keys, values,
+        attn_mask=mask,
+        is_causal=mask is None and queries.shape[2] > 1,
+        scale=scale,
+        enable_gqa=True,
+    )
+
+
+def _heads(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(batch, length, heads * head_dim) -> (batch, heads, length, head_dim)."""
+    batch, length, _ = projected.shape
+    return projected.view(batch, length, -1, head_dim).transpose(1, 2)
+
+
+def _merge_heads(attended: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, length, head_dim) -> (batch, length, heads * head_dim)."""
+    batch, _, length, _ = attended.shape
+    return attended.transpose(1, 2).reshape(batch, length, -1)
+
+
+# -------------------------------------------------------------------------------------- layer forwards
+
+
 def llama_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache: Optional[LayerCache]):
     """Pre-norm decoder layer with rotary positions and grouped-query attention (Llama, Mistral, Qwen2)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     attention = layer.self_attn
-    batch, length, _ = hidden.shape  # (batch, new positions, hidden)
     head_dim = attention.head_dim
 
     normed = layer.input_layernorm(hidden)
-    queries = attention.q_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)  # (b, heads, s, hd)
-    keys = attention.k_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)  # (b, kv_heads, s, hd)
-    values = attention.v_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
+    queries = _heads(attention.q_proj(normed), head_dim)  # (b, heads, s, hd)
+    keys = _heads(attention.k_proj(normed), head_dim)  # (b, kv_heads, s, hd)
+    values = _heads(attention.v_proj(normed), head_dim)
     queries, keys = apply_rotary_pos_emb(queries, keys, shared.cos, shared.sin)
     if cache is not None:
         keys, values = cache.write(shared.position, keys, values)
 
-    mask = shared.masks[layer.attention_window]
-    attended = F.scaled_dot_product_attention(
-        queries, keys, values,
-        attn_mask=mask,
-        is_causal=mask is None and length > 1,
-        scale=attention.scaling,
-        enable_gqa=True,
-    )  # (b, heads, s, hd)
-    hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
+    attended = _attend(queries, keys, values, shared.masks[layer.attention_window], attention.scaling)
+    hidden = hidden + attention.o_proj(_merge_heads(attended))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
+def bloom_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache: Optional[LayerCache]):
+    """BLOOM: LayerNorms, a fused query_key_value laid out head by head (q, k, v of head 0, then of head 1, ...),
+    ALiBi in the attention bias, and optionally the residual taken after the norm."""
+    attention = layer.self_attention
+    batch, length, _ = hidden.shape
+    post_norm_residual = layer.apply_residual_connection_post_layernorm
+
+    normed = layer.input_layernorm(hidden)
+    residual = normed if post_norm_residual else hidden
+    fused = attention.query_key_value(normed).view(batch, length, attention.num_heads, 3, attention.head_dim)
+    queries, keys, values = (fused[..., index, :].transpose(1, 2) for index in range(3))  # (b, heads, s, hd)
+    if cache is not None:
+        keys, values = cache.write(shared.position, keys, values)
+
+    attended = _attend(queries, keys, values, shared.masks[layer.attention_window], attention.inv_norm_factor)
+    hidden = residual + attention.dense(_merge_heads(attended))
+
+    normed = layer.post_attention_layernorm(hidden)
+    return layer.mlp(normed, normed if post_norm_residual else hidden)  # BloomMLP adds its residual itself
+
+
+def gpt2_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache: Optional[LayerCache]):
+    """GPT-2: LayerNorms ln_1/ln_2, Conv1D projections (c_attn fused as [q | k | v]), no positions in the layer."""
+    attention = layer.attn
+    head_dim = attention.head_dim
+
+    queries, keys, values = attention.c_attn(layer.ln_1(hidden)).split(attention.split_size, dim=2)
+    queries, keys, values = _heads(queries, head_dim), _heads(keys, head_dim), _heads(values, head_dim)
+    if cache is not None:
+        keys, values = cache.write(shared.position, keys, values)
+
+    attended = _attend(queries, keys, values, shared.masks[layer.attention_window], attention.scaling)
+    hidden = hidden + attention.c_proj(_merge_heads(attended))
+    return hidden + layer.mlp(layer.ln_2(hidden))
+
+
+def _no_window(config, layer_index: int) -> Optional[int]:
+    return None
+
+
+def _window_by_layer_type(config, layer_index: int) -> Optional[int]:
+    """Qwen2 and Mistral name their sliding-window layers in config.layer_types (Mistral: all, when set)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return config.sliding_window if layer_types[layer_index] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+def _llama_cache_shape(config, layer) -> tuple[int, int]:
+    return config.num_key_value_heads, layer.self_attn.head_dim
+
+
+def _bloom_cache_shape(config, layer) -> tuple[int, int]:
+    return layer.self_attention.num_heads, layer.self_attention.head_dim
+
+
+def _gpt2_cache_shape(config, layer) -> tuple[int, int]:
+    return layer.attn.num_heads, layer.attn.head_dim
+
+
+# ------------------------------------------------------------------------------------------- families
+
+
+def _rms_norm(family: "Family", config) -> nn.Module:
+    return getattr(family.modeling(), family.prefix + "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+
+
+def _layer_norm(family: "Family", config) -> nn.Module:
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+@dataclass(frozen=True)
+class ClientSide:
+    """What the client holds of a model, by checkpoint key: it reads these and never a block's tensors."""
+
+    embed_key: str  # token embeddings
+    norm_prefix: str  # the final norm: <prefix>weight (and <prefix>bias for a LayerNorm)
+    norm: Callable  # (family, config) -> an empty norm module, of the final norm's class (and the embedding norm's)
+    lm_head_key: str = "lm_head.weight"  # tied to embed_key when absent or when config.tie_word_embeddings
+    position_embed_key: Optional[str] = None  # learned absolute positions, added to the token embeddings (GPT-2)
+    embed_norm_prefix: Optional[str] = None  # a norm right after the embeddings (BLOOM's word_embeddings_layernorm)
+
+    def keys(self) -> set[str]:
+        norm_keys = {prefix + suffix for prefix in (self.norm_prefix, self.embed_norm_prefix) if prefix
+                     for suffix in ("weight", "bias")}
+        return {self.embed_key, self.lm_head_key, *norm_keys} | ({self.position_embed_key} - {None})
+
+
+@dataclass(frozen=True)
+class Family:
+    module: str  # transformers.models.<module>.modeling_<module>: the classes that hold the parameters
+    prefix: str  # class-name prefix in that module (LlamaRotaryEmbedding, LlamaRMSNorm, ...)
+    layer_class: str  # the decoder layer class in that module, built as layer_class(config, layer_index)
+    layer_key: str  # checkpoint prefix of block i's tensors: layer_key.format(i)
+    layer_forward: Callable  # (layer, hidden, shared: SharedInputs, cache: LayerCache | None) -> hidden
+    position_state: Callable  # (family, config, device) -> what shared_inputs needs, built once per span
+    shared_inputs: Callable  # (state, hidden, position, windows: set) -> SharedInputs, once per forward
+    cache_shape: Callable  # (config, layer) -> (kv heads, head_dim) of the layer's cache
+    client: ClientSide
+    sliding_window: Callable = _no_window  # (config, layer_index) -> int | None
+
+    def modeling(self):
+        """transformers' modeling module of the family, imported only when needed."""
+        return importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
+
+    def new_layer(self, config, index: int) -> nn.Module:
+        return getattr(self.modeling(), self.layer_class)(config, index)
+
+
+def _llama_style(module: str, prefix: str, sliding_window: Callable) -> Family:
+    return Family(
+        module=module,
+        prefix=prefix,
+        layer_class=prefix + "DecoderLayer",
+        layer_key="model.layers.{}.",
+        layer_forward=llama_layer_forward,
+        position_state=rotary_state,
+        shared_inputs=rotary_inputs,
+        cache_shape=_llama_cache_shape,
+        client=ClientSide(embed_key="model.embed_tokens.weight", norm_prefix="model.norm.", norm=_rms_norm),
+        sliding_window=sliding_window,
+    )
+
+
 FAMILIES = {
-    "llama": Family("llama", "Llama", llama_layer_forward, _no_window),
-    "mistral": Family("mistral", "Mistral", llama_layer_forward, _window_by_layer_type),
-    "qwen2": Family("qwen2", "Qwen2", llama_layer_forward, _window_by_layer_type),
+    "llama": _llama_style("llama", "Llama", _no_window),
+    "mistral": _llama_style("mistral", "Mistral", _window_by_layer_type),  # sliding-window attention
+    "qwen2": _llama_style("qwen2", "Qwen2", _window_by_layer_type),  # biases on q/k/v: inside the modules
+    "bloom": Family(  # Petals Chat's original family
+        module="bloom",
+        prefix="Bloom",
+        layer_class="BloomBlock",
+        layer_key="transformer.h.{}.",
+        layer_forward=bloom_layer_forward,
+        position_state=alibi_state,
+        shared_inputs=alibi_inputs,
+        cache_shape=_bloom_cache_shape,
+        client=ClientSide(
+            embed_key="transformer.word_embeddings.weight",
+            embed_norm_prefix="transformer.word_embeddings_layernorm.",
+            norm_prefix="transformer.ln_f.",
+            norm=_layer_norm,
+        ),  # lm_head tied to the word embeddings
+    ),
+    "gpt2": Family(
+        module="gpt2",
+        prefix="GPT2",
+        layer_class="GPT2Block",
+        layer_key="transformer.h.{}.",
+        layer_forward=gpt2_layer_forward,
+        position_state=no_position_state,
+        shared_inputs=causal_inputs,
+        cache_shape=_gpt2_cache_shape,
+        client=ClientSide(
+            embed_key="transformer.wte.weight",
+            position_embed_key="transformer.wpe.weight",
+            norm_prefix="transformer.ln_f.",
+            norm=_layer_norm,
+        ),  # lm_head tied to wte
+    ),
 }
 
 
@@ -147,20 +347,17 @@ class BlockSpan(nn.Module):
         super().__init__()
         self.config, self.start, self.end, self.family = config, start, end, family
         self.layers = nn.ModuleList(layers)
-        _, rotary_class, _ = family.classes()
-        first = layers[0].input_layernorm.weight
-        self.rotary = rotary_class(config=config).to(first.device)
+        self.position_state = family.position_state(family, config, self.device)  # rotary, ALiBi slopes, or None
         self.loaded_names = loaded_names  # every checkpoint tensor this span read: proof it read no others
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = layers[0].self_attn.head_dim
+        self.kv_heads, self.head_dim = family.cache_shape(config, layers[0])
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].input_layernorm.weight.dtype
+        return next(self.layers[0].parameters()).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0].input_layernorm.weight.device
+        return next(self.layers[0].parameters()).device
 
     def new_cache(self, start: int, end: int, batch: int, capacity: int) -> list[LayerCache]:
         return [
@@ -182,13 +379,9 @@ class BlockSpan(nn.Module):
         if not self.start <= start < end <= self.end:
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
         hidden = hidden.to(self.device, self.dtype)
-        length = hidden.shape[1]
-        position_ids = torch.arange(position, position + length, device=self.device)[None, :]
-        cos, sin = self.rotary(hidden, position_ids)
         layers = self.layers[start - self.start : end - self.start]
         windows = {layer.attention_window for layer in layers}
-        masks = {window: _attention_mask(position, length, window, self.device) for window in windows}
-        shared = SharedInputs(position, length, cos, sin, masks)
+        shared = self.family.shared_inputs(self.position_state, hidden, position, windows)
         for offset, layer in enumerate(layers):
             cache = caches[offset] if caches is not None else None
             hidden = self.family.layer_forward(layer, hidden, shared, cache)
@@ -205,7 +398,6 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
     if not 0 <= start < end <= num_blocks:
         raise BadRequestError(f"blocks {start}:{end} are out of range: this model has blocks 0:{num_blocks}")
     kept = {} if reuse is None else dict(zip(range(reuse.start, reuse.end), reuse.layers))
-    layer_class, _, _ = family.classes()
     prefixes = {index: family.layer_key.format(index) for index in range(start, end) if index not in kept}
     tensors = load_tensors(folder, lambda name: name.startswith(tuple(prefixes.values())))
 
@@ -216,7 +408,7 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
             continue
         prefix = prefixes[index]
         with torch.device("meta"):  # no throwaway random init: the checkpoint fills every parameter
-            layer = layer_class(config, index)
+            layer = family.new_layer(config, index)
         state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
         layer.load_state_dict(state, strict=True, assign=True)
         layer.to(device=device, dtype=dtype)
@@ -226,3 +418,69 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
     kept_names = [name for name in (reuse.loaded_names if reuse else []) if name.startswith(kept_prefixes)] \
         if kept_prefixes else []
     return BlockSpan(config, start, end, layers, family, loaded_names=sorted([*tensors, *kept_names]))
+
+
+# ------------------------------------------------------------------------------------------- the client
+
+
+class ClientModules(nn.Module):
+    """The client's half of a model: token ids -> hidden states for the first block, and the last block's
+    output -> final norm -> logits. Built from the family's ClientSide, from the client's own tensors only."""
+
+    def __init__(self, config, family: Family, tensors: dict):
+        super().__init__()
+        client = family.client
+        self.config, self.family = config, family
+        self.loaded_names = sorted(tensors)  # proof that the client read no block's tensors
+        embed_weight = tensors[client.embed_key]
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.embed_positions = None
+        if client.position_embed_key is not None:
+            self.embed_positions = nn.Embedding.from_pretrained(tensors[client.position_embed_key], freeze=True)
+        self.embed_norm = None
+        if client.embed_norm_prefix is not None:
+            self.embed_norm = _load_norm(family, config, client.embed_norm_prefix, tensors)
+        self.norm = _load_norm(family, config, client.norm_prefix, tensors)
+        head_weight = tensors.get(client.lm_head_key)
+        if head_weight is None or getattr(config, "tie_word_embeddings", False):
+            head_weight = embed_weight
+        with torch.device("meta"):
+            self.lm_head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor, position: int = 0) -> torch.Tensor:
+        """Token ids (batch, length) at absolute positions position.. -> hidden states (batch, length, hidden)
+        as the first block expects them (transformers' hidden_states[0])."""
+        hidden = self.embed_tokens(token_ids)
+        if self.embed_positions is not None:
+            end = position + token_ids.shape[1]
+            if end > self.embed_positions.num_embeddings:
+                raise SessionLengthError(
+                    f"position {end - 1} is past this model's {self.embed_positions.num_embeddings} positions"
+                )
+            hidden = hidden + self.embed_positions(torch.arange(position, end, device=hidden.device))
+        if self.embed_norm is not None:
+            hidden = self.embed_norm(hidden)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> final norm -> LM head."""
+        return self.lm_head(self.norm(hidden))
+
+
+def _load_norm(family: Family, config, prefix: str, tensors: dict) -> nn.Module:
+    with torch.device("meta"):
+        norm = family.client.norm(family, config)
+    state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+    norm.load_state_dict(state, strict=True, assign=True)
+    return norm.eval()
+
+
+def load_client(folder: Path, config=None) -> ClientModules:
+    """The client's modules of a model folder, reading only their tensors (never any block's)."""
+    config = load_config(folder) if config is None else config
+    family = family_of(config)
+    keys = family.client.keys()
+    return ClientModules(config, family, load_tensors(folder, lambda name: name in keys))

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch import nn
 
-from swarm.blocks import family_of
+from swarm.blocks import load_client
 from swarm.client import RemoteSession, SwarmClient
 from swarm.protocol import dht_prefix
-from swarm.weights import load_config, load_tensors, load_tokenizer, resolve_model
+from swarm.weights import load_config, load_tokenizer, resolve_model
 
 
 class RemoteModel:
@@ -28,18 +27,10 @@ class RemoteModel:
         self.num_blocks = self.config.num_hidden_layers
         self._tokenizer = None
 
-        family = family_of(self.config)
-        _, _, norm_class = family.classes()
-        keys = (family.embed_key, family.norm_key, family.lm_head_key)
-        tensors = load_tensors(self.folder, lambda name: name in keys)  # never any block's weights
-        self.embed_tokens = nn.Embedding.from_pretrained(tensors[family.embed_key], freeze=True)
-        self.norm = norm_class(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        self.norm.load_state_dict({"weight": tensors[family.norm_key]})
-        head_weight = tensors.get(family.lm_head_key)
-        if head_weight is None or getattr(self.config, "tie_word_embeddings", False):
-            head_weight = tensors[family.embed_key]
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        self.lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
+        # the family says how token ids become hidden states and hidden states logits; only the client's tensors
+        self.client_modules = load_client(self.folder, self.config)  # are read, never any block's weights
+        self.embed_tokens = self.client_modules.embed_tokens
+        self.norm, self.lm_head = self.client_modules.norm, self.client_modules.lm_head
 
     @classmethod
     def from_pretrained(
@@ -52,6 +43,14 @@ class RemoteModel:
         model = cls(folder, SwarmClient(initial_peers), name_or_path, prefix)
         model.name = name or name_or_path
         return model
+
+    def embed(self, token_ids, position: int = 0) -> torch.Tensor:
+        """Token ids (batch, length) at absolute positions position.. -> the first block's input."""
+        return self.client_modules.embed(_as_batch(token_ids), position)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> final norm -> LM head."""
+        return self.client_modules.logits(hidden)
 
     @property
     def tokenizer(self):
@@ -66,7 +65,7 @@ class RemoteModel:
     @torch.inference_mode()
     def forward(self, token_ids) -> torch.Tensor:
         """Logits of every position of whole sequences, with no session: (batch, length, vocab)."""
-        return self.lm_head(self.hidden_states(token_ids))
+        return self.lm_head(self.hidden_states(token_ids))  # hidden_states applies the final norm
 
     @torch.inference_mode()
     def hidden_states(self, token_ids, layer: Optional[int] = None) -> torch.Tensor:
@@ -74,7 +73,7 @@ class RemoteModel:
         0 is the embeddings, num_blocks (the default) the last block's output after the final norm.
         Only the blocks up to `layer` run on the swarm."""
         layer = self.num_blocks if layer is None else layer
-        hidden = self.embed_tokens(_as_batch(token_ids))  # (batch, length, hidden)
+        hidden = self.embed(token_ids, position=0)  # (batch, length, hidden)
         if layer > 0:
             chain = self.client.chain(self.prefix, self.num_blocks, self.name, end=layer)
             hidden = self.client.forward(chain, hidden)
@@ -101,9 +100,10 @@ class InferenceSession:
     @torch.inference_mode()
     def step(self, token_ids, position: Optional[int] = None) -> torch.Tensor:
         """Feed new tokens (batch, length) and get the logits after the last one: (batch, vocab)."""
-        hidden = self.model.embed_tokens(_as_batch(token_ids))  # (batch, length, hidden)
+        position = self.remote.position if position is None else position  # absolute position of the new tokens
+        hidden = self.model.embed(token_ids, position)  # (batch, length, hidden)
         hidden = self.remote.step(hidden, position)
-        return self.model.lm_head(self.model.norm(hidden[:, -1]))
+        return self.model.logits(hidden[:, -1])
 
     def close(self) -> None:
         self.remote.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import statistics
 import time
@@ -157,6 +158,28 @@ def _int_field(metadata: dict, name: str, low: int, high: int) -> int:
     return value
 
 
+def cached_throughput(span: BlockSpan, folder, cache_dir) -> float:
+    """measure_throughput, remembered on disk per model, span, device and dtype: a restart announces the
+    figure at once (and a GPU box is not timed while it warms up)."""
+    import json
+    from pathlib import Path
+
+    path = Path(cache_dir) / "throughput.json"
+    key = f"{Path(folder).resolve()}|{span.start}:{span.end}|{span.device}|{span.dtype}|torch {torch.__version__}"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known.get(key), (int, float)):
+        known[key] = measure_throughput(span)
+        known = dict(list(known.items())[-256:])  # the newest entries; old folders come and go
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")  # servers starting together must not see half a file
+        staging.write_text(json.dumps(known, indent=1))
+        staging.replace(path)
+    return float(known[key])
+
+
 def measure_throughput(span: BlockSpan, repeats: int = 5) -> float:
     """Tokens per second of one decode step through the whole span (a median, after one warm-up)."""
     hidden = torch.zeros(1, 1, span.config.hidden_size, dtype=span.dtype, device=span.device)
@@ -199,7 +222,7 @@ async def serve(args) -> None:
         async def load():
             # off the event loop, so that the DHT node keeps answering its peers while weights load
             span = await asyncio.to_thread(load_span, folder, start, end, device=args.device, dtype=args.dtype)
-            return span, await asyncio.to_thread(measure_throughput, span)
+            return span, await asyncio.to_thread(cached_throughput, span, folder, args.cache_dir)
 
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
         joining = ServerInfo(ServerState.JOINING, start, end, 0.0, args.cache_tokens)
@@ -247,7 +270,7 @@ async def serve(args) -> None:
                                            reuse=backend.span)
             backend.move_to(span)
             start, end = target
-            throughput = await asyncio.to_thread(measure_throughput, span)
+            throughput = await asyncio.to_thread(cached_throughput, span, folder, args.cache_dir)
             await dht.announce(node, prefix, old, expiration=3 * args.announce_period)  # leave the old blocks
             await dht.announce(node, prefix, record(ServerState.ONLINE), expiration=3 * args.announce_period)
             print(f"moved: blocks {start}:{end} of {prefix}", flush=True)

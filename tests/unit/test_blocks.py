@@ -4,22 +4,29 @@ import pytest
 import torch
 import transformers
 
-from swarm.blocks import load_span
+from swarm.blocks import FAMILIES, load_client, load_span
 from swarm.protocol import BadRequestError, UnknownModelError
 from tiny_model import build_tiny_model
 
+FAMILY_OVERRIDES = {"mistral": {"sliding_window": 5}, "qwen2": {"perturb_vectors": True}}
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "bloom", "gpt2"])
 def family_model(request, tmp_path_factory):
-    overrides = {"sliding_window": 5} if request.param == "mistral" else {}
+    overrides = FAMILY_OVERRIDES.get(request.param, {})
     folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, 4, **overrides)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     return folder, model
 
 
 def hidden_states(model, ids):
+    """transformers' hidden_states: [0] the first block's input, [i] block i-1's output, [-1] after the final norm."""
     with torch.no_grad():
         return model(ids, output_hidden_states=True).hidden_states
+
+
+def layer_prefix(model, index: int) -> str:
+    return FAMILIES[model.config.model_type].layer_key.format(index)
 
 
 def test_span_matches_transformers(family_model):
@@ -48,10 +55,28 @@ def test_cached_steps_match_a_whole_forward(family_model):
 
 
 def test_span_reads_only_its_blocks(family_model):
-    folder, _ = family_model
+    folder, model = family_model
     span = load_span(folder, 1, 3)
-    assert span.loaded_names and all(name.startswith(("model.layers.1.", "model.layers.2.")) for name in span.loaded_names)
-    assert [layer.self_attn.layer_idx for layer in span.layers] == [1, 2]
+    assert span.loaded_names and all(name.startswith((layer_prefix(model, 1), layer_prefix(model, 2)))
+                                     for name in span.loaded_names)
+    assert {name.split(".", 3)[2] for name in span.loaded_names} == {"1", "2"}
+
+
+def test_client_half_matches_transformers(family_model):
+    """Embeddings (with positions from any offset) and final norm + LM head equal transformers', and the
+    client reads none of the blocks' tensors."""
+    folder, model = family_model
+    client = load_client(folder)
+    assert client.loaded_names and not any(".h." in name or ".layers." in name for name in client.loaded_names)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    states = hidden_states(model, ids)
+    torch.testing.assert_close(client.embed(ids), states[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat([client.embed(ids[:, :4]), client.embed(ids[:, 4:], position=4)], 1),
+                               states[0], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        output = model(ids, output_hidden_states=True)
+    last_block = load_span(folder, 0, 4)(states[0])
+    torch.testing.assert_close(client.logits(last_block), output.logits, atol=1e-4, rtol=0)
 
 
 def test_sub_range_and_bad_ranges(family_model):
@@ -66,9 +91,10 @@ def test_sub_range_and_bad_ranges(family_model):
 
 
 def test_unsupported_family(tmp_path):
-    config = transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=8, n_head=2, vocab_size=10)
+    config = transformers.AutoConfig.for_model("gpt_neo", num_layers=1, hidden_size=8, num_heads=2, vocab_size=10,
+                                               attention_types=[[["global"], 1]])
     config.save_pretrained(tmp_path)
-    with pytest.raises(UnknownModelError, match="'gpt2' is not supported"):
+    with pytest.raises(UnknownModelError, match="'gpt_neo' is not supported"):
         load_span(tmp_path, 0, 1)
 
 

@@ -1,0 +1,137 @@
+"""Every supported family, served by a real swarm, equals the local transformers model token by token.
+
+One swarm for the module: a bootstrap peer and, per family, two block servers splitting its tiny model's
+blocks (0:2 and 2:4) under the family's own DHT prefix. The quirks each family brings: BLOOM (ALiBi bias over
+cached keys, word_embeddings_layernorm at the client, fused head-interleaved qkv, tied head), GPT-2 (learned
+absolute positions added at the client from the session's position, Conv1D projections, tied head), Qwen2
+(attention biases) and Mistral (a sliding window shorter than the prompts).
+"""
+
+import pytest
+import torch
+import transformers
+
+from tiny_model import build_tiny_model
+
+ATOL = 1e-4
+BLOCKS = 4
+SPANS = [(0, 2), (2, 4)]
+FAMILIES = {
+    "bloom": {},
+    "gpt2": {},
+    "qwen2": {"perturb_vectors": True},  # non-zero q/k/v biases
+    "mistral": {"sliding_window": 4},  # every prompt below is longer than the window
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    return {
+        family: build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, BLOCKS, seed=7, **overrides)
+        for family, overrides in FAMILIES.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def family_swarm(folders, tmp_path_factory):
+    """One bootstrap peer; two block servers per family, each family under its own prefix, started at once."""
+    from swarm.local import READY_TIMEOUT, LocalSwarm
+
+    swarm = LocalSwarm(str(folders["bloom"]), [], log_dir=tmp_path_factory.mktemp("family-swarm-logs"))
+    with swarm:  # starts the bootstrap peer only: no spans of its own
+        for family, folder in folders.items():
+            for start, end in SPANS:
+                swarm.add_server(["--model", str(folder), "--blocks", f"{start}:{end}", "--dht-prefix", family,
+                                  "--threads", "1"], wait=False)
+        for server in swarm.servers:
+            server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), READY_TIMEOUT)
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def swarm_client(family_swarm):
+    from swarm.client import SwarmClient
+
+    client = SwarmClient(family_swarm.initial_peers)
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, folders, swarm_client):
+    """(remote model, local transformers model) of one family."""
+    from swarm.model import RemoteModel
+
+    folder = folders[request.param]
+    remote = RemoteModel(folder, swarm_client, request.param, prefix=request.param)
+    local = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return remote, local
+
+
+def local_logits(local_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return local_model(torch.tensor([ids])).logits[0]  # (length, vocab)
+
+
+def test_chain_splits_the_blocks_over_both_servers(pair):
+    remote, _ = pair
+    chain = remote.client.chain(remote.prefix, remote.num_blocks, remote.name)
+    assert [(link.start, link.end) for link in chain] == SPANS
+    assert len({link.peer_id for link in chain}) == 2
+
+
+def test_token_by_token_logits_and_greedy_tokens_match(pair):
+    """Two sessions open at once, interleaved, with prompts of 5 and 11 tokens (both past Mistral's window)."""
+    remote, local = pair
+    generator = torch.Generator().manual_seed(1)
+    vocab = local.config.vocab_size
+    prompts = [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in (5, 11)]
+    new_tokens = 8
+    sessions = [remote.session(max_length=len(prompt) + new_tokens) for prompt in prompts]
+    try:
+        sequences = [list(prompt) for prompt in prompts]
+        remote_logits = [[session.step([prompt])[0]] for session, prompt in zip(sessions, prompts)]
+        for _ in range(new_tokens - 1):
+            for index, session in enumerate(sessions):
+                token = int(remote_logits[index][-1].argmax())
+                sequences[index].append(token)
+                remote_logits[index].append(session.step([[token]])[0])
+    finally:
+        for session in sessions:
+            session.close()
+
+    for prompt, sequence, logits in zip(prompts, sequences, remote_logits):
+        reference = local_logits(local, sequence)[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(logits), reference, atol=ATOL, rtol=0)
+        with torch.no_grad():
+            greedy = local.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens - 1, min_new_tokens=new_tokens - 1, do_sample=False,
+            )[0].tolist()
+        assert sequence == greedy
+
+
+def test_chunked_prompt_and_rewind(pair):
+    """A prompt in chunks, then a rewind to position 6 with other tokens: positions (wpe, ALiBi, rotary, window)
+    follow the session's absolute position."""
+    remote, local = pair
+    ids = torch.randint(3, local.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    other = ids.clone()
+    other[:, 6:] = (other[:, 6:] + 1) % local.config.vocab_size
+    with torch.no_grad():
+        reference, rewound = local(ids).logits, local(other).logits[:, -1]
+    with remote.session(max_length=10, batch_size=2) as session:
+        first = session.step(ids[:, :6])
+        rest = [session.step(ids[:, position : position + 2]) for position in (6, 8)]
+        again = session.step(other[:, 6:], position=6)
+    torch.testing.assert_close(torch.stack([first, *rest], 1), reference[:, [5, 7, 9]], atol=ATOL, rtol=0)
+    torch.testing.assert_close(again, rewound, atol=ATOL, rtol=0)
+
+
+def test_cacheless_forward_and_hidden_states_match(pair):
+    remote, local = pair
+    ids = torch.randint(3, local.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        output = local(ids, output_hidden_states=True)
+    torch.testing.assert_close(remote.forward(ids), output.logits, atol=ATOL, rtol=0)
+    for layer in (0, 2, BLOCKS):  # BLOCKS: after the final norm, as transformers' hidden_states[-1]
+        torch.testing.assert_close(remote.hidden_states(ids, layer), output.hidden_states[layer], atol=ATOL, rtol=0)
