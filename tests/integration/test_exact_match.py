@@ -4,17 +4,12 @@ import pytest
 import torch
 import transformers
 
-ATOL = 1e-4
+from exact_match import ATOL, assert_interleaved_sessions_match
 
 
 @pytest.fixture(scope="module")
 def local_model(tiny_llama):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-def local_logits(local_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return local_model(torch.tensor([ids])).logits[0]  # (length, vocab)
 
 
 def test_chain_splits_the_blocks_over_both_servers(tiny_remote):
@@ -25,32 +20,7 @@ def test_chain_splits_the_blocks_over_both_servers(tiny_remote):
 
 def test_token_by_token_logits_and_greedy_tokens_match(tiny_remote, local_model):
     """Three sessions open at once, interleaved, with prompts of 1, 7 and 23 tokens."""
-    generator = torch.Generator().manual_seed(1)
-    vocab = local_model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in (1, 7, 23)]
-    new_tokens = 12
-    sessions = [tiny_remote.session(max_length=len(prompt) + new_tokens) for prompt in prompts]
-    try:
-        sequences = [list(prompt) for prompt in prompts]
-        remote_logits = [[session.step([prompt])[0]] for session, prompt in zip(sessions, prompts)]
-        for _ in range(new_tokens - 1):
-            for index, session in enumerate(sessions):  # interleaved: the servers juggle three caches
-                token = int(remote_logits[index][-1].argmax())
-                sequences[index].append(token)
-                remote_logits[index].append(session.step([[token]])[0])
-    finally:
-        for session in sessions:
-            session.close()
-
-    for prompt, sequence, logits in zip(prompts, sequences, remote_logits):
-        reference = local_logits(local_model, sequence)[len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(logits), reference, atol=ATOL, rtol=0)
-
-        with torch.no_grad():
-            greedy = local_model.generate(
-                torch.tensor([prompt]), max_new_tokens=new_tokens - 1, do_sample=False, min_new_tokens=new_tokens - 1
-            )[0].tolist()
-        assert sequence == greedy
+    assert_interleaved_sessions_match(tiny_remote, local_model, (1, 7, 23), new_tokens=12)
 
 
 def test_cacheless_forward_matches(tiny_remote, local_model):

@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
+from exact_match import ATOL, assert_interleaved_sessions_match
 from tiny_model import build_tiny_model
 
-ATOL = 1e-4
 BLOCKS = 4
 SPANS = [(0, 2), (2, 4)]
 FAMILIES = {
@@ -68,11 +68,6 @@ def pair(request, folders, swarm_client):
     return remote, local
 
 
-def local_logits(local_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return local_model(torch.tensor([ids])).logits[0]  # (length, vocab)
-
-
 def test_chain_splits_the_blocks_over_both_servers(pair):
     remote, _ = pair
     chain = remote.client.chain(remote.prefix, remote.num_blocks, remote.name)
@@ -83,31 +78,7 @@ def test_chain_splits_the_blocks_over_both_servers(pair):
 def test_token_by_token_logits_and_greedy_tokens_match(pair):
     """Two sessions open at once, interleaved, with prompts of 5 and 11 tokens (both past Mistral's window)."""
     remote, local = pair
-    generator = torch.Generator().manual_seed(1)
-    vocab = local.config.vocab_size
-    prompts = [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in (5, 11)]
-    new_tokens = 8
-    sessions = [remote.session(max_length=len(prompt) + new_tokens) for prompt in prompts]
-    try:
-        sequences = [list(prompt) for prompt in prompts]
-        remote_logits = [[session.step([prompt])[0]] for session, prompt in zip(sessions, prompts)]
-        for _ in range(new_tokens - 1):
-            for index, session in enumerate(sessions):
-                token = int(remote_logits[index][-1].argmax())
-                sequences[index].append(token)
-                remote_logits[index].append(session.step([[token]])[0])
-    finally:
-        for session in sessions:
-            session.close()
-
-    for prompt, sequence, logits in zip(prompts, sequences, remote_logits):
-        reference = local_logits(local, sequence)[len(prompt) - 1 :]
-        torch.testing.assert_close(torch.stack(logits), reference, atol=ATOL, rtol=0)
-        with torch.no_grad():
-            greedy = local.generate(
-                torch.tensor([prompt]), max_new_tokens=new_tokens - 1, min_new_tokens=new_tokens - 1, do_sample=False,
-            )[0].tolist()
-        assert sequence == greedy
+    assert_interleaved_sessions_match(remote, local, (5, 11), new_tokens=8)
 
 
 def test_chunked_prompt_and_rewind(pair):

@@ -1,0 +1,41 @@
+"""The strongest check in the field, shared by the swarm tests: remote token-by-token inference equals the
+local transformers model (logits allclose, identical greedy tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+ATOL = 1e-4
+
+
+def local_logits(local_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return local_model(torch.tensor([ids])).logits[0]  # (length, vocab)
+
+
+def assert_interleaved_sessions_match(remote, local_model, prompt_lengths, new_tokens: int, seed: int = 1) -> None:
+    """One session per prompt, all open at once and stepped in turn (the servers juggle their caches)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = local_model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in prompt_lengths]
+    sessions = [remote.session(max_length=len(prompt) + new_tokens) for prompt in prompts]
+    try:
+        sequences = [list(prompt) for prompt in prompts]
+        remote_logits = [[session.step([prompt])[0]] for session, prompt in zip(sessions, prompts)]
+        for _ in range(new_tokens - 1):
+            for index, session in enumerate(sessions):
+                token = int(remote_logits[index][-1].argmax())
+                sequences[index].append(token)
+                remote_logits[index].append(session.step([[token]])[0])
+    finally:
+        for session in sessions:
+            session.close()
+
+    for prompt, sequence, logits in zip(prompts, sequences, remote_logits):
+        reference = local_logits(local_model, sequence)[len(prompt) - 1 :]
+        torch.testing.assert_close(torch.stack(logits), reference, atol=ATOL, rtol=0)
+        with torch.no_grad():
+            greedy = local_model.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens - 1, min_new_tokens=new_tokens - 1, do_sample=False
+            )[0].tolist()
+        assert sequence == greedy
