@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound, from_exception
-from gateway.metrics import TokenTimer
+from gateway.metrics import observe_token
 from gateway.sampling import Sampler, SamplingParams
 from gateway.stats import EngineStats, RequestStats
 from gateway.sessions import SessionRegistry
@@ -306,7 +306,6 @@ class Engine:
         stop_ids = model.stop_ids | set(request.stop_token_ids)
         stats = stats or self.stats.begin()
         stats.prompt(len(feed))
-        timer = TokenTimer(model.name)  # the gateway's time-to-first-token and inter-token latency
         session.reply_start = used
 
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
@@ -319,9 +318,9 @@ class Engine:
                 yield Delta(_remaining_text(detokenizer, stopper), 0, "cancelled")
                 return
             logits = self._step(session, feed)
-            stats.step_done(first=count == 1)
+            # one clock for /stats, usage timings and the time-to-first-token / inter-token metrics
+            observe_token(model.name, stats.step_done(first=count == 1), first=count == 1)
             token = sampler(logits, constraint.allowed() if constraint else None)
-            timer.token()
             session.pending = feed = [token]
             logprobs = (_logprob(logits, token, request.logprobs),) if request.logprobs is not None else ()
 

@@ -14,8 +14,6 @@ worker process, so prometheus_client's default registry holds everything.
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 import swarm.metrics  # noqa: F401  (registers the swarm client's counters, even before a client exists)
@@ -63,17 +61,7 @@ def count_ws_message(status: int) -> None:
     REQUESTS.labels("petals_ws", str(status)).inc()
 
 
-class TokenTimer:
-    """Times the tokens of one generation: the first against the start, every other against the one before."""
-
-    def __init__(self, model: str):
-        self.model = model
-        self.last = time.perf_counter()
-        self.first = True
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        histogram = TIME_TO_FIRST_TOKEN if self.first else INTER_TOKEN_LATENCY
-        histogram.labels(self.model).observe(now - self.last)
-        GENERATED_TOKENS.labels(self.model).inc()
-        self.last, self.first = now, False
+def observe_token(model: str, seconds: float, first: bool) -> None:
+    """One generated token: `seconds` since the generation started (the first) or since the token before."""
+    (TIME_TO_FIRST_TOKEN if first else INTER_TOKEN_LATENCY).labels(model).observe(seconds)
+    GENERATED_TOKENS.labels(model).inc()

@@ -25,14 +25,16 @@ class RequestStats:
         self.prompt_tokens += tokens
         self._step_began = time.perf_counter()
 
-    def step_done(self, first: bool) -> None:
+    def step_done(self, first: bool) -> float:
+        """A token came out of a step: return the seconds since the last one (or since the prompt, if first)."""
         now = time.perf_counter()
+        seconds, self._step_began = now - self._step_began, now
         if first:
-            self.prefill_seconds += now - self._step_began
+            self.prefill_seconds += seconds
         else:
-            self.decode_seconds += now - self._step_began
+            self.decode_seconds += seconds
         self.completion_tokens += 1
-        self._step_began = now
+        return seconds
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -4,7 +4,8 @@ import asyncio
 
 from prometheus_client import REGISTRY
 
-from gateway.metrics import TokenTimer, api_of
+from gateway.metrics import api_of, observe_token
+from gateway.stats import RequestStats
 
 
 def test_requests_count_under_their_api():
@@ -15,9 +16,11 @@ def test_requests_count_under_their_api():
 
 def test_the_first_token_is_timed_against_the_start_and_the_others_against_each_other():
     sample = lambda name: REGISTRY.get_sample_value(name, {"model": "unit-test"}) or 0.0
-    timer = TokenTimer("unit-test")
-    for _ in range(4):
-        timer.token()
+    stats = RequestStats()
+    stats.prompt(3)
+    for count in range(4):
+        observe_token("unit-test", stats.step_done(first=count == 0), first=count == 0)
+    assert stats.prefill_seconds > 0 and stats.completion_tokens == 4
     assert sample("gateway_time_to_first_token_seconds_count") == 1
     assert sample("gateway_inter_token_latency_seconds_count") == 3
     assert sample("gateway_generated_tokens_total") == 4
