@@ -288,14 +288,3 @@ class Sampler:
             extra = size - len(self.seen)
             self.seen = torch.cat([self.seen, self.seen.new_zeros(extra)])
             self.counts = torch.cat([self.counts, self.counts.new_zeros(extra)])
-
-
-def choose_token(
-    logits: torch.Tensor, history: Sequence[int], params: SamplingParams, generator: Optional[torch.Generator]
-) -> int:
-    """Compatibility for engine.py until it keeps a Sampler per sequence: one fresh Sampler step over the
-    session's `history` (prompt + output) with the caller's generator. Being stateless, it cannot apply the
-    presence/frequency penalties (they count output tokens only) nor carry Mirostat's mu between steps."""
-    sampler = Sampler(params, logits.shape[-1], history)
-    sampler.generator = generator
-    return sampler(logits)

@@ -12,7 +12,6 @@ from gateway.sampling import (
     apply_logit_bias,
     apply_presence_frequency,
     apply_repetition_penalty,
-    choose_token,
     filter_min_p,
     filter_top_k,
     filter_top_p,
@@ -36,14 +35,14 @@ def test_repetition_penalty_matches_transformers():
 
 def test_greedy_unless_sampling_is_asked_for():
     logits = torch.tensor([0.0, 5.0, 4.9])
-    assert choose_token(logits, [], SamplingParams(do_sample=False, temperature=2.0), None) == 1
-    assert choose_token(logits, [1], SamplingParams(repetition_penalty=2.0), None) == 2  # 5/2 < 4.9
+    assert Sampler(SamplingParams(do_sample=False, temperature=2.0), 3)(logits) == 1
+    assert Sampler(SamplingParams(repetition_penalty=2.0), 3, context=[1])(logits) == 2  # 5/2 < 4.9
 
 
 def test_a_seed_makes_sampling_reproducible():
     logits = torch.randn(100)
     params = SamplingParams(do_sample=True, temperature=1.5, top_p=0.95, seed=11)
-    draws = lambda: [choose_token(logits, [], params, generator) for generator in [params.generator()] for _ in range(8)]
+    draws = lambda: [sampler(logits) for sampler in [Sampler(params, 100)] for _ in range(8)]
     assert draws() == draws()
     assert len(set(draws())) > 1
 
