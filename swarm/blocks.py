@@ -6,12 +6,15 @@ cos/sin, an ALiBi bias, or learned embeddings added at the client), how a layer 
 holds (embeddings, final norm, LM head). The layer's parameters stay in transformers' own modules
 (projections, MLP, norms: stable for years); the attention itself is ours, so that the cache is written in
 place and attention goes through torch's scaled_dot_product_attention.
+
+A forward runs a packed batch: the new tokens of several sessions (decode steps, prefill chunks) side by side
+in one sequence, so that each weight is read once for all of them; only attention runs per session.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,44 +22,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.cache import LayerCache, SessionCache
 from swarm.protocol import BadRequestError, SessionLengthError, UnknownModelError
 from swarm.weights import load_config, load_tensors
 
 
-# ------------------------------------------------------------------------------------------- the cache
-
-
-class LayerCache:
-    """One layer's keys and values for one session, preallocated and written in place."""
-
-    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, device):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
-
-    def write(self, position: int, keys: torch.Tensor, values: torch.Tensor):
-        """Store the new positions' keys/values; return views over everything cached so far."""
-        end = position + keys.shape[2]
-        self.keys[:, :, position:end] = keys
-        self.values[:, :, position:end] = values
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-
-# ------------------------------------------------------------------------------- what every layer shares
+# ------------------------------------------------------------------------------------------- a batch
 
 
 @dataclass
-class SharedInputs:
-    """Computed once per forward by the family's `shared_inputs` and passed to every layer, as transformers does."""
+class Segment:
+    """One request's part of a packed batch: `rows` sequences of `length` new tokens each, from absolute
+    `position`. In the packed batch its tokens are consecutive, row after row."""
 
-    position: int  # absolute position of the first new token
-    length: int  # number of new tokens
+    rows: int
+    length: int
+    position: int
+    cache: Optional[SessionCache]  # None: whole sequences, nothing kept
     # attention window (None: full) -> what scaled_dot_product_attention gets as attn_mask: None when is_causal
     # is enough, a boolean (length, position + length) mask, or an additive float bias (ALiBi, with the causal
-    # mask folded in as -inf) of shape (1, heads, length, position + length)
-    masks: dict
-    cos: Optional[torch.Tensor] = None  # rotary families only: (1, length, head_dim)
+    # mask folded in as -inf) of shape (1, heads, length, position + length). Filled by the family.
+    masks: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+
+@dataclass
+class PackedBatch:
+    """The new tokens of several requests side by side in one sequence, hidden states (1, tokens, hidden):
+    projections and MLPs run once over all of them (one read of the weights), attention per segment.
+    Built once per forward by the family's `batch_inputs` and passed to every layer."""
+
+    segments: list[Segment]
+    cos: Optional[torch.Tensor] = None  # rotary families only: (1, tokens, head_dim)
     sin: Optional[torch.Tensor] = None
+
+    def attend(self, index: int, queries, keys, values, window: Optional[int], scale: float) -> torch.Tensor:
+        """Packed (1, tokens, heads, head_dim) queries/keys/values of layer `index` of the forward's range ->
+        (1, tokens, heads * head_dim): each segment's keys/values go to its cache, its queries see its own past."""
+        outputs, offset = [], 0
+        for segment in self.segments:
+            rows, length = segment.rows, segment.length
+            # (tokens, heads, head_dim) -> (rows, heads, length, head_dim), as views
+            q, k, v = (t[0, offset : offset + segment.tokens].unflatten(0, (rows, length)).transpose(1, 2)
+                       for t in (queries, keys, values))
+            if segment.cache is not None:
+                k, v = segment.cache[index].write(segment.position, k, v)
+            attended = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=segment.masks[window],
+                is_causal=segment.masks[window] is None and length > 1,
+                scale=scale,
+                enable_gqa=True,
+            )
+            outputs.append(attended.transpose(1, 2).reshape(segment.tokens, -1))
+            offset += segment.tokens
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
 
 
 def _causal_mask(position: int, length: int, window: Optional[int], device) -> torch.Tensor:
@@ -72,11 +95,15 @@ def _causal_mask(position: int, length: int, window: Optional[int], device) -> t
 def _attention_mask(position: int, length: int, window: Optional[int], device) -> Optional[torch.Tensor]:
     if window is None and (length == 1 or position == 0):
         return None  # a single query sees everything; a fresh prompt is plainly causal
+    if window is not None and position + length <= window:
+        return _attention_mask(position, length, None, device)  # the window reaches back to position 0
     return _causal_mask(position, length, window, device)
 
 
-def _masks(position: int, length: int, windows: set, device) -> dict:
-    return {window: _attention_mask(position, length, window, device) for window in windows}
+def _set_masks(batch: PackedBatch, windows: set, device) -> None:
+    for segment in batch.segments:
+        segment.masks = {window: _attention_mask(segment.position, segment.length, window, device)
+                         for window in windows}
 
 
 def rotary_state(family: "Family", config, device):
@@ -85,11 +112,14 @@ def rotary_state(family: "Family", config, device):
     return rotary_class(config=config).to(device)
 
 
-def rotary_inputs(rotary, hidden: torch.Tensor, position: int, windows: set) -> SharedInputs:
-    length = hidden.shape[1]
-    position_ids = torch.arange(position, position + length, device=hidden.device)[None, :]
-    cos, sin = rotary(hidden, position_ids)
-    return SharedInputs(position, length, _masks(position, length, windows, hidden.device), cos=cos, sin=sin)
+def rotary_inputs(rotary, hidden: torch.Tensor, batch: PackedBatch, windows: set) -> None:
+    device = hidden.device
+    position_ids = torch.cat([
+        torch.arange(segment.position, segment.position + segment.length, device=device).repeat(segment.rows)
+        for segment in batch.segments
+    ])[None, :]
+    batch.cos, batch.sin = rotary(hidden, position_ids)
+    _set_masks(batch, windows, device)
 
 
 def alibi_state(family: "Family", config, device) -> torch.Tensor:
@@ -97,56 +127,38 @@ def alibi_state(family: "Family", config, device) -> torch.Tensor:
     return family.modeling()._get_alibi_slopes(config.num_attention_heads, torch.device(device))
 
 
-def alibi_inputs(slopes: torch.Tensor, hidden: torch.Tensor, position: int, windows: set) -> SharedInputs:
+def alibi_inputs(slopes: torch.Tensor, hidden: torch.Tensor, batch: PackedBatch, windows: set) -> None:
     """ALiBi: a bias of slope * key position over the absolute key positions 0..position+length (softmax is
     invariant to the per-query shift that the paper's relative form adds), so it holds with a cache."""
-    length, device = hidden.shape[1], hidden.device
-    alibi = slopes[:, None, None] * torch.arange(position + length, device=device)  # (heads, 1, keys), float32
-    alibi = alibi.to(hidden.dtype)  # transformers casts it before adding it to the scores
-    masks = {}
-    for window in windows:
-        allowed = _causal_mask(position, length, window, device)  # (length, keys)
-        masks[window] = alibi.masked_fill(~allowed, float("-inf"))[None]  # (1, heads, length, keys)
-    return SharedInputs(position, length, masks)
+    device = hidden.device
+    for segment in batch.segments:
+        position, length = segment.position, segment.length
+        alibi = slopes[:, None, None] * torch.arange(position + length, device=device)  # (heads, 1, keys), float32
+        alibi = alibi.to(hidden.dtype)  # transformers casts it before adding it to the scores
+        segment.masks = {
+            window: alibi.masked_fill(~_causal_mask(position, length, window, device), float("-inf"))[None]
+            for window in windows
+        }  # (1, heads, length, keys)
 
 
 def no_position_state(family: "Family", config, device) -> None:
     return None
 
 
-def causal_inputs(_state, hidden: torch.Tensor, position: int, windows: set) -> SharedInputs:
-    """Positions already in the hidden states (learned embeddings added at the client): only the mask."""
-    length = hidden.shape[1]
-    return SharedInputs(position, length, _masks(position, length, windows, hidden.device))
-
-
-def _attend(queries, keys, values, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """(batch, heads, new, head_dim) queries over (batch, kv_heads, all, head_dim) keys/values."""
-    return F.scaled_dot_product_attention(
-        queries, keys, values,
-        attn_mask=mask,
-        is_causal=mask is None and queries.shape[2] > 1,
-        scale=scale,
-        enable_gqa=True,
-    )
+def causal_inputs(_state, hidden: torch.Tensor, batch: PackedBatch, windows: set) -> None:
+    """Positions already in the hidden states (learned embeddings added at the client): only the masks."""
+    _set_masks(batch, windows, hidden.device)
 
 
 def _heads(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(batch, length, heads * head_dim) -> (batch, heads, length, head_dim)."""
-    batch, length, _ = projected.shape
-    return projected.view(batch, length, -1, head_dim).transpose(1, 2)
-
-
-def _merge_heads(attended: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, length, head_dim) -> (batch, length, heads * head_dim)."""
-    batch, _, length, _ = attended.shape
-    return attended.transpose(1, 2).reshape(batch, length, -1)
+    """(1, tokens, heads * head_dim) -> (1, tokens, heads, head_dim)."""
+    return projected.unflatten(-1, (-1, head_dim))
 
 
 # -------------------------------------------------------------------------------------- layer forwards
 
 
-def llama_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache: Optional[LayerCache]):
+def llama_layer_forward(layer, hidden: torch.Tensor, batch: PackedBatch, index: int) -> torch.Tensor:
     """Pre-norm decoder layer with rotary positions and grouped-query attention (Llama, Mistral, Qwen2)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -154,51 +166,44 @@ def llama_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache
     head_dim = attention.head_dim
 
     normed = layer.input_layernorm(hidden)
-    queries = _heads(attention.q_proj(normed), head_dim)  # (b, heads, s, hd)
-    keys = _heads(attention.k_proj(normed), head_dim)  # (b, kv_heads, s, hd)
+    queries = _heads(attention.q_proj(normed), head_dim)  # (1, tokens, heads, head_dim)
+    keys = _heads(attention.k_proj(normed), head_dim)  # (1, tokens, kv_heads, head_dim)
     values = _heads(attention.v_proj(normed), head_dim)
-    queries, keys = apply_rotary_pos_emb(queries, keys, shared.cos, shared.sin)
-    if cache is not None:
-        keys, values = cache.write(shared.position, keys, values)
+    queries, keys = apply_rotary_pos_emb(queries, keys, batch.cos, batch.sin, unsqueeze_dim=2)
 
-    attended = _attend(queries, keys, values, shared.masks[layer.attention_window], attention.scaling)
-    hidden = hidden + attention.o_proj(_merge_heads(attended))
+    attended = batch.attend(index, queries, keys, values, layer.attention_window, attention.scaling)
+    hidden = hidden + attention.o_proj(attended)
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def bloom_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache: Optional[LayerCache]):
+def bloom_layer_forward(layer, hidden: torch.Tensor, batch: PackedBatch, index: int) -> torch.Tensor:
     """BLOOM: LayerNorms, a fused query_key_value laid out head by head (q, k, v of head 0, then of head 1, ...),
     ALiBi in the attention bias, and optionally the residual taken after the norm."""
     attention = layer.self_attention
-    batch, length, _ = hidden.shape
     post_norm_residual = layer.apply_residual_connection_post_layernorm
 
     normed = layer.input_layernorm(hidden)
     residual = normed if post_norm_residual else hidden
-    fused = attention.query_key_value(normed).view(batch, length, attention.num_heads, 3, attention.head_dim)
-    queries, keys, values = (fused[..., index, :].transpose(1, 2) for index in range(3))  # (b, heads, s, hd)
-    if cache is not None:
-        keys, values = cache.write(shared.position, keys, values)
+    fused = attention.query_key_value(normed).unflatten(-1, (attention.num_heads, 3, attention.head_dim))
+    queries, keys, values = (fused[..., part, :] for part in range(3))  # (1, tokens, heads, head_dim)
 
-    attended = _attend(queries, keys, values, shared.masks[layer.attention_window], attention.inv_norm_factor)
-    hidden = residual + attention.dense(_merge_heads(attended))
+    attended = batch.attend(index, queries, keys, values, layer.attention_window, attention.inv_norm_factor)
+    hidden = residual + attention.dense(attended)
 
     normed = layer.post_attention_layernorm(hidden)
     return layer.mlp(normed, normed if post_norm_residual else hidden)  # BloomMLP adds its residual itself
 
 
-def gpt2_layer_forward(layer, hidden: torch.Tensor, shared: SharedInputs, cache: Optional[LayerCache]):
+def gpt2_layer_forward(layer, hidden: torch.Tensor, batch: PackedBatch, index: int) -> torch.Tensor:
     """GPT-2: LayerNorms ln_1/ln_2, Conv1D projections (c_attn fused as [q | k | v]), no positions in the layer."""
     attention = layer.attn
     head_dim = attention.head_dim
 
-    queries, keys, values = attention.c_attn(layer.ln_1(hidden)).split(attention.split_size, dim=2)
-    queries, keys, values = _heads(queries, head_dim), _heads(keys, head_dim), _heads(values, head_dim)
-    if cache is not None:
-        keys, values = cache.write(shared.position, keys, values)
+    projected = attention.c_attn(layer.ln_1(hidden)).split(attention.split_size, dim=2)
+    queries, keys, values = (_heads(part, head_dim) for part in projected)
 
-    attended = _attend(queries, keys, values, shared.masks[layer.attention_window], attention.scaling)
-    hidden = hidden + attention.c_proj(_merge_heads(attended))
+    attended = batch.attend(index, queries, keys, values, layer.attention_window, attention.scaling)
+    hidden = hidden + attention.c_proj(attended)
     return hidden + layer.mlp(layer.ln_2(hidden))
 
 
@@ -260,9 +265,9 @@ class Family:
     prefix: str  # class-name prefix in that module (LlamaRotaryEmbedding, LlamaRMSNorm, ...)
     layer_class: str  # the decoder layer class in that module, built as layer_class(config, layer_index)
     layer_key: str  # checkpoint prefix of block i's tensors: layer_key.format(i)
-    layer_forward: Callable  # (layer, hidden, shared: SharedInputs, cache: LayerCache | None) -> hidden
-    position_state: Callable  # (family, config, device) -> what shared_inputs needs, built once per span
-    shared_inputs: Callable  # (state, hidden, position, windows: set) -> SharedInputs, once per forward
+    layer_forward: Callable  # (layer, hidden, batch: PackedBatch, index in the forward's range) -> hidden
+    position_state: Callable  # (family, config, device) -> what batch_inputs needs, built once per span
+    batch_inputs: Callable  # (state, hidden, batch: PackedBatch, windows: set): positions and masks, per forward
     cache_shape: Callable  # (config, layer) -> (kv heads, head_dim) of the layer's cache
     client: ClientSide
     sliding_window: Callable = _no_window  # (config, layer_index) -> int | None
@@ -283,7 +288,7 @@ def _llama_style(module: str, prefix: str, sliding_window: Callable) -> Family:
         layer_key="model.layers.{}.",
         layer_forward=llama_layer_forward,
         position_state=rotary_state,
-        shared_inputs=rotary_inputs,
+        batch_inputs=rotary_inputs,
         cache_shape=_llama_cache_shape,
         client=ClientSide(embed_key="model.embed_tokens.weight", norm_prefix="model.norm.", norm=_rms_norm),
         sliding_window=sliding_window,
@@ -301,7 +306,7 @@ FAMILIES = {
         layer_key="transformer.h.{}.",
         layer_forward=bloom_layer_forward,
         position_state=alibi_state,
-        shared_inputs=alibi_inputs,
+        batch_inputs=alibi_inputs,
         cache_shape=_bloom_cache_shape,
         client=ClientSide(
             embed_key="transformer.word_embeddings.weight",
@@ -317,7 +322,7 @@ FAMILIES = {
         layer_key="transformer.h.{}.",
         layer_forward=gpt2_layer_forward,
         position_state=no_position_state,
-        shared_inputs=causal_inputs,
+        batch_inputs=causal_inputs,
         cache_shape=_gpt2_cache_shape,
         client=ClientSide(
             embed_key="transformer.wte.weight",
@@ -359,32 +364,43 @@ class BlockSpan(nn.Module):
     def device(self) -> torch.device:
         return next(self.layers[0].parameters()).device
 
-    def new_cache(self, start: int, end: int, batch: int, capacity: int) -> list[LayerCache]:
-        return [
-            LayerCache(batch, self.kv_heads, capacity, self.head_dim, self.dtype, self.device)
-            for _ in range(start, end)
-        ]
+    def new_cache(self, start: int, end: int, rows: int, capacity: int = 0) -> SessionCache:
+        """Empty caches for blocks [start, end) of a session of `rows` sequences (see SessionCache)."""
+        layers = [LayerCache(rows, self.kv_heads, self.head_dim, self.dtype, self.device) for _ in range(start, end)]
+        cache = SessionCache(layers, rows)
+        cache.reserved = capacity
+        cache.fit(0)
+        return cache
 
     @torch.inference_mode()
     def forward(
         self,
-        hidden: torch.Tensor,  # (batch, new positions, hidden)
+        hidden: torch.Tensor,  # (rows, new positions, hidden)
         position: int = 0,
-        caches: Optional[list[LayerCache]] = None,
+        cache: Optional[SessionCache] = None,
         start: Optional[int] = None,
         end: Optional[int] = None,
     ) -> torch.Tensor:
+        """One request's new positions through blocks [start, end) (default: the whole span)."""
+        segment = Segment(hidden.shape[0], hidden.shape[1], position, cache)
+        return self.forward_packed(hidden.reshape(1, -1, hidden.shape[-1]), [segment], start, end).view(hidden.shape)
+
+    @torch.inference_mode()
+    def forward_packed(
+        self, hidden: torch.Tensor, segments: list[Segment], start: Optional[int] = None, end: Optional[int] = None
+    ) -> torch.Tensor:
+        """Several requests at once: their new tokens packed as (1, tokens, hidden), segment after segment
+        (see PackedBatch); returns the outputs packed the same way."""
         start = self.start if start is None else start
         end = self.end if end is None else end
         if not self.start <= start < end <= self.end:
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
         hidden = hidden.to(self.device, self.dtype)
         layers = self.layers[start - self.start : end - self.start]
-        windows = {layer.attention_window for layer in layers}
-        shared = self.family.shared_inputs(self.position_state, hidden, position, windows)
-        for offset, layer in enumerate(layers):
-            cache = caches[offset] if caches is not None else None
-            hidden = self.family.layer_forward(layer, hidden, shared, cache)
+        batch = PackedBatch(segments)
+        self.family.batch_inputs(self.position_state, hidden, batch, {layer.attention_window for layer in layers})
+        for index, layer in enumerate(layers):
+            hidden = self.family.layer_forward(layer, hidden, batch, index)
         return hidden
 
 

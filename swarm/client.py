@@ -15,6 +15,7 @@ from typing import Collection, Optional, Sequence
 import torch
 
 from swarm import dht
+from swarm.cache import PAGE_TOKENS
 from swarm.protocol import (
     CacheFullError,
     MissingBlocksError,
@@ -186,7 +187,7 @@ class RemoteSession:
             try:
                 output = self._step_hop(hop, output, position)
                 index += 1
-            except ServerUnavailableError as error:
+            except (ServerUnavailableError, CacheFullError) as error:  # a full cache: not a fault, but go elsewhere
                 output, index = self._fail_over(index, error, output.shape[1])
         self.position = end
         return output
@@ -207,15 +208,17 @@ class RemoteSession:
         start, end, inputs = failed.link.start, failed.link.end, failed.inputs
         logger.warning("server %s failed (%s); re-routing blocks %d:%d", failed.link.peer_id, error, start, end)
         metrics.FAILOVERS.inc()
-        self.client.bans.ban(failed.link.peer_id)
-        self._close_hop(failed)
+        # a full cache is no fault: that server is only avoided, and keeps the session if no other can take it
+        cache_full = isinstance(error, CacheFullError)
+        if not cache_full:
+            self.client.bans.ban(failed.link.peer_id)
         last_error: Exception = error
         for attempt in range(self.client.max_retries):
             if attempt:
                 metrics.RETRIES.inc()
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))  # backoff: a replacement may still be starting
             try:
-                replacement = self._open_hops(start, end)
+                replacement = self._open_hops(start, end, avoid={failed.link.peer_id} if cache_full else ())
             except MissingBlocksError as missing:
                 last_error = missing
                 continue
@@ -227,6 +230,7 @@ class RemoteSession:
                     self._close_hop(hop)
                 continue
             self.hops[index : index + 1] = replacement
+            self._close_hop(failed)
             return outputs[:, -new_positions:], index + len(replacement)
         raise last_error
 
@@ -242,14 +246,15 @@ class RemoteSession:
                 raise
         return hidden
 
-    def _open_hops(self, start: int, end: int) -> list[Hop]:
+    def _open_hops(self, start: int, end: int, avoid: Collection[str] = ()) -> list[Hop]:
         """Streams to the best chain over blocks [start, end); a server whose cache is full is routed around."""
         client, route = self.client, self.route
-        unusable: set[str] = set()
+        unusable: set[str] = set(avoid)
         while True:
             try:
+                # servers take cache a page at a time as the session grows: what matters is room for the first
                 chain = client.chain(route.prefix, route.num_blocks, route.model_name, unusable, end, start,
-                                     min_cache_tokens=self.max_length * self.batch_size)
+                                     min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
             except MissingBlocksError:
                 if unusable:  # only full or failing servers could have served: that is the error worth reporting
                     raise CacheFullError(f"every server that could serve blocks {start}:{end} of "

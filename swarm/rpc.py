@@ -79,7 +79,7 @@ class BlockService(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             _, metadata = unpack(await anext(requests))
-            session = self.backend.open_session(metadata)
+            session = await self.backend.open_session(metadata)
         except StopAsyncIteration:
             return
         except Exception as error:

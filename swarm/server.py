@@ -15,14 +15,13 @@ import os
 import signal
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import torch
 
 from swarm import metrics
 from swarm.blocks import BlockSpan
-from swarm.cache import CacheBudget
+from swarm.batching import Scheduler
+from swarm.cache import PAGE_TOKENS, CacheBudget, pages_for
 from swarm.protocol import (
     PROTOCOL_VERSION,
     BadRequestError,
@@ -38,13 +37,14 @@ MAX_BATCH_SIZE = 64
 
 
 class Backend:
-    """What the RPC handlers call: validates requests against the span, runs them, tracks the cache."""
+    """What the RPC handlers call: validates requests against the span, queues them for the compute thread
+    (swarm/batching.py), and keeps the sessions' caches within the budget."""
 
-    def __init__(self, span: BlockSpan, budget: CacheBudget):
-        self.span, self.budget = span, budget
+    def __init__(self, span: BlockSpan, budget: CacheBudget, cache_wait: float = 3.0, **batching):
+        self.span, self.budget, self.cache_wait = span, budget, cache_wait
         self.hidden_size = span.config.hidden_size
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.scheduler = Scheduler(lambda: self.span, **batching)
         self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
         self.sessions: set[ServerSession] = set()
 
@@ -66,31 +66,28 @@ class Backend:
             "loaded_names": self.span.loaded_names,
         }
 
-    async def run(self, hidden: torch.Tensor, position: int, caches, start: int, end: int) -> torch.Tensor:
-        call = partial(self.span.forward, hidden, position, caches, start, end)
-        began = time.perf_counter()
-        output = await asyncio.get_running_loop().run_in_executor(self._compute, call)
-        metrics.STEP_SECONDS.observe(time.perf_counter() - began)
-        metrics.BATCH_SIZE.observe(hidden.shape[0])
-        return output.to("cpu", hidden.dtype)
-
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
         start, end = self._block_range(metadata)
         hidden = self.check_hidden_states(tensors)
         if hidden.shape[1] > self.max_positions:
             raise SessionLengthError(f"sequence of {hidden.shape[1]} tokens exceeds {self.max_positions} positions")
-        return await self.run(hidden, 0, None, start, end)
+        return await self.scheduler.run(hidden, 0, start, end)
 
-    def open_session(self, metadata: dict) -> "ServerSession":
+    async def open_session(self, metadata: dict) -> "ServerSession":
+        """A new session, holding its first page of cache (refused with CacheFullError if none frees up)."""
         start, end = self._block_range(metadata)
         max_length = _int_field(metadata, "max_length", 1, self.max_positions)
         batch_size = _int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
-        self.budget.reserve(max_length * batch_size)
+        session = ServerSession(self, start, end, max_length, batch_size)
         try:
-            return ServerSession(self, start, end, max_length, batch_size)
-        except BaseException:  # e.g. out of memory for the cache: the reservation must not leak
-            self.budget.release(max_length * batch_size)
+            await session.reserve(1)
+        except BaseException:
+            session.close()
             raise
+        return session
+
+    def close(self) -> None:
+        self.scheduler.stop()
 
     def _block_range(self, metadata: dict) -> tuple[int, int]:
         start = _int_field(metadata, "start", self.span.start, self.span.end - 1)
@@ -118,7 +115,7 @@ class ServerSession:
     def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int):
         self.backend, self.start, self.end = backend, start, end
         self.max_length, self.batch_size = max_length, batch_size
-        self.caches = backend.span.new_cache(start, end, batch_size, max_length)
+        self.cache = backend.span.new_cache(start, end, batch_size)  # empty: it takes pages as it grows
         self.length = 0  # positions filled in the cache
         self._closed = False
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
@@ -136,17 +133,31 @@ class ServerSession:
             raise SessionLengthError(
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
-        output = await self.backend.run(hidden, position, self.caches, self.start, self.end)
+        await self.reserve(end)
+        output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache, self._wanted)
         self.length = end
         self.backend.positions_served += hidden.shape[1]
         metrics.POSITIONS_SERVED.inc(hidden.shape[1])
         return output
 
+    async def reserve(self, positions: int) -> None:
+        """Pages of the budget for `positions` positions of every row (waiting a bounded time for them)."""
+        if positions <= self.cache.reserved:
+            return
+        wanted = min(pages_for(positions) * PAGE_TOKENS, max(self.max_length, positions))
+        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, self.backend.cache_wait)
+        if self._closed:  # closed while waiting: give the pages straight back
+            self.backend.budget.give_back((wanted - self.cache.reserved) * self.batch_size)
+            raise ServerUnavailableError("the session ended while waiting for cache")
+        self.cache.reserved = wanted
+
+    def _wanted(self) -> bool:
+        return not (self._closed or self.evicted)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.caches = None
-            self.backend.budget.release(self.max_length * self.batch_size)
+            self.backend.budget.give_back(self.cache.tokens)
             self.backend.sessions.discard(self)
             metrics.SESSIONS.dec()
 
@@ -227,7 +238,8 @@ async def serve(args) -> None:
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
         joining = ServerInfo(ServerState.JOINING, start, end, 0.0, args.cache_tokens)
         span, throughput = await _announced_while(node, prefix, joining, args.announce_period, load())
-        backend = Backend(span, CacheBudget(args.cache_tokens))
+        backend = Backend(span, CacheBudget(args.cache_tokens), args.cache_wait, max_batch_tokens=args.max_batch_tokens,
+                          prefill_chunk_tokens=args.prefill_chunk_tokens)
         metrics.watch_cache(backend.budget)
         await BlockService(backend).add_p2p_handlers(node.p2p)
 
@@ -330,7 +342,14 @@ def parse_args(argv=None):
     parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--cache-tokens", type=int, default=settings.cache_tokens, help="attention cache budget")
+    parser.add_argument("--cache-tokens", type=int, default=settings.cache_tokens,
+                        help="attention cache budget, in token slots (sessions take them a page at a time)")
+    parser.add_argument("--cache-wait", type=float, default=3.0,
+                        help="seconds a step waits for cache when it is full, before it is refused")
+    parser.add_argument("--max-batch-tokens", type=int, default=1024,
+                        help="most tokens in one batched forward (decode steps of all sessions + prefill chunks)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=128,
+                        help="most prompt tokens per forward: a long prompt runs in chunks between decode steps")
     parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
     parser.add_argument("--announce-period", type=float, default=settings.announce_period)
     parser.add_argument("--rebalance-period", type=float,
@@ -343,8 +362,11 @@ def parse_args(argv=None):
 
     if args.num_blocks is not None and args.num_blocks < 1:
         parser.error("--num-blocks must be at least 1")
-    if args.cache_tokens < 1:
-        parser.error("--cache-tokens must be at least 1")
+    for name in ("cache_tokens", "max_batch_tokens", "prefill_chunk_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.cache_wait < 0:
+        parser.error("--cache-wait must not be negative")
     if args.rebalance_period is None:
         args.rebalance_period = 6 * args.announce_period if args.num_blocks else 0.0
     if args.rebalance_period < 0 or args.announce_period <= 0:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from swarm.cache import PAGE_TOKENS
 from swarm.model import RemoteModel
 from swarm.protocol import BadRequestError, CacheFullError, MissingBlocksError, SessionLengthError
 
@@ -30,20 +31,36 @@ def test_missing_blocks_are_named(tiny_swarm, remote_for):
 
 
 def test_a_full_cache_says_so_and_is_routed_around(tiny_swarm, remote_for):
-    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", "16"])
+    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", "16", "--cache-wait", "0.5"])
     model = remote_for("tiny-small")
     with pytest.raises(CacheFullError, match="full cache"):
-        model.session(max_length=32)
+        model.session(max_length=32)  # its first page (32 positions) is more than the whole cache
     with model.session(max_length=16) as session:  # fits
-        with pytest.raises(CacheFullError):  # the one server is now full
+        with pytest.raises(CacheFullError):  # the one server is now full, and stays full while it waits
             model.session(max_length=1)
         session.step([[1, 2, 3]])
-    with model.session(max_length=16):  # the closed session's cache was freed
+    with model.session(max_length=16):  # the closed session's cache comes back (a new one waits for it)
         pass
 
     tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", "64"])
     with model.session(max_length=32) as session:  # the full server is routed around
         assert session.step([[1, 2, 3]]).shape == (1, model.config.vocab_size)
+
+
+def test_a_session_takes_cache_as_it_grows_and_is_refused_when_none_frees(tiny_swarm, remote_for):
+    server = tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-growing", "--cache-tokens", "200",
+                                    "--cache-wait", "0.5"])
+    model = remote_for("tiny-growing")
+    ids = torch.randint(0, model.config.vocab_size, (1, 140))
+    with model.session(max_length=256) as session:
+        assert model.client.server_info(server.peer_id)["cache_tokens_free"] == 200 - PAGE_TOKENS  # one page
+        session.step(ids[:, :100])
+        with pytest.raises(CacheFullError, match="full cache"):
+            session.step(ids[:, 100:])  # a second page does not fit, and no other server has one
+        session.step(ids[:, 100:110])  # still within the first page: the session goes on
+    with model.session(max_length=256):  # closing gave every page back
+        pass
+    assert model.client.server_info(server.peer_id)["cache_tokens_free"] == 200
 
 
 def test_exceeding_max_length_says_so(tiny_remote):

@@ -1,0 +1,167 @@
+"""Continuous batching on a block server: every step waiting for the compute thread runs in one forward.
+
+Requests arrive on the event loop (one step per session at a time, plus cache-less forwards) and queue here.
+The compute thread takes, in each round, every waiting decode step of one block range and as much of the
+waiting prefills as the round's token budget leaves, packs their tokens side by side (blocks.PackedBatch)
+and runs them through the span at once: the weights are read once for all of them. A long prompt goes
+through in chunks of at most `prefill_chunk_tokens`, round after round, so the sessions that are decoding
+meanwhile wait for one chunk at most, never for the whole prompt. The chunks of one prompt run in order
+and write the session's cache like one step would, so the outputs are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from swarm import metrics
+from swarm.blocks import BlockSpan, Segment
+from swarm.cache import SessionCache
+from swarm.protocol import ServerUnavailableError
+
+
+@dataclass(eq=False)
+class Work:
+    """One request: new positions (rows, length, hidden) through blocks [start, end), from `position`."""
+
+    hidden: torch.Tensor
+    position: int
+    start: int
+    end: int
+    cache: Optional[SessionCache]  # None: whole sequences, no cache kept (and so no chunking: run at once)
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    still_wanted: Callable[[], bool] = lambda: True  # false once the session is gone or evicted
+    done: int = 0  # positions already computed
+    outputs: list = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return self.hidden.shape[1] - self.done
+
+    def resolve(self, result=None, error: Optional[BaseException] = None) -> None:
+        def settle():
+            if not self.future.done():
+                self.future.set_exception(error) if error is not None else self.future.set_result(result)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+class Scheduler:
+    """The server's one compute thread and the queue in front of it."""
+
+    def __init__(self, span_of: Callable[[], BlockSpan], max_batch_tokens: int = 1024, prefill_chunk_tokens: int = 128):
+        self._span_of = span_of  # the span may change while the server runs (it moves to other blocks)
+        self.max_batch_tokens, self.prefill_chunk_tokens = max_batch_tokens, prefill_chunk_tokens
+        self._waiting: list[Work] = []
+        self._wakeup = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name="compute", daemon=True)
+        self._thread.start()
+
+    async def run(self, hidden: torch.Tensor, position: int, start: int, end: int,
+                  cache: Optional[SessionCache] = None, still_wanted: Callable[[], bool] = lambda: True) -> torch.Tensor:
+        """Outputs of these new positions, once the compute thread has run them (with others)."""
+        loop = asyncio.get_running_loop()
+        work = Work(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted)
+        with self._wakeup:
+            self._waiting.append(work)
+            self._wakeup.notify()
+        began = time.perf_counter()
+        try:
+            return await work.future
+        finally:
+            metrics.STEP_SECONDS.observe(time.perf_counter() - began)
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+
+    # ------------------------------------------------------------------------------------- compute thread
+
+    def _serve(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._waiting and not self._stopped:
+                    self._wakeup.wait()
+                if self._stopped:
+                    return
+                round_ = self._next_round()
+            if round_:
+                self._run(round_)
+
+    def _next_round(self) -> list[tuple[Work, int]]:
+        """(work, positions to run now) for one forward: the oldest work's block range; decode steps first,
+        then prefill chunks within the token budget. Works no longer wanted are dropped here."""
+        for work in [work for work in self._waiting if not work.still_wanted()]:
+            self._waiting.remove(work)
+            work.resolve(error=ServerUnavailableError("the session ended or moved before its step ran"))
+        if not self._waiting:
+            return []
+        first = self._waiting[0]
+        if first.cache is None:  # a cache-less forward cannot be split: it runs alone
+            return [(first, first.remaining)]
+        same_range = [work for work in self._waiting
+                      if work.cache is not None and (work.start, work.end) == (first.start, first.end)]
+        decoding = [work for work in same_range if work.remaining == 1]
+        prefilling = [work for work in same_range if work.remaining > 1]
+        round_, tokens = [], 0
+        for work in decoding:
+            if tokens + work.rows > self.max_batch_tokens and round_:
+                break
+            round_.append((work, 1))
+            tokens += work.rows
+        prefill_room = self.prefill_chunk_tokens
+        for work in prefilling:
+            positions = min(work.remaining, prefill_room // work.rows, (self.max_batch_tokens - tokens) // work.rows)
+            if positions < 1:
+                if round_:
+                    break
+                positions = 1  # a request wider than the budget still moves, one position per round
+            round_.append((work, positions))
+            tokens += positions * work.rows
+            prefill_room -= positions * work.rows
+        return round_
+
+    def _run(self, round_: list[tuple[Work, int]]) -> None:
+        span, first = self._span_of(), round_[0][0]
+        try:
+            segments, pieces = [], []
+            for work, positions in round_:
+                if work.cache is not None:
+                    work.cache.fit(kept=work.position + work.done)
+                segments.append(Segment(work.rows, positions, work.position + work.done, work.cache))
+                pieces.append(work.hidden[:, work.done : work.done + positions].reshape(-1, work.hidden.shape[-1]))
+            packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
+            output = span.forward_packed(packed, segments, first.start, first.end)[0].to("cpu")
+        except Exception as error:  # a bug or out of memory: every work of the round fails, the thread goes on
+            with self._wakeup:
+                for work, _ in round_:
+                    self._waiting.remove(work)
+                    work.resolve(error=error)
+            return
+        metrics.BATCH_SIZE.observe(sum(work.rows for work, _ in round_))
+        offset = 0
+        finished = []
+        for (work, positions), segment in zip(round_, segments):
+            work.outputs.append(output[offset : offset + segment.tokens].view(work.rows, positions, -1))
+            offset += segment.tokens
+            work.done += positions
+            if work.remaining == 0:
+                finished.append(work)
+        with self._wakeup:
+            for work in finished:
+                self._waiting.remove(work)
+        for work in finished:
+            outputs = work.outputs[0] if len(work.outputs) == 1 else torch.cat(work.outputs, dim=1)
+            work.resolve(outputs.to(work.hidden.dtype))
