@@ -4,6 +4,7 @@ Each command-line tool takes its defaults from here, so an operator can set them
 
     SWARM_CACHE_DIR   where converted models live (default: $XDG_CACHE_HOME/swarm-gateway or ~/.cache/...)
     INITIAL_PEERS     space- or comma-separated multiaddrs of DHT peers to join
+    WIRE_DTYPE        how a client sends hidden states to servers: float32 (default, exact), bfloat16 or float16
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Mapping
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _split_list(value: str) -> tuple[str, ...]:
@@ -47,6 +49,11 @@ class SwarmSettings:
     # so a server that died silently leaves routing within 3 * announce_period seconds.
     announce_period: float = 10.0
     cache_tokens: int = 32768
+    wire_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"WIRE_DTYPE must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SwarmSettings":
@@ -54,6 +61,7 @@ class SwarmSettings:
             cache_dir=_default_cache_dir(environ),
             model=environ.get("MODEL", DEFAULT_MODEL),
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
+            wire_dtype=environ.get("WIRE_DTYPE", "float32"),
         )
 
 

@@ -183,9 +183,12 @@ class Engine:
     def swarm_client(self):
         with self._client_lock:
             if self._client is None:
+                import torch
+
                 from swarm.client import SwarmClient
 
-                self._client = SwarmClient(self.settings.swarm.initial_peers)
+                wire_dtype = getattr(torch, self.settings.swarm.wire_dtype)
+                self._client = SwarmClient(self.settings.swarm.initial_peers, wire_dtype=wire_dtype)
             return self._client
 
     def model(self, name: Optional[str]) -> ServedModel:

@@ -81,8 +81,10 @@ class SwarmClient:
     """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures."""
 
     def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
-                 max_retries: int = 5):
+                 max_retries: int = 5, wire_dtype: torch.dtype = torch.float32):
         self.loop = dht.EventLoop.get()
+        # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
+        self.wire_dtype = wire_dtype
         self.timeout = timeout  # for a whole-sequence forward, or opening a stream
         # a step may take this long, plus STEP_SECONDS_PER_TOKEN for each position it carries; a server that
         # stays silent longer (dead, stalled, cut off) is banned and its span re-routed
@@ -109,12 +111,12 @@ class SwarmClient:
         """A whole sequence through the chain, with no cache left behind: (batch, length, hidden) in and out."""
 
         async def run_chain():
-            output = hidden
+            output = hidden.to(self.wire_dtype)
             for link in chain:
                 output = await call_forward(self.node.p2p, link.peer_id, output, link.start, link.end, self.timeout)
             return output
 
-        return self.loop.run(run_chain())
+        return self.loop.run(run_chain()).to(hidden.dtype)
 
     def open_session(
         self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1
@@ -161,6 +163,7 @@ class RemoteSession:
     def __init__(self, client: SwarmClient, route: Route, max_length: int, batch_size: int = 1):
         self.client, self.route, self.max_length, self.batch_size = client, route, max_length, batch_size
         self.position = 0  # tokens already in the servers' caches
+        self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
         self.hops: list[Hop] = []
         try:
             self.hops = self._open_hops(0, route.num_blocks)
@@ -180,22 +183,27 @@ class RemoteSession:
             raise SessionLengthError(
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
-        output, index = hidden, 0
+        output, index = hidden.to(self.client.wire_dtype), 0
+        self._steps += 1
         while index < len(self.hops):
             hop = self.hops[index]
             hop.record(output, position)
+            following = self.hops[index + 1] if index + 1 < len(self.hops) else None
             try:
-                output = self._step_hop(hop, output, position)
+                output = self._step_hop(hop, output, position, following)
                 index += 1
             except (ServerUnavailableError, CacheFullError) as error:  # a full cache: not a fault, but go elsewhere
                 output, index = self._fail_over(index, error, output.shape[1])
         self.position = end
-        return output
+        return output.to(hidden.dtype)
 
-    def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int) -> torch.Tensor:
+    def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int, following: Optional[Hop] = None) -> torch.Tensor:
+        """One server's step; it pushes its outputs on to `following`'s server (which then starts at once), and
+        they come back here too: to be sent on anyway, and kept for a replay should `following` fail."""
         timeout = self.client.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
         began = time.perf_counter()
-        output = self.client.loop.run(hop.stream.step(hidden, position, timeout))
+        push_to = following.stream if following is not None else None
+        output = self.client.loop.run(hop.stream.step(hidden, position, timeout, self._steps, push_to))
         self.client.load.observed(hop.link.peer_id, time.perf_counter() - began)
         return output
 

@@ -48,7 +48,8 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature=0.0, top_k=
 def run(args) -> None:
     from swarm.model import RemoteModel
 
-    model = RemoteModel.from_pretrained(args.model, args.initial_peers, args.cache_dir, args.dht_prefix)
+    model = RemoteModel.from_pretrained(args.model, args.initial_peers, args.cache_dir, args.dht_prefix,
+                                        wire_dtype=getattr(torch, args.wire_dtype))
     try:
         ids = prompt_ids(model.tokenizer, args.prompt, args.chat)
         detokenizer = IncrementalDetokenizer(model.tokenizer)
@@ -65,7 +66,7 @@ def run(args) -> None:
 
 
 def main(argv=None) -> None:
-    from config import SwarmSettings
+    from config import WIRE_DTYPES, SwarmSettings
     from swarm.cli import ArgumentParser, multiaddr, run_main, setup_logging
 
     settings = SwarmSettings.from_env()
@@ -81,6 +82,8 @@ def main(argv=None) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=settings.wire_dtype,
+                        help="how hidden states travel to servers (16-bit halves the bytes; float32 is exact)")
     args = parser.parse_args(argv)
     if not args.initial_peers:
         parser.error("--initial-peers is required (or set INITIAL_PEERS)")

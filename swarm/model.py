@@ -15,6 +15,7 @@ import torch
 
 from swarm.blocks import load_client
 from swarm.client import RemoteSession, SwarmClient
+from swarm.coalesce import Coalescer
 from swarm.protocol import dht_prefix
 from swarm.weights import load_config, load_tokenizer, resolve_model
 
@@ -31,16 +32,18 @@ class RemoteModel:
         self.client_modules = load_client(self.folder, self.config)  # are read, never any block's weights
         self.embed_tokens = self.client_modules.embed_tokens
         self.norm, self.lm_head = self.client_modules.norm, self.client_modules.lm_head
+        # sessions decoding at once in other threads share one pass through the LM head (see swarm/coalesce.py)
+        self._head = Coalescer(self.client_modules.logits)
 
     @classmethod
     def from_pretrained(
         cls, name_or_path: str, initial_peers: Sequence[str], cache_dir: Path, prefix: Optional[str] = None,
-        name: Optional[str] = None,
+        name: Optional[str] = None, wire_dtype: torch.dtype = torch.float32,
     ) -> "RemoteModel":
         """`name` is what errors call the model (default: name_or_path); `prefix` its name in the DHT
-        (default: derived from name_or_path, as servers derive it)."""
+        (default: derived from name_or_path, as servers derive it); `wire_dtype` how hidden states travel."""
         folder = resolve_model(name_or_path, cache_dir)
-        model = cls(folder, SwarmClient(initial_peers), name_or_path, prefix)
+        model = cls(folder, SwarmClient(initial_peers, wire_dtype=wire_dtype), name_or_path, prefix)
         model.name = name or name_or_path
         return model
 
@@ -49,8 +52,8 @@ class RemoteModel:
         return self.client_modules.embed(_as_batch(token_ids), position)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last block's output -> final norm -> LM head."""
-        return self.client_modules.logits(hidden)
+        """The last block's output (rows, hidden) -> final norm -> LM head -> (rows, vocab)."""
+        return self._head(hidden)
 
     @property
     def tokenizer(self):

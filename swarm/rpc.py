@@ -2,11 +2,15 @@
 
 Messages are hivemind's ExpertRequest/ExpertResponse: tensors plus msgpack metadata.
 
-    rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, version, loaded_names}
+    rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
+                         loaded_names}
     rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less, whole sequences
-    rpc_inference  a stream: first {start, end, max_length, batch_size} -> {ok}
-                   then per step [hidden] {position} -> [hidden]
+    rpc_inference  a stream: first {start, end, max_length, batch_size, session_id?} -> {ok}
+                   then per step [hidden] {position, step_id?, push_to?: {peer_id, session_id}} -> [hidden]
                    closing the request stream ends the session and frees its cache
+    rpc_push       [hidden] {session_id, step_id, position} -> {}: a step's inputs, pushed by the previous
+                   server of the chain (named by the client in push_to) as soon as it has them, so that the
+                   next server starts before the client's copy of the same inputs arrives
 
 A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
 broken stream, so the client can raise the same SwarmError the server raised.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import AsyncIterator, Optional
 
 import torch
@@ -28,9 +33,19 @@ from swarm.protocol import BadRequestError, ServerUnavailableError, SwarmError, 
 
 logger = logging.getLogger(__name__)
 
+PUSH_TIMEOUT = 10.0
+
+
+# hivemind widens bfloat16 to float32 on the wire; its bits travel as int16 instead, named under this key
+BFLOAT16_KEY = "bfloat16_tensors"
+
 
 def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None, request: bool = True):
     message = runtime_pb2.ExpertRequest() if request else runtime_pb2.ExpertResponse()
+    bfloat16 = [index for index, tensor in enumerate(tensors) if tensor.dtype == torch.bfloat16]
+    if bfloat16:
+        metadata = {**(metadata or {}), BFLOAT16_KEY: bfloat16}
+        tensors = tuple(tensor.view(torch.int16) if index in bfloat16 else tensor for index, tensor in enumerate(tensors))
     message.tensors.extend(serialize_torch_tensor(tensor) for tensor in tensors)
     message.metadata = MSGPackSerializer.dumps(metadata or {})
     return message
@@ -44,6 +59,11 @@ def unpack(message) -> tuple[list[torch.Tensor], dict]:
         raise BadRequestError(f"undecodable message: {error}") from None
     if not isinstance(metadata, dict):
         raise BadRequestError("message metadata must be a map")
+    named = metadata.pop(BFLOAT16_KEY, None) or []
+    for index in named if isinstance(named, list) else [named]:
+        if not isinstance(index, int) or not 0 <= index < len(tensors) or tensors[index].dtype != torch.int16:
+            raise BadRequestError(f"{BFLOAT16_KEY} must name int16 tensors of the message, got {index!r}")
+        tensors[index] = tensors[index].view(torch.bfloat16)
     return tensors, metadata
 
 
@@ -63,6 +83,12 @@ class BlockService(ServicerBase):
 
     def __init__(self, backend):
         self.backend = backend
+        self.p2p = None  # set by add_p2p_handlers: pushes go out through it
+        self._pushes: set[asyncio.Task] = set()
+
+    async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        self.p2p = p2p
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return reply(metadata=self.backend.info())
@@ -71,6 +97,14 @@ class BlockService(ServicerBase):
         try:
             tensors, metadata = unpack(request)
             return reply((await self.backend.forward(tensors, metadata),))
+        except Exception as error:
+            return error_reply(error)
+
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            tensors, metadata = unpack(request)
+            self.backend.accept_push(tensors, metadata)
+            return reply()
         except Exception as error:
             return error_reply(error)
 
@@ -90,11 +124,44 @@ class BlockService(ServicerBase):
             async for request in requests:
                 try:
                     tensors, metadata = unpack(request)
-                    yield reply((await session.step(tensors, metadata),))
+                    push_to = _push_target(metadata)  # checked first: a step must not run, then be refused
+                    output = await session.step(tensors, metadata)
+                    if push_to is not None:
+                        self._push(push_to, metadata, output)
+                    yield reply((output,))
                 except Exception as error:  # a refused step leaves the session as it was
                     yield error_reply(error)
         finally:
             session.close()
+
+    def _push(self, target: tuple[PeerID, str], metadata: dict, output: torch.Tensor) -> None:
+        """Send a step's outputs to the next server of the client's chain, beside the reply to the client."""
+        peer, session_id = target
+        pushed = pack((output,), {"session_id": session_id, "step_id": metadata.get("step_id"),
+                                  "position": metadata.get("position")})
+
+        async def push():
+            try:
+                await BlockService.get_stub(self.p2p, peer).rpc_push(pushed, timeout=PUSH_TIMEOUT)
+            except Exception as error:  # the client's own copy of the inputs follows anyway
+                logger.debug("push to %s failed: %r", peer, error)
+
+        task = asyncio.ensure_future(push())
+        self._pushes.add(task)  # a reference, so that the task is not collected while it runs
+        task.add_done_callback(self._pushes.discard)
+
+
+def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
+    target = metadata.get("push_to")
+    if target is None:
+        return None
+    if not (isinstance(target, dict) and isinstance(target.get("peer_id"), str)
+            and isinstance(target.get("session_id"), str)):
+        raise BadRequestError("field 'push_to' must be a map with a 'peer_id' and a 'session_id'")
+    try:
+        return PeerID.from_base58(target["peer_id"]), target["session_id"]
+    except Exception:
+        raise BadRequestError(f"push_to: {target['peer_id']!r} is not a peer id") from None
 
 
 # ------------------------------------------------------------------------------------------- client side
@@ -130,6 +197,7 @@ class InferenceStream:
 
     def __init__(self, p2p, peer_id: str, start: int, end: int, timeout: float):
         self.p2p, self.peer_id, self.start, self.end, self.timeout = p2p, peer_id, start, end, timeout
+        self.session_id = secrets.token_hex(16)  # what the previous server of the chain pushes steps to
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses = None
 
@@ -139,13 +207,19 @@ class InferenceStream:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._iterate_requests()), self.timeout)
         except Exception as error:
             raise ServerUnavailableError(f"server {self.peer_id} could not be reached: {error!r}") from None
-        opening = {"start": self.start, "end": self.end, "max_length": max_length, "batch_size": batch_size}
+        opening = {"start": self.start, "end": self.end, "max_length": max_length, "batch_size": batch_size,
+                   "session_id": self.session_id}
         await self._exchange(pack(metadata=opening), self.timeout)
 
-    async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None) -> torch.Tensor:
+    async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None, step_id: int = 0,
+                   push_to: Optional["InferenceStream"] = None) -> torch.Tensor:
         """The outputs for these positions; a server silent for `timeout` seconds counts as failed (after
-        a timeout the stream is out of step and must not be used again)."""
-        tensors, _ = await self._exchange(pack((hidden,), {"position": position}), timeout or self.timeout)
+        a timeout the stream is out of step and must not be used again). With `push_to`, the server also
+        pushes the outputs to that stream's server, which starts step `step_id` before the client sends it."""
+        metadata = {"position": position, "step_id": step_id}
+        if push_to is not None:
+            metadata["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
+        tensors, _ = await self._exchange(pack((hidden,), metadata), timeout or self.timeout)
         return tensors[0]
 
     async def close(self) -> None:

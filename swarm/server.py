@@ -15,6 +15,7 @@ import os
 import signal
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -46,7 +47,9 @@ class Backend:
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self.scheduler = Scheduler(lambda: self.span, **batching)
         self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
+        self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
         self.sessions: set[ServerSession] = set()
+        self.sessions_by_id: dict[str, ServerSession] = {}  # those a previous server may push steps to
 
     def move_to(self, span: BlockSpan) -> None:
         """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
@@ -62,6 +65,7 @@ class Backend:
             "device": str(self.span.device),
             "cache_tokens_free": self.budget.free,
             "positions_served": self.positions_served,
+            "steps_pushed": self.steps_pushed,
             "version": PROTOCOL_VERSION,
             "loaded_names": self.span.loaded_names,
         }
@@ -78,13 +82,25 @@ class Backend:
         start, end = self._block_range(metadata)
         max_length = _int_field(metadata, "max_length", 1, self.max_positions)
         batch_size = _int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
-        session = ServerSession(self, start, end, max_length, batch_size)
+        session_id = metadata.get("session_id")
+        if session_id is not None and not (isinstance(session_id, str) and 16 <= len(session_id) <= 64):
+            raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
+        if session_id in self.sessions_by_id:
+            raise BadRequestError("field 'session_id' is already in use")
+        session = ServerSession(self, start, end, max_length, batch_size, session_id)
         try:
             await session.reserve(1)
         except BaseException:
             session.close()
             raise
         return session
+
+    def accept_push(self, tensors: list, metadata: dict) -> None:
+        """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
+        session = self.sessions_by_id.get(metadata.get("session_id"))
+        if session is None:
+            raise BadRequestError("no open session has this 'session_id'")
+        session.pushed(tensors, metadata)
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -110,19 +126,54 @@ class Backend:
 
 
 class ServerSession:
-    """One client's inference session on this server: its attention cache and how far it is filled."""
+    """One client's inference session on this server: its attention cache and how far it is filled.
 
-    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int):
+    A step's inputs come from the client, and may come earlier from the previous server of the client's
+    chain, which pushes its outputs here as soon as it has them (server-to-server push): the step then starts
+    at once, and the client's own copy of the inputs, arriving later, just collects the result. Step ids
+    (increasing per session) tell which copy came first; the other one is dropped.
+    """
+
+    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int,
+                 session_id: Optional[str] = None):
         self.backend, self.start, self.end = backend, start, end
-        self.max_length, self.batch_size = max_length, batch_size
+        self.max_length, self.batch_size, self.id = max_length, batch_size, session_id
         self.cache = backend.span.new_cache(start, end, batch_size)  # empty: it takes pages as it grows
         self.length = 0  # positions filled in the cache
         self._closed = False
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
+        self._newest_step = -1  # the highest step id started
+        self._early: Optional[tuple[int, asyncio.Future]] = None  # a pushed step, started before the client's copy
         backend.sessions.add(self)
+        if session_id is not None:
+            backend.sessions_by_id[session_id] = self
         metrics.SESSIONS.inc()
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        step_id = metadata.get("step_id")
+        if self._early is not None:
+            early_id, started = self._early
+            self._early = None
+            if early_id == step_id:
+                return await started
+            await asyncio.wait([started])  # a stale push: let it finish, so that steps never overlap
+        if isinstance(step_id, int):
+            self._newest_step = max(self._newest_step, step_id)
+        return await self._run(tensors, metadata)
+
+    def pushed(self, tensors: list, metadata: dict) -> None:
+        step_id = metadata.get("step_id")
+        if not isinstance(step_id, int) or isinstance(step_id, bool):
+            raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        if step_id <= self._newest_step or self._early is not None:
+            return  # the client's copy came first, or an earlier push awaits it: the client's copy will do
+        self._newest_step = step_id
+        self.backend.steps_pushed += 1
+        started = asyncio.ensure_future(self._run(tensors, metadata))
+        started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
+        self._early = (step_id, started)
+
+    async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
         if self.evicted:
             raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
         hidden = self.backend.check_hidden_states(tensors, self.batch_size)
@@ -157,8 +208,11 @@ class ServerSession:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._early is not None:
+                self._early[1].cancel()
             self.backend.budget.give_back(self.cache.tokens)
             self.backend.sessions.discard(self)
+            self.backend.sessions_by_id.pop(self.id, None)
             metrics.SESSIONS.dec()
 
 

@@ -1,6 +1,7 @@
 import pytest
 
 from swarm.protocol import (
+    BadRequestError,
     CacheFullError,
     ServerInfo,
     ServerState,
@@ -38,3 +39,19 @@ def test_names():
     assert dht_prefix("/tmp/models/My Model/") == "My-Model"
     assert dht_prefix("SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
     assert format_block_ranges([(15, 30), (3, 4)]) == "15..29, 3"
+
+
+def test_bfloat16_travels_as_its_16_bits_and_bad_names_are_refused():
+    import torch
+
+    from swarm.rpc import BFLOAT16_KEY, pack, unpack
+
+    hidden = torch.randn(2, 3, 576).to(torch.bfloat16)
+    tensors, metadata = unpack(pack((hidden, torch.ones(2)), {"position": 4}))
+    assert tensors[0].dtype == torch.bfloat16 and torch.equal(tensors[0], hidden)
+    assert tensors[1].dtype == torch.float32 and metadata == {"position": 4}
+    assert len(pack((hidden,)).SerializeToString()) < len(pack((hidden.float(),)).SerializeToString()) * 0.6
+
+    for bad in (5, [1], ["x"], {"a": 1}):
+        with pytest.raises(BadRequestError, match=BFLOAT16_KEY):
+            unpack(pack((torch.ones(2),), {BFLOAT16_KEY: bad}))

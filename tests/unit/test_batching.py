@@ -1,0 +1,204 @@
+"""Continuous batching: requests run together (packed, chunked) give what each gives alone; the cache budget
+is enforced with a bounded wait and fully given back."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from swarm import metrics
+from swarm.batching import Scheduler
+from swarm.blocks import Segment, load_span
+from swarm.cache import PAGE_TOKENS, CacheBudget
+from swarm.protocol import CacheFullError
+from swarm.server import Backend
+from tiny_model import build_tiny_model
+
+ATOL = 1e-4  # float32 sums in another order when more rows share a matrix product
+FAMILY_OVERRIDES = {"mistral": {"sliding_window": 5}, "qwen2": {"perturb_vectors": True}}
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "bloom", "gpt2"])
+def family_span(request, tmp_path_factory):
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, 3,
+                              **FAMILY_OVERRIDES.get(request.param, {}))
+    return load_span(folder, 0, 3)
+
+
+@pytest.fixture(scope="module")
+def llama_span(tmp_path_factory):
+    return load_span(build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", 3), 0, 3)
+
+
+def batch_hidden(span, rows: int, length: int) -> torch.Tensor:
+    return torch.randn(rows, length, span.config.hidden_size)
+
+
+def histogram(histogram_metric) -> dict:
+    """{'count': rounds so far, 'single': rounds of one sequence} of the batch-size histogram."""
+    samples = {(sample.name, sample.labels.get("le")): sample.value
+               for metric in histogram_metric.collect() for sample in metric.samples}
+    return {"count": samples[("swarm_server_batch_size_count", None)],
+            "single": samples[("swarm_server_batch_size_bucket", "1.0")]}
+
+
+# ------------------------------------------------------------------------------------------- packing
+
+
+def test_packed_segments_equal_each_run_alone(family_span):
+    """Fresh prompts, decode steps at different positions, a chunk in the middle, two rows and a cache-less
+    sequence, all in one forward: each output and each cache as if its request had run alone."""
+    span = family_span
+    requests = [  # (rows, past positions already cached, new positions, cached?)
+        (1, 0, 6, True),
+        (1, 7, 1, True),
+        (2, 9, 1, True),
+        (1, 4, 3, True),
+        (1, 0, 5, False),
+    ]
+    alone_caches, packed_caches, segments, inputs, expected = [], [], [], [], []
+    for rows, past, new, cached in requests:
+        prefix, hidden = batch_hidden(span, rows, past), batch_hidden(span, rows, new)
+        caches = [span.new_cache(0, 3, rows, capacity=16) if cached else None for _ in range(2)]
+        if past:
+            for cache in caches:
+                span(prefix, 0, cache)
+        expected.append(span(hidden, past, caches[0]))
+        alone_caches.append(caches[0])
+        packed_caches.append(caches[1])
+        segments.append(Segment(rows, new, past, caches[1]))
+        inputs.append(hidden.reshape(-1, hidden.shape[-1]))
+
+    output = span.forward_packed(torch.cat(inputs)[None], segments)[0]
+    offset = 0
+    for segment, wanted in zip(segments, expected):
+        torch.testing.assert_close(output[offset : offset + segment.tokens].view(wanted.shape), wanted, atol=ATOL, rtol=0)
+        offset += segment.tokens
+    for alone, packed, (_, past, new, cached) in zip(alone_caches, packed_caches, requests):
+        if cached:
+            for layer_alone, layer_packed in zip(alone.layers, packed.layers):
+                torch.testing.assert_close(layer_packed.keys[:, :, : past + new], layer_alone.keys[:, :, : past + new])
+
+
+# ------------------------------------------------------------------------------------------- the scheduler
+
+
+async def run_session(scheduler, span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    cache = span.new_cache(0, 3, prompt.shape[0], capacity=64)
+    outputs = [await scheduler.run(prompt, 0, 0, 3, cache)]
+    for position, step in enumerate(steps, start=prompt.shape[1]):
+        outputs.append(await scheduler.run(step, position, 0, 3, cache))
+    return outputs
+
+
+def run_alone(span, prompt, steps) -> list[torch.Tensor]:
+    cache = span.new_cache(0, 3, prompt.shape[0], capacity=64)
+    outputs = [span(prompt, 0, cache)]
+    for position, step in enumerate(steps, start=prompt.shape[1]):
+        outputs.append(span(step, position, cache))
+    return outputs
+
+
+def test_concurrent_sessions_batch_and_equal_each_alone(llama_span):
+    span = llama_span
+    sessions = [(batch_hidden(span, 1, length), [batch_hidden(span, 1, 1) for _ in range(12)])
+                for length in (3, 9, 17, 5, 1, 30)]
+    before = histogram(metrics.BATCH_SIZE)
+
+    async def all_at_once():
+        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=8)
+        try:
+            return await asyncio.gather(*(run_session(scheduler, span, *session) for session in sessions))
+        finally:
+            scheduler.stop()
+
+    results = asyncio.run(all_at_once())
+    for session, outputs in zip(sessions, results):
+        for got, wanted in zip(outputs, run_alone(span, *session)):
+            torch.testing.assert_close(got, wanted, atol=ATOL, rtol=0)
+    after = histogram(metrics.BATCH_SIZE)
+    rounds = after["count"] - before["count"]
+    assert rounds < 6 * 13, "steps of different sessions were never batched"
+    assert after["single"] - before["single"] < rounds
+
+
+def test_a_long_prompt_runs_in_chunks_between_decode_steps(llama_span):
+    span = llama_span
+    prompt = batch_hidden(span, 1, 37)
+    decoding = (batch_hidden(span, 1, 4), [batch_hidden(span, 1, 1) for _ in range(6)])
+    finished = []
+
+    async def scenario():
+        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=4)
+
+        async def timed(name, coroutine):
+            result = await coroutine
+            finished.append(name)
+            return result
+
+        try:
+            return await asyncio.gather(
+                timed("decoding", run_session(scheduler, span, *decoding)),
+                timed("prompt", run_session(scheduler, span, prompt, [])),
+            )
+        finally:
+            scheduler.stop()
+
+    before = histogram(metrics.BATCH_SIZE)
+    decoded, (prefilled,) = asyncio.run(scenario())
+    torch.testing.assert_close(prefilled, span(prompt), atol=ATOL, rtol=0)  # chunking preserves the outputs
+    for got, wanted in zip(decoded, run_alone(span, *decoding)):
+        torch.testing.assert_close(got, wanted, atol=ATOL, rtol=0)
+    assert histogram(metrics.BATCH_SIZE)["count"] - before["count"] >= 37 // 4  # in chunks of 4 positions
+    assert finished == ["decoding", "prompt"]  # six decode steps went through while the prompt was chunked
+
+
+# ------------------------------------------------------------------------------------------- the budget
+
+
+def test_the_budget_waits_a_bounded_time_then_refuses():
+    async def scenario():
+        budget = CacheBudget(256)
+        await budget.take(200, wait=0)
+        with pytest.raises(CacheFullError, match="more than this server's whole cache"):
+            await budget.take(257, wait=5)  # could never fit: refused at once
+        began = time.monotonic()
+        with pytest.raises(CacheFullError, match="after waiting 0.2 s"):
+            await budget.take(100, wait=0.2)
+        assert 0.2 <= time.monotonic() - began < 2
+
+        waiter = asyncio.ensure_future(budget.take(100, wait=5))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # waiting for room
+        budget.give_back(200)
+        await asyncio.wait_for(waiter, 2)  # the room that came back went to it
+        assert budget.used == 100
+
+    asyncio.run(scenario())
+
+
+def test_sessions_take_pages_as_they_grow_and_give_all_back(llama_span):
+    span = llama_span
+
+    async def scenario():
+        backend = Backend(span, CacheBudget(3 * PAGE_TOKENS), cache_wait=0.1)
+        try:
+            opening = {"start": 0, "end": 3, "max_length": 4 * PAGE_TOKENS, "batch_size": 1}
+            first, second = await backend.open_session(opening), await backend.open_session(opening)
+            assert backend.budget.used == 2 * PAGE_TOKENS  # one page each, not max_length
+
+            await first.step([batch_hidden(span, 1, PAGE_TOKENS + 1)], {"position": 0})
+            assert backend.budget.used == 3 * PAGE_TOKENS  # the first grew by a page
+            with pytest.raises(CacheFullError):
+                await second.step([batch_hidden(span, 1, PAGE_TOKENS + 1)], {"position": 0})
+            await second.step([batch_hidden(span, 1, 5)], {"position": 0})  # within its page: goes on
+
+            first.close()
+            await second.step([batch_hidden(span, 1, PAGE_TOKENS)], {"position": 5})  # now there is room
+            second.close()
+            assert backend.budget.used == 0 and not backend.sessions
+        finally:
+            backend.close()
+
+    asyncio.run(scenario())
