@@ -348,21 +348,23 @@ def family_of(config) -> Family:
 class BlockSpan(nn.Module):
     """Blocks [start, end) of a model, run over the new positions of a session (or a whole sequence)."""
 
-    def __init__(self, config, start: int, end: int, layers: list, family: Family, loaded_names: list[str]):
+    def __init__(self, config, start: int, end: int, layers: list, family: Family, loaded_names: list[str],
+                 dtype: torch.dtype = torch.float32, quantization: Optional[str] = None):
         super().__init__()
         self.config, self.start, self.end, self.family = config, start, end, family
+        self.dtype = dtype  # of the hidden states and the cache (quantized weights are stored in fewer bits)
+        self.quantization = quantization
         self.layers = nn.ModuleList(layers)
         self.position_state = family.position_state(family, config, self.device)  # rotary, ALiBi slopes, or None
         self.loaded_names = loaded_names  # every checkpoint tensor this span read: proof it read no others
         self.kv_heads, self.head_dim = family.cache_shape(config, layers[0])
 
     @property
-    def dtype(self) -> torch.dtype:
-        return next(self.layers[0].parameters()).dtype
-
-    @property
     def device(self) -> torch.device:
         return next(self.layers[0].parameters()).device
+
+    def weight_bytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in [*self.parameters(), *self.buffers()])
 
     def new_cache(self, start: int, end: int, rows: int, capacity: int = 0) -> SessionCache:
         """Empty caches for blocks [start, end) of a session of `rows` sequences (see SessionCache)."""
@@ -405,9 +407,10 @@ class BlockSpan(nn.Module):
 
 
 def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.float32,
-              reuse: Optional[BlockSpan] = None) -> BlockSpan:
+              reuse: Optional[BlockSpan] = None, quantization: Optional[str] = None) -> BlockSpan:
     """Build blocks [start, end) from a Hugging Face folder, reading only their weights; the layers of
-    `reuse` (a span this server held) that fall in the new range are kept, not read again."""
+    `reuse` (a span this server held) that fall in the new range are kept, not read again. `quantization`
+    ("int8" or "nf4") stores the layers' linear weights in 8 or 4 bits (see quantize_linears)."""
     config = load_config(folder)
     family = family_of(config)
     num_blocks = config.num_hidden_layers
@@ -428,12 +431,48 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
         state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
         layer.load_state_dict(state, strict=True, assign=True)
         layer.to(device=device, dtype=dtype)
+        if quantization is not None:
+            quantize_linears(layer, quantization, dtype)
+            layer.to(device)  # bitsandbytes quantizes the weights as they move to the device
         layer.attention_window = family.sliding_window(config, index)
         layers.append(layer.eval())
     kept_prefixes = tuple(family.layer_key.format(index) for index in kept if start <= index < end)
     kept_names = [name for name in (reuse.loaded_names if reuse else []) if name.startswith(kept_prefixes)] \
         if kept_prefixes else []
-    return BlockSpan(config, start, end, layers, family, loaded_names=sorted([*tensors, *kept_names]))
+    return BlockSpan(config, start, end, layers, family, loaded_names=sorted([*tensors, *kept_names]), dtype=dtype,
+                     quantization=quantization)
+
+
+QUANTIZATIONS = ("int8", "nf4")
+
+
+def quantize_linears(layer: nn.Module, quantization: str, compute_dtype: torch.dtype) -> None:
+    """Replace the layer's nn.Linear projections by bitsandbytes' LLM.int8() ("int8") or 4-bit NormalFloat
+    ("nf4") ones, as Petals does: a quarter or an eighth of float32's bytes, on CUDA (and, more slowly, on CPU).
+    Norms, and GPT-2's Conv1D projections (not nn.Linear), stay as they are."""
+    if quantization not in QUANTIZATIONS:
+        raise BadRequestError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    import warnings
+
+    import bitsandbytes as bnb
+
+    # said on every forward of an int8 layer on float32 inputs: expected, and it would flood the server's log
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    for name, module in list(layer.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        bias = module.bias is not None
+        if quantization == "int8":
+            quantized = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias, has_fp16_weights=False)
+            quantized.weight = bnb.nn.Int8Params(module.weight.data, requires_grad=False, has_fp16_weights=False)
+        else:
+            quantized = bnb.nn.Linear4bit(module.in_features, module.out_features, bias, compute_dtype=compute_dtype,
+                                          quant_type="nf4")
+            quantized.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4")
+        if bias:
+            quantized.bias = module.bias
+        parent, _, child = name.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, child, quantized)
 
 
 # ------------------------------------------------------------------------------------------- the client

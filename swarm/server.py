@@ -62,6 +62,7 @@ class Backend:
             "start": self.span.start,
             "end": self.span.end,
             "dtype": str(self.span.dtype).removeprefix("torch."),
+            "quantization": self.span.quantization,
             "device": str(self.span.device),
             "cache_tokens_free": self.budget.free,
             "positions_served": self.positions_served,
@@ -230,7 +231,8 @@ def cached_throughput(span: BlockSpan, folder, cache_dir) -> float:
     from pathlib import Path
 
     path = Path(cache_dir) / "throughput.json"
-    key = f"{Path(folder).resolve()}|{span.start}:{span.end}|{span.device}|{span.dtype}|torch {torch.__version__}"
+    key = (f"{Path(folder).resolve()}|{span.start}:{span.end}|{span.device}|{span.dtype}|{span.quantization}"
+           f"|torch {torch.__version__}")
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -286,7 +288,8 @@ async def serve(args) -> None:
 
         async def load():
             # off the event loop, so that the DHT node keeps answering its peers while weights load
-            span = await asyncio.to_thread(load_span, folder, start, end, device=args.device, dtype=args.dtype)
+            span = await asyncio.to_thread(load_span, folder, start, end, device=args.device, dtype=args.dtype,
+                                           quantization=args.quantize)
             return span, await asyncio.to_thread(cached_throughput, span, folder, args.cache_dir)
 
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
@@ -309,7 +312,7 @@ async def serve(args) -> None:
         await announce_online()
         print(
             f"ready: blocks {start}:{end} of {prefix} as peer {dht.peer_id_of(node)}, "
-            f"{str(span.dtype).removeprefix('torch.')} on {span.device}, {throughput:.1f} tokens/s, "
+            f"{_weights_description(span)} on {span.device}, {throughput:.1f} tokens/s, "
             f"cache {args.cache_tokens} tokens" + (f", metrics at {metrics_address}" if metrics_address else ""),
             flush=True,
         )
@@ -333,7 +336,7 @@ async def serve(args) -> None:
             old = record(ServerState.OFFLINE)
             logger.info("moving from blocks %d:%d to %d:%d to even out the swarm", start, end, *target)
             span = await asyncio.to_thread(load_span, folder, *target, device=args.device, dtype=args.dtype,
-                                           reuse=backend.span)
+                                           reuse=backend.span, quantization=args.quantize)
             backend.move_to(span)
             start, end = target
             throughput = await asyncio.to_thread(cached_throughput, span, folder, args.cache_dir)
@@ -353,6 +356,12 @@ async def serve(args) -> None:
         await node.shutdown()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def _weights_description(span: BlockSpan) -> str:
+    dtype = str(span.dtype).removeprefix("torch.")
+    size = f"{span.weight_bytes() / 2**20:.0f} MiB of weights"
+    return f"{dtype} ({span.quantization} weights, {size})" if span.quantization else f"{dtype} ({size})"
 
 
 def _start_metrics(args):
@@ -382,6 +391,7 @@ async def _announced_while(node, prefix: str, info: ServerInfo, period: float, w
 
 def parse_args(argv=None):
     from config import SwarmSettings
+    from swarm.blocks import QUANTIZATIONS
     from swarm.cli import ArgumentParser, multiaddr, parse_block_range
 
     settings = SwarmSettings.from_env()
@@ -396,6 +406,8 @@ def parse_args(argv=None):
     parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="store the blocks' linear weights in 8 bits (int8) or 4 bits (nf4) with bitsandbytes")
     parser.add_argument("--cache-tokens", type=int, default=settings.cache_tokens,
                         help="attention cache budget, in token slots (sessions take them a page at a time)")
     parser.add_argument("--cache-wait", type=float, default=3.0,

@@ -107,3 +107,17 @@ def test_moving_a_span_keeps_the_overlap_and_reads_only_new_blocks(family_model)
     assert held == {1, 2, 3}
     states = hidden_states(model, torch.randint(0, model.config.vocab_size, (1, 6)))
     torch.testing.assert_close(moved(states[1], start=1, end=3), states[3], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantization, max_error, max_size", [("int8", 0.1, 0.3), ("nf4", 0.6, 0.16)])
+def test_quantized_spans_store_fewer_bytes_and_stay_close(family_model, quantization, max_error, max_size):
+    folder, model = family_model
+    if model.config.model_type == "gpt2":
+        pytest.skip("GPT-2's projections are Conv1D, not nn.Linear: they stay unquantized")
+    reference, quantized = load_span(folder, 0, 2), load_span(folder, 0, 2, quantization=quantization)
+    hidden = torch.randn(2, 7, model.config.hidden_size)
+    expected, got = reference(hidden), quantized(hidden)
+    assert got.dtype == torch.float32
+    assert float((got - expected).norm() / expected.norm()) < max_error  # NF4 is coarse on uniform random weights
+    assert quantized.weight_bytes() < max_size * reference.weight_bytes()
+    assert quantized.quantization == quantization
