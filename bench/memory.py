@@ -1,8 +1,10 @@
 """Block servers' resident memory, against what they are meant to hold: their blocks' weights and their
 attention-cache budget (cache_tokens * 2 (keys and values) * blocks * kv_heads * head_dim * dtype size).
 
-Linux only: figures come from /proc/PID/status (VmRSS now, VmHWM its peak). Each server's libp2p daemon
-(hivemind's p2pd, a child process) is sampled on its own, since it holds none of the model.
+Linux only: figures come from /proc/PID/status (VmRSS now, VmHWM its peak; RssFile, the part backed by
+files, is mostly safetensors weights mapped into memory; RssAnon the rest: caches, the Python and torch
+runtime). Each server's libp2p daemon (hivemind's p2pd, a child process) is sampled on its own, since it
+holds none of the model.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 class Memory:
     rss: int  # bytes resident now
     peak: int  # the most bytes ever resident (VmHWM)
+    rss_file: int  # of rss: pages backed by files (mapped weights, shared libraries)
+    rss_anon: int  # of rss: the process's own allocations
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,16 @@ def server_budget(folder: Path, start: int, end: int, cache_tokens: int, dtype: 
     return ServerBudget(start, end, cache_tokens, weights * item, cache_tokens * cache_per_token * item)
 
 
+STATUS_FIELDS = {"VmRSS": "rss", "VmHWM": "peak", "RssFile": "rss_file", "RssAnon": "rss_anon"}
+
+
 def process_memory(pid: int) -> Memory:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0]) * 1024  # reported in kB
-    return Memory(rss=fields["VmRSS"], peak=fields["VmHWM"])
+        if name in STATUS_FIELDS:
+            fields[STATUS_FIELDS[name]] = int(value.split()[0]) * 1024  # reported in kB
+    return Memory(**fields)
 
 
 def libp2p_daemon(pid: int) -> Optional[int]:

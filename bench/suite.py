@@ -88,24 +88,20 @@ def run_variant(options: Options, folder: Path, cache_dir: Path, dtype: str, pro
     local = LocalModel(folder, getattr(torch, dtype))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
     server_args = ["--threads", str(options.threads), "--dtype", dtype, "--cache-tokens", str(cache_tokens)]
+    # the largest concurrency run, and a few single sessions that may still be closing when it starts
+    max_sessions = max(options.concurrency) + 4
     with ExitStack() as running:  # stopped in reverse order on any exit, Ctrl-C included
-        log(f"starting 2 block servers ({', '.join(f'{s}:{e}' for s, e in SPANS)}) and a gateway; logs in {log_dir}")
+        log(f"starting block servers {', '.join(f'{start}:{end}' for start, end in SPANS)} and a gateway; "
+            f"logs in {log_dir}")
         swarm = running.enter_context(LocalSwarm(MODEL, SPANS, server_args=server_args, log_dir=log_dir))
-        gateway = running.enter_context(
-            Gateway(swarm.initial_peers, max(options.concurrency) + 4, options.threads, log_dir))
+        gateway = running.enter_context(Gateway(swarm.initial_peers, max_sessions, options.threads, log_dir))
         remote = RemoteModel.from_pretrained(MODEL, swarm.initial_peers, cache_dir)
         running.callback(remote.close)
 
         single = alternate(single_session_measurements(options, prompts, local, remote, gateway), options.rounds)
         memory_after_single = [sample_server(server.process.pid) for server in swarm.servers]
-        concurrency = {}
-        for sessions in options.concurrency:
-            gateway.wait_idle()
-            log(f"{sessions} simultaneous sessions, {options.concurrency_tokens} tokens each")
-            streams = concurrent_replies(gateway.ws_url, prompts.chat, options.concurrency_tokens, sessions,
-                                         options.timeout)
-            concurrency[str(sessions)] = summarize_concurrent(streams)
-            log(f"   {concurrency[str(sessions)]['aggregate_tok_s']:.1f} tok/s aggregate")
+        concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions)
+                       for sessions in options.concurrency}
         memory_after_concurrency = [sample_server(server.process.pid) for server in swarm.servers]
 
     return {
@@ -149,6 +145,16 @@ def alternate(measurements: dict[str, Callable[[], TokenStream]], rounds: int) -
             figure = f"{stream.decode_rate:6.1f} tok/s" if stream.tokens > 1 else f"TTFT {stream.ttft * 1000:6.0f} ms"
             log(f"round {round_number}/{rounds}  {name:24s} {figure}" + (f"  ({stream.error})" if stream.error else ""))
     return runs
+
+
+def run_concurrent(options: Options, prompts: Prompts, gateway: Gateway, sessions: int) -> dict:
+    gateway.wait_idle()  # the previous run's sessions closed: this one starts on empty caches
+    log(f"{sessions} simultaneous sessions, {options.concurrency_tokens} tokens each")
+    summary = summarize_concurrent(
+        concurrent_replies(gateway.ws_url, prompts.chat, options.concurrency_tokens, sessions, options.timeout))
+    incomplete = f", {len(summary['errors'])} incomplete" if summary["errors"] else ""
+    log(f"   {summary['aggregate_tok_s']:.1f} tok/s aggregate{incomplete}")
+    return summary
 
 
 def cache_tokens_needed(options: Options, prompts: Prompts) -> int:
