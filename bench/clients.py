@@ -61,7 +61,7 @@ def websocket_reply(
 def openai_reply(base_url: str, model: str, prompt: Prompt, max_new_tokens: int, deadline: float) -> TokenStream:
     """A streamed /v1/chat/completions (temperature 0: greedy) read with the official `openai` client. The
     gateway sends a chunk per token that has text, so chunks are timed as they come and the token count is
-    the usage's (stream_options.include_usage)."""
+    the usage's (stream_options.include_usage). The client's timeout bounds each read; the loop the whole."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="unused", timeout=_left(deadline), max_retries=0)
@@ -72,6 +72,8 @@ def openai_reply(base_url: str, model: str, prompt: Prompt, max_new_tokens: int,
             stream_options={"include_usage": True},
         )
         for chunk in chunks:
+            if time.perf_counter() > deadline:
+                raise TimeoutError  # closing the client below ends the stream, and the gateway's generation
             if chunk.usage is not None:
                 stream.token_count = chunk.usage.completion_tokens
             if chunk.choices and chunk.choices[0].delta.content:

@@ -4,7 +4,8 @@ attention-cache budget (cache_tokens * 2 (keys and values) * blocks * kv_heads *
 Linux only: figures come from /proc/PID/status (VmRSS now, VmHWM its peak; RssFile, the part backed by
 files, is mostly safetensors weights mapped into memory; RssAnon the rest: caches, the Python and torch
 runtime). Each server's libp2p daemon (hivemind's p2pd, a child process) is sampled on its own, since it
-holds none of the model.
+holds none of the model. A server's peak while it loads its weights (a float32 checkpoint converted to
+bfloat16 is briefly held twice) is not its peak while it serves: peaks are reset once the servers are up.
 """
 
 from __future__ import annotations
@@ -79,3 +80,14 @@ def sample_server(pid: int) -> dict:
     """The server process's memory, and its p2pd's (None without one)."""
     daemon = libp2p_daemon(pid)
     return {"server": asdict(process_memory(pid)), "p2pd": asdict(process_memory(daemon)) if daemon else None}
+
+
+def reset_peaks(pid: int) -> bool:
+    """Start the server's and its p2pd's VmHWM again from their present RSS; False where the kernel refuses."""
+    daemon = libp2p_daemon(pid)
+    try:
+        for process in [pid] + ([daemon] if daemon else []):
+            Path(f"/proc/{process}/clear_refs").write_text("5")  # 5: reset the peak resident set size
+    except OSError:
+        return False
+    return True

@@ -5,6 +5,7 @@ Order within a dtype's run, and why:
   1. single sessions, alternating local / Python client / WebSocket / OpenAI SSE and local prefill / gateway
      time to first token for the long prompt, round after round (after one untimed warm-up round): noise that
      comes and goes on a shared machine then hits every measurement alike, and medians drop the outliers;
+  0. block-server memory once they are up, with their start-up peak; then their peaks start again from there;
   2. block-server memory, with the single sessions done;
   3. 1, 4, 16, 64 simultaneous WebSocket sessions, smallest first, each on caches left empty by the one before;
   4. block-server memory again: its peak now includes the largest run.
@@ -28,7 +29,7 @@ from bench.clients import openai_reply, swarm_client_reply, websocket_reply
 from bench.gateway import Gateway
 from bench.load import concurrent_replies
 from bench.local import LocalModel
-from bench.memory import ServerBudget, sample_server, server_budget
+from bench.memory import ServerBudget, reset_peaks, sample_server, server_budget
 from bench.stats import TokenStream, summarize_concurrent, summarize_runs
 from bench.workload import MODEL, Prompt, chat_prompt, long_prompt, session_length
 
@@ -97,21 +98,22 @@ def run_variant(options: Options, folder: Path, cache_dir: Path, dtype: str, pro
         gateway = running.enter_context(Gateway(swarm.initial_peers, max_sessions, options.threads, log_dir))
         remote = RemoteModel.from_pretrained(MODEL, swarm.initial_peers, cache_dir)
         running.callback(remote.close)
+        server_pids = [server.process.pid for server in swarm.servers]
 
+        memory = {"at_start": [sample_server(pid) for pid in server_pids]}
+        peaks_reset = [reset_peaks(pid) for pid in server_pids]
         single = alternate(single_session_measurements(options, prompts, local, remote, gateway), options.rounds)
-        memory_after_single = [sample_server(server.process.pid) for server in swarm.servers]
+        memory["after_single_sessions"] = [sample_server(pid) for pid in server_pids]
         concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions)
                        for sessions in options.concurrency}
-        memory_after_concurrency = [sample_server(server.process.pid) for server in swarm.servers]
+        memory["after_concurrency"] = [sample_server(pid) for pid in server_pids]
 
     return {
         "cache_tokens": cache_tokens,
         "single_session": {name: summarize_runs(runs) for name, runs in single.items()},
         "concurrency": concurrency,
-        "memory": [
-            memory_entry(budget, after_single, after_concurrency)
-            for budget, after_single, after_concurrency in zip(budgets, memory_after_single, memory_after_concurrency)
-        ],
+        "memory": [memory_entry(budget, peaks_reset[index], {moment: samples[index] for moment, samples in memory.items()})
+                   for index, budget in enumerate(budgets)],
     }
 
 
@@ -164,14 +166,16 @@ def cache_tokens_needed(options: Options, prompts: Prompts) -> int:
     return max(options.concurrency) * session_length(prompts.chat, options.concurrency_tokens) + single
 
 
-def memory_entry(budget: ServerBudget, after_single: dict, after_concurrency: dict) -> dict:
+def memory_entry(budget: ServerBudget, peaks_reset: bool, samples: dict) -> dict:
+    """One server's budget and its memory samples (at_start, after_single_sessions, after_concurrency)."""
     return {
         "blocks": f"{budget.start}:{budget.end}",
         "cache_tokens": budget.cache_tokens,
         "weights_bytes": budget.weights_bytes,
         "cache_budget_bytes": budget.cache_bytes,
-        "after_single_sessions": after_single,
-        "after_concurrency": after_concurrency,
+        # False: the kernel refused to reset peaks, and later peaks include the start-up one
+        "peaks_reset_after_start": peaks_reset,
+        **samples,
     }
 
 

@@ -3,11 +3,12 @@ and a block server's memory budget. No process is started: the suite itself is `
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
-from bench.memory import server_budget
+from bench.memory import process_memory, reset_peaks, server_budget
 from bench.report import plot, table, targets, write_json
 from bench.stats import TokenStream, percentile, summarize_concurrent, summarize_runs
 from swarm.blocks import load_span
@@ -67,7 +68,8 @@ def results_with(ws_rate: float, local_rate: float, sixteen_sessions: bool) -> d
         "threads": {"torch_threads_per_process": 1, "gateway": "OMP_NUM_THREADS=1"},
         "variants": {"float32": {"single_session": single, "concurrency": concurrency, "memory": [
             {"blocks": "0:2", "cache_tokens": 10, "weights_bytes": 700, "cache_budget_bytes": 100,
-             "after_single_sessions": memory, "after_concurrency": memory}]}},
+             "peaks_reset_after_start": True, "at_start": memory, "after_single_sessions": memory,
+             "after_concurrency": memory}]}},
     }
 
 
@@ -103,3 +105,12 @@ def test_server_budget_counts_the_span_weights_and_its_cache(tmp_path):
     config = span.config
     head_dim = config.hidden_size // config.num_attention_heads
     assert budget.cache_bytes == 100 * 2 * 2 * config.num_key_value_heads * head_dim * 2  # K and V, 2 blocks, bf16
+
+
+def test_a_peak_starts_again_from_the_present():
+    spike = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    del spike
+    before = process_memory(os.getpid())
+    assert reset_peaks(os.getpid())
+    after = process_memory(os.getpid())
+    assert after.peak < before.peak and after.rss <= after.peak
