@@ -2,13 +2,14 @@
 measurement, then memory. Returns plain data (dicts and lists) for bench/report.py.
 
 Order within a dtype's run, and why:
-  1. single sessions, alternating local / Python client / WebSocket / OpenAI SSE and local prefill / gateway
+  1. block-server memory once they are up, with their start-up peak; then their peaks start again from there,
+     since loading weights is not serving;
+  2. single sessions, alternating local / Python client / WebSocket / OpenAI SSE and local prefill / gateway
      time to first token for the long prompt, round after round (after one untimed warm-up round): noise that
      comes and goes on a shared machine then hits every measurement alike, and medians drop the outliers;
-  0. block-server memory once they are up, with their start-up peak; then their peaks start again from there;
-  2. block-server memory, with the single sessions done;
-  3. 1, 4, 16, 64 simultaneous WebSocket sessions, smallest first, each on caches left empty by the one before;
-  4. block-server memory again: its peak now includes the largest run.
+  3. block-server memory, with the single sessions done;
+  4. 1, 4, 16, 64 simultaneous WebSocket sessions, smallest first, each on caches left empty by the one before;
+  5. block-server memory again: its peak now includes the largest run.
 """
 
 from __future__ import annotations
