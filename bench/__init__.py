@@ -1,0 +1,27 @@
+"""The benchmark suite, `python -m bench`: the default model served by two block servers (blocks 0:15 and
+15:30) beside transformers running the whole model in one process, in one run and with the same torch
+thread count in every process.
+
+It measures, as token arrival times turned into tokens/s, time to first token (TTFT) and inter-token
+latency (ITL):
+  - greedy replies to one chat prompt: local transformers `generate`, the swarm's Python client
+    (swarm.model.RemoteModel + swarm.generate), and a real gunicorn gateway over its WebSocket API
+    (/api/v2/generate) and its OpenAI-compatible API (/v1/chat/completions, streamed);
+  - TTFT of a 512-token prompt through the gateway, against one local forward pass over it (prefill);
+  - 1, 4, 16 and 64 simultaneous WebSocket sessions: aggregate and per-session tok/s, TTFT and ITL p50/p95;
+  - each block server's resident memory against its blocks' weights plus its cache budget;
+and checks the ratios of issue 6 against their targets.
+
+In data-flow order:
+
+    __main__.py  the command line: options, run, report
+    suite.py     one run: per dtype, start the swarm and the gateway, alternate the measurements, sample memory
+    workload.py  the prompts (text and token ids) and the session lengths they need
+    local.py     the baseline: transformers generate and prefill in this process
+    clients.py   one reply, timed token by token: Python client, WebSocket, OpenAI SSE
+    load.py      many simultaneous WebSocket sessions
+    gateway.py   a real gunicorn gateway in front of a given swarm, as a child process
+    memory.py    block servers' VmRSS/VmHWM (and their p2pd's), their weights and cache budget in bytes
+    stats.py     token arrival times -> TTFT, ITL, tok/s; percentiles and medians
+    report.py    the targets, the table, JSON and the plot
+"""

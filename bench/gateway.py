@@ -1,0 +1,104 @@
+"""A real gateway for the benchmarks: gunicorn serving app:app, as in production, in front of a given swarm.
+
+It runs as a swarm.local.ChildProcess, so it is stopped like the block servers (SIGTERM, then SIGKILL) and
+dies with this process even if this one is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+import requests
+
+from swarm.local import ChildProcess, LocalSwarmError
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 120.0
+GUNICORN_THREADS = 100  # gunicorn.conf.py's: each WebSocket connection holds one thread while it lasts
+
+
+class Gateway:
+    """`with Gateway(swarm.initial_peers, ...) as gateway: gateway.ws_url ...`"""
+
+    def __init__(self, initial_peers: Sequence[str], max_sessions: int, torch_threads: int, log_dir: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
+        self.openai_url = f"{self.url}/v1"
+        self.env = {
+            "INITIAL_PEERS": " ".join(initial_peers),
+            "MAX_SESSIONS": str(max_sessions),
+            # the gateway has no torch-threads setting of its own; torch takes its default from OpenMP's
+            "OMP_NUM_THREADS": str(torch_threads),
+        }
+        self.threads = max(GUNICORN_THREADS, max_sessions + 8)  # + a few for /health and /metrics
+        self.log_dir = log_dir
+        self.process: ChildProcess | None = None
+
+    def start(self) -> "Gateway":
+        command = ["-m", "gunicorn", "--config", str(ROOT / "gunicorn.conf.py"), "--chdir", str(ROOT),
+                   "--bind", f"127.0.0.1:{self.port}", "--threads", str(self.threads), "app:app"]
+        self.process = ChildProcess("gateway", command, self.log_dir, {**os.environ, **self.env})
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        """/health is 200 once the gateway has joined the swarm and sees every block of the model covered."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.process.poll() is not None:
+                raise LocalSwarmError(f"the gateway exited; log: {self.process.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=30).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        raise LocalSwarmError(f"the gateway was not healthy after {READY_TIMEOUT:.0f} s; log: {self.process.log_tail()}")
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the gateway has closed every session (and so freed the servers' caches), at most `timeout` s:
+        the next measurement then starts on empty caches."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            metrics = requests.get(self.url + "/metrics", timeout=10).text
+            match = re.search(r"^gateway_open_sessions (\S+)$", metrics, re.MULTILINE)
+            if match is None or float(match.group(1)) == 0:
+                return
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        # gunicorn's quick shutdown: on SIGTERM it would wait up to its graceful_timeout for the WebSocket
+        # sessions still open after a Ctrl-C or an error, and the benchmark wants none of them any more
+        if self.process.process.poll() is None:
+            self.process.process.send_signal(signal.SIGQUIT)
+            try:
+                self.process.process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.process.stop()  # SIGTERM and SIGKILL if it is still there; closes the log
+
+    def __enter__(self) -> "Gateway":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

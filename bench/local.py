@@ -1,0 +1,54 @@
+"""The baseline: the whole model in this process, run by transformers itself.
+
+Token arrival times come from a streamer that transformers' `generate` calls once per new token, so local
+figures are derived from the same kind of TokenStream as the remote ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.stats import TokenStream
+
+
+class _ArrivalClock:
+    """A transformers streamer that only notes when each new token is ready (the first `put` is the prompt)."""
+
+    def __init__(self, stream: TokenStream):
+        self.stream, self.prompt_seen = stream, False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.stream.arrivals.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class LocalModel:
+    def __init__(self, folder, dtype: torch.dtype):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], max_new_tokens: int) -> TokenStream:
+        """Greedy, up to max_new_tokens, stopping at end of sequence like the swarm does (so both do the same work)."""
+        stream = TokenStream(sent=time.perf_counter())
+        self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                            streamer=_ArrivalClock(stream))
+        return stream
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> TokenStream:
+        """One forward pass over the prompt and the first token picked from it: local time to first token.
+        Logits for the last position only, as generate's prefill and the gateway both compute them."""
+        stream = TokenStream(sent=time.perf_counter())
+        logits = self.model(torch.tensor([ids]), logits_to_keep=1).logits
+        int(logits[0, -1].argmax())
+        stream.arrivals.append(time.perf_counter())
+        return stream

@@ -1,0 +1,209 @@
+"""What a run's results (bench/suite.py) become: the targets with PASS or FAIL, a table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+MB = 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    ratio: float  # NaN when the run did not measure it (e.g. --quick has no 16-session run)
+    goal: float
+    at_least: bool  # True: ratio >= goal passes (throughput); False: ratio <= goal passes (latency, memory)
+
+    @property
+    def verdict(self) -> str:
+        if math.isnan(self.ratio):
+            return "n/a"
+        return "PASS" if (self.ratio >= self.goal if self.at_least else self.ratio <= self.goal) else "FAIL"
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "ratio": self.ratio, "goal": self.goal,
+                "compare": ">=" if self.at_least else "<=", "verdict": self.verdict}
+
+    def describe(self) -> str:
+        sign = ">=" if self.at_least else "<="
+        figure = "not measured in this run" if math.isnan(self.ratio) else f"{self.ratio:.2f}x"
+        return f"{self.verdict:4s}  {self.name}: {figure} (target {sign} {self.goal}x)"
+
+
+def targets(variant: dict) -> list[Target]:
+    """The issue's four targets, as ratios of figures of one dtype's run."""
+    single, concurrency = variant["single_session"], variant["concurrency"]
+    one, sixteen = concurrency.get("1"), concurrency.get("16")
+    found = [
+        Target("single session, gateway WebSocket decode tok/s vs local transformers generate",
+               _ratio(single["gateway_websocket"]["decode_tok_s"], single["local_generate"]["decode_tok_s"]),
+               1.0, at_least=True),
+        Target("16 concurrent sessions, aggregate tok/s vs 1 session",
+               _ratio(sixteen["aggregate_tok_s"], one["aggregate_tok_s"]) if one and sixteen else math.nan,
+               6.0, at_least=True),
+        Target("TTFT of the long prompt through the gateway vs local prefill",
+               _ratio(single["gateway_websocket_long"]["ttft_s"], single["local_prefill_long"]["ttft_s"]),
+               1.3, at_least=False),
+    ]
+    for server in variant["memory"]:
+        peak = server["after_concurrency"]["server"]["peak"]
+        found.append(Target(f"block server {server['blocks']} peak RSS while serving vs its weights + cache budget",
+                            _ratio(peak, server["weights_bytes"] + server["cache_budget_bytes"]), 1.3, at_least=False))
+    return found
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator and not math.isnan(denominator) else math.nan
+
+
+# ------------------------------------------------------------------------------------------- the table
+
+
+SINGLE_SESSION_NAMES = {
+    "local_generate": "transformers generate (local)",
+    "swarm_client": "swarm, Python client",
+    "gateway_websocket": "gateway, WebSocket",
+    "gateway_openai_sse": "gateway, OpenAI SSE",
+}
+
+
+def table(results: dict) -> str:
+    lines = [f"{results['model']}; prompt {results['prompt_tokens']['chat']} tokens; "
+             f"{results['threads']['torch_threads_per_process']} torch thread(s) in every process "
+             f"(gateway: {results['threads']['gateway']}); servers hold blocks {', '.join(results['spans'])}"]
+    for dtype, variant in results["variants"].items():
+        lines += ["", f"== {dtype} (servers and local model; the gateway's embeddings and LM head stay float32)"]
+        lines += _single_session_lines(variant, results["options"])
+        lines += _concurrency_lines(variant, results["options"])
+        lines += _memory_lines(variant)
+        lines += ["", "targets:"] + ["  " + target.describe() for target in targets(variant)]
+    return "\n".join(lines)
+
+
+def _single_session_lines(variant: dict, options: dict) -> list[str]:
+    single = variant["single_session"]
+    lines = ["", f"single session, up to {options['tokens']} new tokens, medians of {options['rounds']} rounds:",
+             f"  {'':32s} {'decode tok/s':>12s} {'TTFT ms':>8s} {'ITL p50 ms':>10s} {'ITL p95 ms':>10s}  tokens"]
+    for name, label in SINGLE_SESSION_NAMES.items():
+        run = single[name]
+        lines.append(f"  {label:32s} {run['decode_tok_s']:12.2f} {run['ttft_s'] * 1000:8.0f} "
+                     f"{run['itl_p50_s'] * 1000:10.1f} {run['itl_p95_s'] * 1000:10.1f}  {run['tokens']}"
+                     + _errors(run))
+    local, gateway = single["local_prefill_long"], single["gateway_websocket_long"]
+    lines.append(f"  long prompt: local prefill {local['ttft_s'] * 1000:.0f} ms, "
+                 f"gateway TTFT {gateway['ttft_s'] * 1000:.0f} ms" + _errors(gateway))
+    return lines
+
+
+def _concurrency_lines(variant: dict, options: dict) -> list[str]:
+    lines = ["", f"simultaneous WebSocket sessions, {options['concurrency_tokens']} new tokens each "
+                 "(a session's decode tok/s: the median session's; TTFT and ITL: across sessions and tokens):",
+             f"  {'sessions':>8s} {'aggregate tok/s':>15s} {'decode tok/s':>16s} {'TTFT p50/p95 ms':>16s} "
+             f"{'ITL p50/p95 ms':>15s}"]
+    for sessions, run in variant["concurrency"].items():
+        lines.append(f"  {sessions:>8s} {run['aggregate_tok_s']:15.2f} {run['per_session_decode_tok_s_p50']:16.2f} "
+                     f"{run['ttft_p50_s'] * 1000:7.0f}/{run['ttft_p95_s'] * 1000:<8.0f} "
+                     f"{run['itl_p50_s'] * 1000:6.1f}/{run['itl_p95_s'] * 1000:<8.1f}" + _errors(run))
+    return lines
+
+
+def _memory_lines(variant: dict) -> list[str]:
+    lines = ["", "block servers' memory, MiB (RSS now / peak; peaks start again once the servers are up):",
+             f"  {'blocks':>6s} {'weights':>8s} {'cache budget':>12s} {'at start':>10s} {'after single sessions':>22s} "
+             f"{'after concurrency':>18s} {'its p2pd':>10s}"]
+    for server in variant["memory"]:
+        daemon = server["after_concurrency"]["p2pd"]
+        lines.append(f"  {server['blocks']:>6s} {server['weights_bytes'] / MB:8.0f} {server['cache_budget_bytes'] / MB:12.0f} "
+                     f"{_memory(server['at_start']['server']):>10s} {_memory(server['after_single_sessions']['server']):>22s} "
+                     f"{_memory(server['after_concurrency']['server']):>18s} {_memory(daemon) if daemon else '-':>10s}"
+                     + ("" if server["peaks_reset_after_start"] else "  (peaks include start-up: could not reset)"))
+    return lines
+
+
+def _memory(sample: dict) -> str:
+    return f"{sample['rss'] / MB:.0f} / {sample['peak'] / MB:.0f}"
+
+
+def _errors(run: dict) -> str:
+    errors = run["errors"]
+    return f"  [{len(errors)} incomplete: {errors[0]}]" if errors else ""
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def write_json(results: dict, path: Path) -> None:
+    """Standard JSON: a figure that could not be measured (NaN) is null."""
+    path.write_text(json.dumps(_nan_to_none(results), indent=1) + "\n")
+
+
+def _nan_to_none(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _nan_to_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_to_none(item) for item in value]
+    return value
+
+
+# one color per figure, one line style per quantile; per dtype, a marker and the local baseline's line style
+COLORS = {"aggregate": "tab:blue", "per_session": "tab:orange", "ttft": "tab:purple", "itl": "tab:green"}
+QUANTILE_STYLES = {"p50": "-", "p95": ":"}
+DTYPE_STYLES = {"float32": ("o", "--"), "bfloat16": ("^", "-.")}
+
+
+def plot(results: dict, path: Path) -> None:
+    """Aggregate and per-session tok/s, and TTFT and ITL, against simultaneous sessions; local transformers
+    generate as a dashed line (its decode tok/s on the left, its ITL on the right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 16 and 400, not 2^4 and 4x10^2
+    figure, (speed, latency) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for dtype, variant in results["variants"].items():
+        runs, (marker, baseline) = variant["concurrency"], DTYPE_STYLES[dtype]
+        sessions = [int(count) for count in runs]
+        local = variant["single_session"]["local_generate"]
+
+        def curve(axes, key: str, color: str, label: str, scale: float = 1.0, style: str = "-") -> None:
+            axes.plot(sessions, [run[key] * scale for run in runs.values()], marker=marker, linestyle=style,
+                      color=color, label=f"{label} ({dtype})")
+
+        curve(speed, "aggregate_tok_s", COLORS["aggregate"], "aggregate")
+        curve(speed, "per_session_decode_tok_s_p50", COLORS["per_session"], "per session, median")
+        speed.axhline(local["decode_tok_s"], linestyle=baseline, color="gray", label=f"local generate ({dtype})")
+        for figure_name in ("ttft", "itl"):
+            for quantile, style in QUANTILE_STYLES.items():
+                curve(latency, f"{figure_name}_{quantile}_s", COLORS[figure_name], f"{figure_name.upper()} {quantile}",
+                      scale=1000, style=style)
+        latency.axhline(local["itl_p50_s"] * 1000, linestyle=baseline, color="gray", label=f"local ITL p50 ({dtype})")
+
+    counts = sorted({int(count) for variant in results["variants"].values() for count in variant["concurrency"]})
+    for axes, title, unit in ((speed, "throughput", "tokens/s"), (latency, "latency", "ms")):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(counts)
+        axes.xaxis.set_major_formatter(plain)
+        axes.xaxis.set_minor_formatter(NullFormatter())
+        axes.set_xlabel("simultaneous sessions through the gateway (WebSocket)")
+        axes.set_ylabel(unit)
+        axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+    latency.set_yscale("log")
+    latency.yaxis.set_major_formatter(plain)
+    latency.yaxis.set_minor_formatter(plain)
+    figure.suptitle(f"{results['model']}, two block servers, {results['threads']['torch_threads_per_process']} "
+                    f"torch thread(s) per process ({results['started']})", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

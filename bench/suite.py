@@ -1,0 +1,203 @@
+"""One run of the suite: per dtype, a swarm of two block servers and a gateway in front of it, then every
+measurement, then memory. Returns plain data (dicts and lists) for bench/report.py.
+
+Order within a dtype's run, and why:
+  1. block-server memory once they are up, with their start-up peak; then their peaks start again from there,
+     since loading weights is not serving;
+  2. single sessions, alternating local / Python client / WebSocket / OpenAI SSE and local prefill / gateway
+     time to first token for the long prompt, round after round (after one untimed warm-up round): noise that
+     comes and goes on a shared machine then hits every measurement alike, and medians drop the outliers;
+  3. block-server memory, with the single sessions done;
+  4. 1, 4, 16, 64 simultaneous WebSocket sessions, smallest first, each on caches left empty by the one before;
+  5. block-server memory again: its peak now includes the largest run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from bench.clients import openai_reply, swarm_client_reply, websocket_reply
+from bench.gateway import Gateway
+from bench.load import concurrent_replies
+from bench.local import LocalModel
+from bench.memory import ServerBudget, reset_peaks, sample_server, server_budget
+from bench.stats import TokenStream, summarize_concurrent, summarize_runs
+from bench.workload import MODEL, Prompt, chat_prompt, long_prompt, session_length
+
+SPANS = [(0, 15), (15, 30)]  # two block servers, as in the first benchmark and the README's figures
+
+
+@dataclass(frozen=True)
+class Options:
+    tokens: int  # new tokens of each single-session reply
+    rounds: int  # timed rounds of the single-session measurements
+    concurrency: tuple[int, ...]  # simultaneous sessions, one run each
+    concurrency_tokens: int  # new tokens of each session in the concurrency runs
+    threads: int  # torch threads in every process: this one, each server, the gateway
+    dtypes: tuple[str, ...]  # float32 always; bfloat16 beside it when asked for
+    timeout: float  # seconds: the most any one reply or concurrency run may take
+
+
+@dataclass(frozen=True)
+class Prompts:
+    chat: Prompt  # the chat prompt (~42 tokens) every reply continues
+    long: Prompt  # LONG_PROMPT_TOKENS of plain text, for time to first token
+
+
+def run_suite(options: Options) -> dict:
+    from config import SwarmSettings
+    from swarm.weights import load_tokenizer, resolve_model
+
+    torch.set_num_threads(options.threads)  # the local baseline and the Python client run in this process
+    cache_dir = SwarmSettings.from_env().cache_dir
+    folder = resolve_model(MODEL, cache_dir)
+    tokenizer = load_tokenizer(folder)
+    prompts = Prompts(chat_prompt(tokenizer), long_prompt(tokenizer))
+    results = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": MODEL,
+        "machine": machine(),
+        "options": asdict(options),
+        "threads": thread_settings(options.threads),
+        "prompt_tokens": {"chat": len(prompts.chat.ids), "long": len(prompts.long.ids)},
+        "spans": [f"{start}:{end}" for start, end in SPANS],
+        "variants": {},
+    }
+    began = time.perf_counter()
+    for dtype in options.dtypes:
+        log(f"== {dtype}")
+        results["variants"][dtype] = run_variant(options, folder, cache_dir, dtype, prompts)
+    results["duration_s"] = time.perf_counter() - began
+    return results
+
+
+def run_variant(options: Options, folder: Path, cache_dir: Path, dtype: str, prompts: Prompts) -> dict:
+    from swarm.local import LocalSwarm
+    from swarm.model import RemoteModel
+
+    cache_tokens = cache_tokens_needed(options, prompts)
+    budgets = [server_budget(folder, start, end, cache_tokens, getattr(torch, dtype)) for start, end in SPANS]
+    local = LocalModel(folder, getattr(torch, dtype))
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    server_args = ["--threads", str(options.threads), "--dtype", dtype, "--cache-tokens", str(cache_tokens)]
+    # the largest concurrency run, and a few single sessions that may still be closing when it starts
+    max_sessions = max(options.concurrency) + 4
+    with ExitStack() as running:  # stopped in reverse order on any exit, Ctrl-C included
+        log(f"starting block servers {', '.join(f'{start}:{end}' for start, end in SPANS)} and a gateway; "
+            f"logs in {log_dir}")
+        swarm = running.enter_context(LocalSwarm(MODEL, SPANS, server_args=server_args, log_dir=log_dir))
+        gateway = running.enter_context(Gateway(swarm.initial_peers, max_sessions, options.threads, log_dir))
+        remote = RemoteModel.from_pretrained(MODEL, swarm.initial_peers, cache_dir)
+        running.callback(remote.close)
+        server_pids = [server.process.pid for server in swarm.servers]
+
+        memory = {"at_start": [sample_server(pid) for pid in server_pids]}
+        peaks_reset = [reset_peaks(pid) for pid in server_pids]
+        single = alternate(single_session_measurements(options, prompts, local, remote, gateway), options.rounds)
+        memory["after_single_sessions"] = [sample_server(pid) for pid in server_pids]
+        concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions)
+                       for sessions in options.concurrency}
+        memory["after_concurrency"] = [sample_server(pid) for pid in server_pids]
+
+    return {
+        "cache_tokens": cache_tokens,
+        "single_session": {name: summarize_runs(runs) for name, runs in single.items()},
+        "concurrency": concurrency,
+        "memory": [memory_entry(budget, peaks_reset[index], {moment: samples[index] for moment, samples in memory.items()})
+                   for index, budget in enumerate(budgets)],
+    }
+
+
+def single_session_measurements(options: Options, prompts: Prompts, local: LocalModel, remote,
+                                gateway: Gateway) -> dict[str, Callable[[], TokenStream]]:
+    """Every single-session measurement, by the name the report uses, in the order they alternate."""
+    chat, long, tokens = prompts.chat, prompts.long, options.tokens
+
+    def deadline() -> float:
+        return time.perf_counter() + options.timeout
+
+    return {
+        "local_generate": lambda: local.generate(chat.ids, tokens),
+        "swarm_client": lambda: swarm_client_reply(remote, chat, tokens),
+        "gateway_websocket": lambda: websocket_reply(gateway.ws_url, chat, tokens, deadline()),
+        "gateway_openai_sse": lambda: openai_reply(gateway.openai_url, MODEL, chat, tokens, deadline()),
+        "local_prefill_long": lambda: local.prefill(long.ids),
+        "gateway_websocket_long": lambda: websocket_reply(gateway.ws_url, long, 1, deadline()),
+    }
+
+
+def alternate(measurements: dict[str, Callable[[], TokenStream]], rounds: int) -> dict[str, list[TokenStream]]:
+    """One untimed warm-up of each measurement, then `rounds` rounds that run each once, in turn."""
+    for measure in measurements.values():
+        measure()
+    runs: dict[str, list[TokenStream]] = {name: [] for name in measurements}
+    for round_number in range(1, rounds + 1):
+        for name, measure in measurements.items():
+            stream = measure()
+            runs[name].append(stream)
+            figure = f"{stream.decode_rate:6.1f} tok/s" if stream.tokens > 1 else f"TTFT {stream.ttft * 1000:6.0f} ms"
+            log(f"round {round_number}/{rounds}  {name:24s} {figure}" + (f"  ({stream.error})" if stream.error else ""))
+    return runs
+
+
+def run_concurrent(options: Options, prompts: Prompts, gateway: Gateway, sessions: int) -> dict:
+    gateway.wait_idle()  # the previous run's sessions closed: this one starts on empty caches
+    log(f"{sessions} simultaneous sessions, {options.concurrency_tokens} tokens each")
+    summary = summarize_concurrent(
+        concurrent_replies(gateway.ws_url, prompts.chat, options.concurrency_tokens, sessions, options.timeout))
+    incomplete = f", {len(summary['errors'])} incomplete" if summary["errors"] else ""
+    log(f"   {summary['aggregate_tok_s']:.1f} tok/s aggregate{incomplete}")
+    return summary
+
+
+def cache_tokens_needed(options: Options, prompts: Prompts) -> int:
+    """Each server's cache budget: the largest concurrency run's sessions all at once, plus one more session
+    (one that is still closing when the next opens must not make the next fail)."""
+    single = max(session_length(prompts.chat, options.tokens), session_length(prompts.long, 1))
+    return max(options.concurrency) * session_length(prompts.chat, options.concurrency_tokens) + single
+
+
+def memory_entry(budget: ServerBudget, peaks_reset: bool, samples: dict) -> dict:
+    """One server's budget and its memory samples (at_start, after_single_sessions, after_concurrency)."""
+    return {
+        "blocks": f"{budget.start}:{budget.end}",
+        "cache_tokens": budget.cache_tokens,
+        "weights_bytes": budget.weights_bytes,
+        "cache_budget_bytes": budget.cache_bytes,
+        # False: the kernel refused to reset peaks, and later peaks include the start-up one
+        "peaks_reset_after_start": peaks_reset,
+        **samples,
+    }
+
+
+def thread_settings(threads: int) -> dict:
+    return {
+        "torch_threads_per_process": threads,
+        "local_baseline_and_python_client": f"torch.set_num_threads({threads}) in the benchmark process",
+        "block_servers": f"--threads {threads}",
+        "gateway": f"OMP_NUM_THREADS={threads} (the gateway has no torch-threads setting of its own)",
+    }
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
