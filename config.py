@@ -5,6 +5,7 @@ Each command-line tool takes its defaults from here, so an operator can set them
     SWARM_CACHE_DIR   where converted models live (default: $XDG_CACHE_HOME/swarm-gateway or ~/.cache/...)
     INITIAL_PEERS     space- or comma-separated multiaddrs of DHT peers to join
     WIRE_DTYPE        how a client sends hidden states to servers: float32 (default, exact), bfloat16 or float16
+    TORCH_THREADS     torch's threads in each process (the gateway's, and block servers' without --threads)
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
@@ -50,6 +51,7 @@ class SwarmSettings:
     announce_period: float = 10.0
     cache_tokens: int = 32768
     wire_dtype: str = "float32"
+    torch_threads: int | None = None  # None: torch's choice (one per core)
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
@@ -62,6 +64,7 @@ class SwarmSettings:
             model=environ.get("MODEL", DEFAULT_MODEL),
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
             wire_dtype=environ.get("WIRE_DTYPE", "float32"),
+            torch_threads=int(environ["TORCH_THREADS"]) if environ.get("TORCH_THREADS") else None,
         )
 
 

@@ -36,7 +36,7 @@ class Gateway:
             "INITIAL_PEERS": " ".join(initial_peers),
             "MAX_SESSIONS": str(max_sessions),
             # the gateway has no torch-threads setting of its own; torch takes its default from OpenMP's
-            "OMP_NUM_THREADS": str(torch_threads),
+            "TORCH_THREADS": str(torch_threads),
         }
         self.threads = max(GUNICORN_THREADS, max_sessions + 8)  # + a few for /health and /metrics
         self.log_dir = log_dir

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from config import SwarmSettings
+
 from bench.clients import openai_reply, swarm_client_reply, websocket_reply
 from bench.gateway import Gateway
 from bench.load import concurrent_replies
@@ -161,10 +163,11 @@ def run_concurrent(options: Options, prompts: Prompts, gateway: Gateway, session
 
 
 def cache_tokens_needed(options: Options, prompts: Prompts) -> int:
-    """Each server's cache budget: the largest concurrency run's sessions all at once, plus one more session
-    (one that is still closing when the next opens must not make the next fail)."""
+    """Each server's cache budget: the servers' default, or more if the largest concurrency run's sessions
+    all at once, plus one more session (one still closing when the next opens), need more."""
     single = max(session_length(prompts.chat, options.tokens), session_length(prompts.long, 1))
-    return max(options.concurrency) * session_length(prompts.chat, options.concurrency_tokens) + single
+    needed = max(options.concurrency) * session_length(prompts.chat, options.concurrency_tokens) + single
+    return max(needed, SwarmSettings.cache_tokens)
 
 
 def memory_entry(budget: ServerBudget, peaks_reset: bool, samples: dict) -> dict:
@@ -185,7 +188,7 @@ def thread_settings(threads: int) -> dict:
         "torch_threads_per_process": threads,
         "local_baseline_and_python_client": f"torch.set_num_threads({threads}) in the benchmark process",
         "block_servers": f"--threads {threads}",
-        "gateway": f"OMP_NUM_THREADS={threads} (the gateway has no torch-threads setting of its own)",
+        "gateway": f"TORCH_THREADS={threads}",
     }
 
 

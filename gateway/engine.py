@@ -187,6 +187,8 @@ class Engine:
 
                 from swarm.client import SwarmClient
 
+                if self.settings.swarm.torch_threads:  # the embeddings, LM head and sampling of this process
+                    torch.set_num_threads(self.settings.swarm.torch_threads)
                 wire_dtype = getattr(torch, self.settings.swarm.wire_dtype)
                 self._client = SwarmClient(self.settings.swarm.initial_peers, wire_dtype=wire_dtype)
             return self._client

@@ -100,9 +100,16 @@ class SwarmClient:
         start: int = 0, min_cache_tokens: int = 0,
     ) -> list[ChainLink]:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers."""
-        servers = self.servers(prefix, num_blocks)
-        return choose_chain(servers, num_blocks if end is None else end, model_name, {*exclude, *self.bans.current()},
-                            start, self.load.factors(), min_cache_tokens)
+        servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
+        try:
+            return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
+                                self.load.factors(), min_cache_tokens)
+        except MissingBlocksError:
+            if not self.bans.current():
+                raise
+            # only banned servers hold some of the blocks: a ban steers toward others, it must not strand a
+            # session when there are none (a server that was only slow, say, under a burst of load)
+            return choose_chain(servers, end, model_name, set(exclude), start, self.load.factors(), min_cache_tokens)
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
@@ -226,7 +233,7 @@ class RemoteSession:
                 metrics.RETRIES.inc()
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))  # backoff: a replacement may still be starting
             try:
-                replacement = self._open_hops(start, end, avoid={failed.link.peer_id} if cache_full else ())
+                replacement = self._open_hops(start, end, full={failed.link.peer_id} if cache_full else ())
             except MissingBlocksError as missing:
                 last_error = missing
                 continue
@@ -254,17 +261,18 @@ class RemoteSession:
                 raise
         return hidden
 
-    def _open_hops(self, start: int, end: int, avoid: Collection[str] = ()) -> list[Hop]:
-        """Streams to the best chain over blocks [start, end); a server whose cache is full is routed around."""
+    def _open_hops(self, start: int, end: int, full: Collection[str] = ()) -> list[Hop]:
+        """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any
+        found full or unreachable on the way)."""
         client, route = self.client, self.route
-        unusable: set[str] = set(avoid)
+        full, unreachable = set(full), set()
         while True:
             try:
                 # servers take cache a page at a time as the session grows: what matters is room for the first
-                chain = client.chain(route.prefix, route.num_blocks, route.model_name, unusable, end, start,
+                chain = client.chain(route.prefix, route.num_blocks, route.model_name, full | unreachable, end, start,
                                      min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
             except MissingBlocksError:
-                if unusable:  # only full or failing servers could have served: that is the error worth reporting
+                if full:  # servers with a full cache could have served: that is the error worth reporting
                     raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
                                          f"{route.model_name} has a full cache or failed") from None
                 raise
@@ -278,8 +286,10 @@ class RemoteSession:
                 return hops
             except (CacheFullError, ServerUnavailableError) as error:
                 logger.info("routing around server %s: %s", link.peer_id, error)
-                unusable.add(link.peer_id)
-                if isinstance(error, ServerUnavailableError):
+                if isinstance(error, CacheFullError):
+                    full.add(link.peer_id)
+                else:
+                    unreachable.add(link.peer_id)
                     client.bans.ban(link.peer_id)
                 for hop in hops:
                     self._close_hop(hop)

@@ -421,7 +421,8 @@ def parse_args(argv=None):
     parser.add_argument("--rebalance-period", type=float,
                         help="every this many seconds, consider moving to a span the swarm serves less "
                              "(default: 6 announce periods with --num-blocks, off with --blocks; 0: off)")
-    parser.add_argument("--threads", type=int, help="torch threads for compute (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=settings.torch_threads,
+                        help="torch threads for compute (default: TORCH_THREADS, else torch's choice)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     args = parser.parse_args(argv)

@@ -112,3 +112,12 @@ def test_clean_shutdown_withdraws_the_server_at_once(tiny_swarm, remote_for):
     assert model.client.servers("tiny-leaving", 4) == []
     with pytest.raises(MissingBlocksError, match=r"blocks 0\.\.3"):
         model.session(max_length=4)
+
+
+def test_a_ban_steers_away_but_never_strands_a_session(tiny_swarm, remote_for):
+    only = tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-banned"])
+    model = remote_for("tiny-banned")
+    model.client.bans.ban(only.peer_id)  # say it was slow once: it is still the only server of these blocks
+    with model.session(max_length=8) as session:
+        assert session.remote.chain[0].peer_id == only.peer_id
+        assert session.step([[1, 2, 3]]).shape == (1, model.config.vocab_size)
