@@ -6,6 +6,7 @@ booleans are parsed leniently ("0.7", "1", "true"); anything else wrong is a 400
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -239,6 +240,21 @@ class DetokenizeRequest(_OpenAIRequest):
 WsMessage = TypeAdapter(
     Annotated[Union[WsOpenSession, WsGenerate, WsStop, WsCloseSession], Field(discriminator="type")]
 )
+
+
+def load_json(raw, what: str = "the body"):
+    """JSON text (str or bytes) as Python values. Whatever is not JSON is a 400: bad syntax or encoding, nesting
+    too deep for the parser, and NaN or Infinity (JavaScript's, not JSON's)."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise BadRequest(f"{what} is not valid JSON: nested too deeply") from None
+    except (TypeError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest(f"{what} is not valid JSON: {error}") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def parse(schema, data):
