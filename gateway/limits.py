@@ -26,15 +26,20 @@ def install(app, limits: Limits) -> None:
 
     from gateway.access import is_open
 
-    # werkzeug enforces both while reading a body, also a chunked one that announced no length
-    app.config["MAX_CONTENT_LENGTH"] = app.config["MAX_FORM_MEMORY_SIZE"] = limits.max_body_bytes
+    most = limits.max_body_bytes
+    # werkzeug stops reading a chunked body (no Content-Length) at MAX_CONTENT_LENGTH, silently: one byte more
+    # tells a body over the limit from one just at it
+    app.config["MAX_CONTENT_LENGTH"] = most + 1
+    app.config["MAX_FORM_MEMORY_SIZE"] = most  # a form field alone over it is werkzeug's 413 (errors.py)
     app.extensions["rate_limiter"] = RateLimiter(limits.requests_per_minute)
 
     @app.before_request
     def check_request():
-        if request.content_length is not None and request.content_length > limits.max_body_bytes:
-            raise PayloadTooLarge(f"the request body has {request.content_length} bytes; this gateway accepts "
-                                  f"at most {limits.max_body_bytes} (MAX_BODY_BYTES)")
+        size = request.content_length
+        if size is None and "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+            size = len(request.get_data(cache=True))  # kept for the route: read once, up to most + 1 bytes
+        if size is not None and size > most:
+            raise PayloadTooLarge(f"the request body is over this gateway's limit of {most} bytes (MAX_BODY_BYTES)")
         if request.method != "OPTIONS" and not is_open(request.path):
             charge_request()
 
