@@ -40,6 +40,7 @@ blueprint = Blueprint("openai", __name__)
 extras = Blueprint("openai_extras", __name__)
 PREFIXES = ("/v1", "/api/oai", "/api/oai/v1")
 _unknown_fields_logged: set[str] = set()
+UNKNOWN_FIELDS_REMEMBERED = 1000  # the names are the clients' to choose: a bound on memory and on the log
 
 
 def speaks_openai() -> bool:
@@ -54,9 +55,9 @@ def json_body(schema):
         raise BadRequest("the body must be a JSON object (Content-Type: application/json)")
     fields = parse(schema, load_json(request.get_data()))
     for name in (fields.model_extra or {}):  # accepted and ignored, as vLLM does; said once per field name
-        if name not in _unknown_fields_logged:
+        if name not in _unknown_fields_logged and len(_unknown_fields_logged) < UNKNOWN_FIELDS_REMEMBERED:
             _unknown_fields_logged.add(name)
-            logger.info("ignoring unknown request field %r", name)
+            logger.info("ignoring unknown request field %.80r", name)
     return fields
 
 
