@@ -1,6 +1,6 @@
 """The gateway's limits, keys and origin checks, through a real gunicorn in front of the tiny swarm, configured
-tight: small limits, API keys and an origin allowlist. Each test spends the allowance of a key of its own, since
-the per-client limits count by key."""
+tight (conftest.strict_gateway): small limits, API keys and an origin allowlist. Each test spends the allowance of
+a key of its own, since the per-client limits count by key."""
 
 import json
 import time
@@ -11,26 +11,14 @@ import requests
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from conftest import TINY_PREFIX, Gateway
-
-ALLOWED_ORIGIN = "https://chat.example"
-KEYS = ("key-access", "key-body", "key-context", "key-sessions", "key-other", "key-rate", "key-ws-rate",
-        "key-ws", "key-logs")
-LIMITS = {"MAX_SESSIONS_PER_CLIENT": 2, "REQUESTS_PER_MINUTE": 40, "WS_IDLE_TIMEOUT": 3, "MAX_BODY_BYTES": 8192,
-          "WS_MAX_MESSAGE_BYTES": 4096, "MAX_NEW_TOKENS": 16}
-CONTEXT = 64  # the model's max_session_length here
+from conftest import STRICT_CONTEXT as CONTEXT
+from conftest import STRICT_LIMITS as LIMITS
+from conftest import STRICT_ORIGIN as ALLOWED_ORIGIN
 
 
 @pytest.fixture(scope="module")
-def strict(tiny_swarm, tiny_llama, tmp_path_factory):
-    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": CONTEXT}]
-    env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models),
-           "API_KEYS": ",".join(KEYS), "ALLOWED_ORIGINS": ALLOWED_ORIGIN, "LOG_LEVEL": "INFO",
-           **{name: str(value) for name, value in LIMITS.items()}}
-    server = Gateway(env, tmp_path_factory.mktemp("strict-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log()
+def strict(strict_gateway):
+    return strict_gateway
 
 
 def bearer(key: str) -> dict:
@@ -190,8 +178,8 @@ def open_sessions(strict) -> int:
 def test_an_idle_websocket_is_closed_with_a_reason_and_frees_its_session(strict):
     with ws_connect(strict, key="key-ws") as ws:
         assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
-        for _ in range(2):  # each message restarts the clock: 4 s in all, idle for 2 s at most
-            time.sleep(2)
+        for _ in range(2):  # each message restarts the clock: idle for 2 s at most, 4 s in all
+            time.sleep(LIMITS["WS_IDLE_TIMEOUT"] - 1)
             assert ws_call(ws, type="generate", inputs="hi", max_new_tokens=1)["ok"]
         assert open_sessions(strict) == 1
         started = time.monotonic()
