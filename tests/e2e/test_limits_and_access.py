@@ -119,9 +119,13 @@ def test_prompts_longer_than_the_context_are_context_length_exceeded_in_every_ap
         assert frame["ok"] is False and frame["code"] == "context_length_exceeded"
 
 
-def test_new_token_caps_name_the_setting(strict):
+def test_caps_name_their_setting(strict):
     reply = post(strict, "/v1/completions", "key-context", json={"prompt": "hi", "max_tokens": 17})
     assert reply.status_code == 400 and "at most 16, got 17 (MAX_NEW_TOKENS)" in reply.json()["error"]["message"]
+    # each prompt of a completion holds a session while it runs: more than a client may hold is a bad request
+    reply = post(strict, "/v1/completions", "key-context", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "prompt" and "MAX_SESSIONS_PER_CLIENT" in error["message"]
 
 
 def test_requests_per_minute_per_client(strict):
