@@ -94,7 +94,7 @@ class Limits:
     Each field is also an environment variable: its name in capitals (MAX_SESSIONS, ...)."""
 
     max_sessions: int = 256  # open inference sessions per gateway process, HTTP and WebSocket together
-    max_sessions_per_client: int = 16  # of those, how many one client may hold at once
+    max_sessions_per_client: int = 16  # of those, how many one client may hold at once (0: no cap of its own)
     session_idle_timeout: float = 600.0  # seconds; an idle HTTP session is then closed on the servers too
     ws_idle_timeout: float = 600.0  # seconds without a message from its client closes a WebSocket (0: never)
     max_new_tokens: int = 4096  # the most one request may ask for

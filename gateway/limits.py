@@ -1,6 +1,6 @@
 """The checks that keep one request, and one client, within the gateway's Limits (config.py), shared by every API.
 
-    install(app)            the body size (413) and each client's requests per minute (429), before any route
+    install(app, limits)    the body size (413) and each client's requests per minute (429), before any route
     charge_request()        the same rate limit, for each message on a WebSocket
     check_new_tokens()      a request's token budget against MAX_NEW_TOKENS
     check_max_length()      a session's length against the model's max_session_length
@@ -66,6 +66,7 @@ class RateLimiter:
         self.per_minute = per_minute
         self.per_second = per_minute / 60.0
         self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when they were counted)
+        self._prune_above = self.PRUNE_ABOVE  # doubles while most clients are busy: pruning stays rare
         self._lock = threading.Lock()
 
     def charge(self, client: str) -> None:
@@ -79,8 +80,9 @@ class RateLimiter:
                 raise RateLimited(f"too many requests: at most {self.per_minute} per minute per client "
                                   f"(REQUESTS_PER_MINUTE); retry in {wait} s", retry_after=wait)
             self._buckets[client] = (tokens - 1, now)
-            if len(self._buckets) > self.PRUNE_ABOVE:
+            if len(self._buckets) > self._prune_above:
                 self._forget_full(now)
+                self._prune_above = max(self.PRUNE_ABOVE, 2 * len(self._buckets))
 
     def _tokens(self, client: str, now: float) -> float:
         tokens, counted_at = self._buckets.get(client, (self.per_minute, now))

@@ -31,7 +31,7 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def held_by(self, owner: str) -> int:
+    def _held_by(self, owner: str) -> int:
         return self._opening[owner] + sum(1 for session in list(self._sessions.values()) if session.owner == owner)
 
     @contextmanager
@@ -41,7 +41,7 @@ class SessionRegistry:
             if len(self._sessions) + self._opening.total() >= self.max_sessions:
                 raise TooManySessions(f"too many open inference sessions ({self.max_sessions}, MAX_SESSIONS); "
                                       "close one or retry later")
-            if self.held_by(owner) >= self.max_per_client:
+            if self._held_by(owner) >= self.max_per_client:
                 raise TooManySessions(f"this client holds {self.max_per_client} open inference sessions, the most "
                                       "it may (MAX_SESSIONS_PER_CLIENT); close one or retry later")
             self._opening[owner] += 1
