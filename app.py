@@ -12,12 +12,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from config import Settings
 from gateway import create_app
+from gateway.request_ids import configure_logging
 
-app = create_app()  # cheap: the swarm client is built in the worker, on the first request that needs it
+_settings = Settings.from_env()
+configure_logging(_settings.gateway.log_level)  # every log line with its request id
+app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request that needs it
 
 
 def main(argv=None) -> None:
+    from config import Limits
     from swarm.cli import ArgumentParser, multiaddr
 
     parser = ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0])
@@ -32,6 +37,13 @@ def main(argv=None) -> None:
     parser.add_argument("--allowed-methods", "--allow-methods", nargs="+", help="CORS methods (default: *)")
     parser.add_argument("--allowed-headers", "--allow-headers", nargs="+", help="CORS headers (default: *)")
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--trusted-proxies", type=int, help="reverse proxies in front whose X-Forwarded-For "
+                        "names the client (default: 0)")
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default: INFO")
+    limits = parser.add_argument_group("limits", "each also an environment variable, named in capitals")
+    for name, field in Limits.__dataclass_fields__.items():
+        limits.add_argument("--" + name.replace("_", "-"), type=type(field.default), metavar="N",
+                            help=f"{name.upper()} (default: {field.default})")
     args = parser.parse_args(argv)
 
     # handed to gunicorn, which sets them before the master's hooks and the worker read config.py
@@ -44,8 +56,12 @@ def main(argv=None) -> None:
         "ALLOWED_METHODS": ",".join(args.allowed_methods or []),
         "ALLOWED_HEADERS": ",".join(args.allowed_headers or []),
         "ALLOW_CREDENTIALS": "true" if args.allow_credentials else "",
+        "TRUSTED_PROXIES": args.trusted_proxies,
+        "LOG_LEVEL": args.log_level,
+        **{name.upper(): getattr(args, name) for name in Limits.__dataclass_fields__},
     }
-    environment = [part for name, value in settings.items() if value for part in ("--env", f"{name}={value}")]
+    environment = [part for name, value in settings.items() if value is not None and value != ""
+                   for part in ("--env", f"{name}={value}")]
     sys.argv = [
         "gunicorn", "--config", str(Path(__file__).with_name("gunicorn.conf.py")),
         "--bind", f"{args.host}:{args.port}", *environment, "app:app",

@@ -9,10 +9,12 @@ Each command-line tool takes its defaults from here, so an operator can set them
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
-    MAX_SESSIONS, SESSION_IDLE_TIMEOUT, MAX_NEW_TOKENS, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES
+    MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
+    REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES
                       the gateway's limits (see Limits)
-    API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS
+    API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
+    LOG_LEVEL         the gateway's log level (default INFO)
 """
 
 from __future__ import annotations
@@ -98,11 +100,31 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Limits:
+    """What one request, and one client, may take. A client is its API key when keys are configured, else its IP.
+
+    Each field is also an environment variable: its name in capitals (MAX_SESSIONS, ...)."""
+
     max_sessions: int = 256  # open inference sessions per gateway process, HTTP and WebSocket together
+    max_sessions_per_client: int = 16  # of those, how many one client may hold at once (0: no cap of its own)
     session_idle_timeout: float = 600.0  # seconds; an idle HTTP session is then closed on the servers too
+    ws_idle_timeout: float = 600.0  # seconds without a message from its client closes a WebSocket (0: never)
     max_new_tokens: int = 4096  # the most one request may ask for
+    max_body_bytes: int = 1 << 20  # an HTTP request's body; a larger one is refused with 413
+    requests_per_minute: int = 600  # per client: API requests and WebSocket messages (0: no limit)
     ws_ping_interval: float = 25.0  # keep-alive pings on WebSocket connections, seconds
-    ws_max_message_bytes: int = 1 << 20
+    ws_max_message_bytes: int = 1 << 20  # a larger WebSocket message closes the connection (code 1009)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "Limits":
+        values = {}
+        for name in cls.__dataclass_fields__:
+            if environ.get(name.upper()):
+                kind = type(getattr(cls, name))
+                try:
+                    values[name] = kind(environ[name.upper()])
+                except ValueError:
+                    raise ValueError(f"{name.upper()}: expected {kind.__name__}, got {environ[name.upper()]!r}") from None
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,9 @@ class AccessSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # How many reverse proxies in front of the gateway to believe about the client's address (X-Forwarded-For):
+    # the per-client limits go by that address when no API key identifies the client. 0: the socket's peer.
+    trusted_proxies: int = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "AccessSettings":
@@ -123,7 +148,8 @@ class AccessSettings:
         lists = {name: _split_list(environ[name.upper()]) for name in ("allowed_origins", "allowed_methods",
                                                                       "allowed_headers") if environ.get(name.upper())}
         credentials = environ.get("ALLOW_CREDENTIALS", "").lower() in ("1", "true", "yes")
-        return cls(api_keys=tuple(keys), allow_credentials=credentials, **lists)
+        proxies = int(environ.get("TRUSTED_PROXIES") or 0)
+        return cls(api_keys=tuple(keys), allow_credentials=credentials, trusted_proxies=proxies, **lists)
 
 
 @dataclass(frozen=True)
@@ -131,6 +157,7 @@ class GatewaySettings:
     models: tuple[ModelConfig, ...]
     limits: Limits = field(default_factory=Limits)
     access: AccessSettings = field(default_factory=AccessSettings)
+    log_level: str = "INFO"
 
     @property
     def default_model(self) -> ModelConfig:
@@ -149,14 +176,8 @@ class GatewaySettings:
         else:
             name = environ.get("MODEL", DEFAULT_MODEL)
             models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name),)
-        limits = Limits(
-            **{
-                key: type(getattr(Limits, key))(environ[key.upper()])
-                for key in Limits.__dataclass_fields__
-                if environ.get(key.upper())
-            }
-        )
-        return cls(models=models, limits=limits, access=AccessSettings.from_env(environ))
+        return cls(models=models, limits=Limits.from_env(environ), access=AccessSettings.from_env(environ),
+                   log_level=environ.get("LOG_LEVEL", "INFO").upper())
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,18 @@ In data-flow order:
     text.py       stop sequences matched across token boundaries, never shown half
     sessions.py   open sessions: a cap, idle expiry that frees the servers' caches, one request at a time
     errors.py     the APIError tree, and how any exception becomes a clean reply
+    request_ids.py  a request id per request: taken from or put in X-Request-ID, and on every log line
+    access.py     API keys, CORS and the WebSocket Origin check; who a caller is (its key, else its address)
+    limits.py     body size, requests per minute per client, token and context-length checks the APIs share
     metrics.py    Prometheus metrics (requests, sessions, time to first token, inter-token latency) at /metrics
-    access.py     API keys and CORS
     docs.py       /openapi.json from the schemas, and a Swagger UI page at /docs (no CDN)
 
 Pages, from static/: / (index.html, the chat) and /swarm (swarm.html + swarm.js: servers and block coverage
 per served model, like health.petals.dev, refreshed from /api/v1/swarm).
 
 create_app() is cheap: the engine connects to the swarm on the first request that needs a model.
+Every request passes, in order: request_ids (an id), access (key, WebSocket origin), limits (body size, rate);
+every error, from any route or hook, leaves through the one error handler below, in the shape of its API.
 """
 
 from __future__ import annotations
@@ -37,33 +41,35 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 def create_app(settings=None, engine=None):
     """The Flask app. `settings` defaults to config.Settings.from_env(); tests may pass their own engine."""
     from flask import Flask, jsonify, send_from_directory
-    from werkzeug.exceptions import HTTPException
 
     from config import Settings
-    from gateway import access, docs, metrics
+    from gateway import access, docs, limits, metrics, openai_format, request_ids
     from gateway.engine import Engine
     from gateway.errors import APIError, error_body, from_exception
     from gateway.http_api import blueprint as http_blueprint
     from gateway.http_api import monitoring as monitoring_blueprint
+    from gateway.openai_api import PREFIXES as OPENAI_PREFIXES
     from gateway.openai_api import blueprint as openai_blueprint
     from gateway.openai_api import extras as openai_extras
+    from gateway.openai_api import speaks_openai
     from gateway.ws_api import blueprint as ws_blueprint
     from gateway.ws_api import sock
 
     settings = settings or Settings.from_env()
     app = Flask(__name__, static_folder=str(STATIC_DIR), static_url_path="/static")
     app.json.ensure_ascii = False
-    limits = settings.gateway.limits
     app.config["SOCK_SERVER_OPTIONS"] = {
-        "ping_interval": limits.ws_ping_interval,
-        "max_message_size": limits.ws_max_message_bytes,
+        "ping_interval": settings.gateway.limits.ws_ping_interval,
+        "max_message_size": settings.gateway.limits.ws_max_message_bytes,
     }
     app.extensions["engine"] = engine or Engine(settings)
+    request_ids.install(app)
     access.install(app, settings.gateway.access)
+    limits.install(app, settings.gateway.limits)
     app.register_blueprint(http_blueprint)
     app.register_blueprint(monitoring_blueprint)
     app.register_blueprint(ws_blueprint)
-    for prefix in ("/v1", "/api/oai", "/api/oai/v1"):  # OpenAI's, and Ai00's two
+    for prefix in OPENAI_PREFIXES:
         app.register_blueprint(openai_blueprint, url_prefix=prefix, name="openai" + prefix.replace("/", "_"))
     app.register_blueprint(openai_extras)
     app.register_blueprint(docs.blueprint)
@@ -78,14 +84,12 @@ def create_app(settings=None, engine=None):
     def swarm_page():  # block coverage per server, drawn from /api/v1/swarm
         return send_from_directory(STATIC_DIR, "swarm.html")
 
-    @app.errorhandler(HTTPException)
-    def http_error(error: HTTPException):
-        return jsonify(ok=False, error=error.description, code=error.name.lower().replace(" ", "_"),
-                       traceback=error.description), error.code
-
     @app.errorhandler(Exception)
     def api_error(error: Exception):
+        """Every error of every route and hook, Flask's own 404s and 405s included: a clean message in the
+        shape of the request's API, never a traceback (from_exception logs the unexpected ones)."""
         api_error: APIError = from_exception(error)
-        return jsonify(error_body(api_error)), api_error.status, api_error.headers()
+        body = openai_format.error_body(api_error) if speaks_openai() else error_body(api_error)
+        return jsonify(body), api_error.status, api_error.headers()
 
     return app

@@ -1,13 +1,16 @@
-"""The OpenAPI document of every HTTP API (/openapi.json), built from the request schemas themselves, and a
-Swagger UI page at /docs (and Ai00's /api-docs/) whose assets come from the swagger-ui-bundle package."""
+"""The OpenAPI document of every HTTP API (/openapi.json), built from the request schemas themselves with this
+gateway's limits written in (MAX_NEW_TOKENS, the models' context) and every error reply's shape, and a Swagger UI
+page at /docs (and Ai00's /api-docs/) whose assets come from the swagger-ui-bundle package. The fuzz test
+(tests/e2e/test_fuzz.py) drives the APIs from this document."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from flask import Blueprint, Response, jsonify, send_from_directory
+from flask import Blueprint, Response, current_app, jsonify, send_from_directory
 from pydantic.json_schema import models_json_schema
 
+from config import Limits, ModelConfig
 from gateway import schemas
 
 blueprint = Blueprint("docs", __name__)
@@ -30,17 +33,84 @@ ROUTES = [
     ("/health", "get", None, "200 when the default model can be served now, else 503"),
 ]
 
-ERROR = {"description": "an error, with a message that names the field", "content": {"application/json": {}}}
+# Every error reply, in the shape of its API (errors.py, openai_format.py); the fuzz test checks replies against them.
+ERROR_SCHEMAS = {
+    "PetalsError": {"type": "object", "required": ["ok", "error", "code", "traceback"], "properties": {
+        "ok": {"const": False}, "error": {"type": "string"}, "code": {"type": "string"},
+        "field": {"type": "string"}, "traceback": {"type": "string", "description": "the same clean message"}}},
+    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]}}}}},
+}
+ERROR_STATUSES = {
+    "400": "invalid: the message names the field; context_length_exceeded when the prompt does not fit",
+    "401": "an API key is required (when the gateway has keys)",
+    "404": "unknown model or session",
+    "409": "the session is busy with another request",
+    "413": "the body is over MAX_BODY_BYTES",
+    "429": "too many sessions, or requests, for now (see Retry-After)",
+    "503": "the swarm cannot serve the model now",
+}
 
 
-@lru_cache(maxsize=1)
-def openapi_document() -> dict:
+def _responses(path: str) -> dict:
+    shape = "PetalsError" if path.startswith(("/api/v1/", "/health")) else "OpenAIError"
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
+    return {"200": {"description": "OK"}, **{status: {"description": text, **error}
+                                              for status, text in ERROR_STATUSES.items()}}
+
+
+def _apply_limits(schemas: dict, limits: Limits, max_session_length: int) -> None:
+    """Write this gateway's bounds into the request schemas, so that the document says what a valid request is."""
+    caps = {name: limits.max_new_tokens for name in ("max_new_tokens", "max_tokens", "max_completion_tokens",
+                                                     "max_gen_len")}
+    caps["max_length"] = max_session_length
+    for schema in schemas.values():
+        for name, field in schema.get("properties", {}).items():
+            for branch in field.get("anyOf", [field]):  # Optional[int] is an anyOf with null
+                if name in caps and branch.get("type") == "integer":
+                    branch["maximum"] = caps[name]
+
+
+def _document_later_checks(schemas: dict) -> None:
+    """What the routes check after the schema, where a union's errors would be less clear than theirs: prompts
+    and inputs (texts or token ids) are not empty and ids are not negative; logit_bias is keyed by token id;
+    a Petals generate has inputs, or a session to continue."""
+    schemas["HttpGenerate"]["anyOf"] = [{"required": ["inputs"]}, {"required": ["session_id"]}]
+    for schema in schemas.values():
+        for name, field in schema.get("properties", {}).items():
+            if name in ("prompt", "input", "tokens"):
+                for branch in field.get("anyOf", [field]):
+                    _non_empty(branch)
+            if name in ("logit_bias", "bias"):
+                for branch in field.get("anyOf", [field]):
+                    if branch.get("type") == "object":
+                        branch["propertyNames"] = {"pattern": "^[0-9]+$"}
+
+
+def _non_empty(schema: dict) -> None:
+    if schema.get("type") == "string":
+        schema["minLength"] = 1
+    elif schema.get("type") == "integer":
+        schema["minimum"] = 0
+    elif schema.get("type") == "array":
+        schema["minItems"] = 1
+        _non_empty(schema["items"])
+
+
+@lru_cache(maxsize=4)
+def openapi_document(limits: Limits = Limits(), max_session_length: int = ModelConfig.max_session_length) -> dict:
+    """The document for a gateway with these limits and longest model context."""
     bodies = [(schema, "validation") for _, _, schema, _ in ROUTES if schema is not None]
     refs, definitions = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
+    _apply_limits(definitions.get("$defs", {}), limits, max_session_length)
+    _document_later_checks(definitions.get("$defs", {}))
     paths: dict = {}
     for path, method, schema, summary in ROUTES:
-        operation = {"summary": summary, "responses": {"200": {"description": "OK"}, "400": ERROR, "404": ERROR,
-                                                       "503": ERROR}}
+        operation = {"summary": summary, "responses": _responses(path)}
+        if path == "/health":
+            operation["security"] = []  # open even when the gateway has keys
         if schema is not None:
             body_schema = refs[(schema, "validation")]
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}
@@ -52,14 +122,16 @@ def openapi_document() -> dict:
                                 "WebSocket: /api/v2/generate. The OpenAI routes also live under /api/oai and "
                                 "/api/oai/v1."},
         "paths": paths,
-        "components": {"schemas": definitions.get("$defs", {}),
+        "security": [{}, {"bearer": []}],  # a key only when the gateway is configured with keys
+        "components": {"schemas": {**definitions.get("$defs", {}), **ERROR_SCHEMAS},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
 
 
 @blueprint.get("/openapi.json")
 def openapi_json():
-    return jsonify(openapi_document())
+    gateway = current_app.extensions["engine"].settings.gateway
+    return jsonify(openapi_document(gateway.limits, max(model.max_session_length for model in gateway.models)))
 
 
 PAGE = """<!doctype html>

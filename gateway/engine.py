@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound, from_exception
+from gateway.limits import check_max_length
 from gateway.metrics import observe_token
 from gateway.sampling import Sampler, SamplingParams
 from gateway.stats import EngineStats, RequestStats
@@ -100,6 +101,7 @@ class GatewaySession:
     remote: object  # swarm.model.InferenceSession
     max_length: int
     expires: bool  # HTTP sessions expire when idle; a WebSocket's lives as long as its connection
+    owner: str = ""  # the client that opened it (access.client_id), for the per-client cap
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     history: list[int] = field(default_factory=list)  # token ids in the servers' caches
     pending: list[int] = field(default_factory=list)  # the last sampled token, shown but not yet sent
@@ -130,7 +132,8 @@ class Engine:
         self._client = None  # one swarm client (a DHT node) for every model of this process
         self._client_lock = threading.Lock()
         self._catalogue: tuple[float, list[ModelConfig]] = (0.0, [])
-        self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout)
+        self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout,
+                                        self.limits.max_sessions_per_client)
         self.stats = EngineStats()
 
     # ----------------------------------------------------------------------------------- models
@@ -257,16 +260,12 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- sessions
 
-    def open_session(self, model_name: Optional[str], max_length: int, expires: bool) -> GatewaySession:
+    def open_session(self, model_name: Optional[str], max_length: int, expires: bool, owner: str = "") -> GatewaySession:
         config = self.model_config(model_name)
-        if max_length > config.max_session_length:
-            raise BadRequest(
-                f"max_length: at most {config.max_session_length} for {config.name}, got {max_length}",
-                field="max_length",
-            )
-        with self.sessions.reserve():
+        check_max_length(config, max_length)
+        with self.sessions.reserve(owner):
             model = self.model(config.name)
-            session = GatewaySession(model, model.remote.session(max_length), max_length, expires)
+            session = GatewaySession(model, model.remote.session(max_length), max_length, expires, owner)
             self.sessions.add(session)
         return session
 

@@ -4,18 +4,25 @@
     ├── BadRequest                400  invalid_request       a field is missing, mistyped or out of range
     │   └── LengthExceeded        400  context_length_exceeded
     ├── Unauthorized              401  invalid_api_key       keys are configured and none (or a wrong one) came
+    ├── Forbidden                 403  origin_not_allowed    a WebSocket handshake from a page not on ALLOWED_ORIGINS
     ├── NotFound                  404  not_found             unknown model, session or route
+    ├── IdleTimeout               408  idle_timeout          a WebSocket said nothing for WS_IDLE_TIMEOUT (then closed)
     ├── SessionBusy               409  session_busy          another request is using this session
-    ├── TooManySessions           429  too_many_sessions     the gateway's cap on open sessions is reached
-    │                                                        (with Retry-After)
-    └── Unavailable               503  swarm_unavailable     the swarm cannot serve this now
+    ├── PayloadTooLarge           413  request_too_large     a body over MAX_BODY_BYTES
+    ├── TooManySessions           429  too_many_sessions     the cap on open sessions, overall or per client
+    ├── RateLimited               429  rate_limited          the client's REQUESTS_PER_MINUTE are spent
+    ├── Unavailable               503  swarm_unavailable     the swarm cannot serve this now
+    └── HTTPError                 4xx  (werkzeug's name)     what Flask refuses by itself: a wrong method, ...
 
-Petals Chat replies are `{ok: false, error, traceback}`; `traceback` repeats the clean message for old clients.
+The 429s carry Retry-After. Petals Chat replies are `{ok: false, error, code, traceback}`; `traceback` repeats the
+clean message for old clients; the OpenAI API wraps the same error in OpenAI's envelope (openai_format.py).
 """
 
 from __future__ import annotations
 
 import logging
+
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from swarm.protocol import (
     BadRequestError,
@@ -56,16 +63,24 @@ class Unauthorized(APIError):
     status, code = 401, "invalid_api_key"
 
 
+class Forbidden(APIError):
+    status, code = 403, "origin_not_allowed"
+
+
 class NotFound(APIError):
     status, code = 404, "not_found"
+
+
+class IdleTimeout(APIError):
+    status, code = 408, "idle_timeout"
 
 
 class SessionBusy(APIError):
     status, code = 409, "session_busy"
 
 
-class Unavailable(APIError):
-    status, code = 503, "swarm_unavailable"
+class PayloadTooLarge(APIError):
+    status, code = 413, "request_too_large"
 
 
 class TooManySessions(APIError):
@@ -73,10 +88,39 @@ class TooManySessions(APIError):
     retry_after = 1  # seconds: sessions come and go quickly
 
 
+class RateLimited(APIError):
+    status, code = 429, "rate_limited"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unavailable(APIError):
+    status, code = 503, "swarm_unavailable"
+
+
+class HTTPError(APIError):
+    """A refusal of Flask's own (an unknown route, a wrong method), in the shape of the others."""
+
+    def __init__(self, error: HTTPException):
+        super().__init__(error.description or error.name)
+        self.status, self.code = error.code or 500, error.name.lower().replace(" ", "_")
+        # e.g. Allow on a 405; the body is ours, so not werkzeug's Content-Type
+        self._headers = {name: value for name, value in error.get_headers() if name.lower() != "content-type"}
+
+    def headers(self) -> dict:
+        return {**self._headers, **super().headers()}
+
+
 def from_exception(error: BaseException) -> APIError:
     """Any exception as the APIError a client should see; unexpected ones are logged, never shown."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, RequestEntityTooLarge):  # a chunked body that outgrew MAX_BODY_BYTES while being read
+        return PayloadTooLarge("the request body is larger than this gateway accepts (MAX_BODY_BYTES)")
+    if isinstance(error, HTTPException):
+        return HTTPError(error)
     if isinstance(error, SessionLengthError):
         return LengthExceeded(str(error))
     if isinstance(error, UnknownModelError):

@@ -54,6 +54,8 @@ import llguidance.numpy  # not llguidance.torch: importing it costs ~1.5 s (it p
 from llguidance import LLMatcher, LLParserLimits
 from llguidance.gbnf_to_lark import any_to_lark
 
+from gateway.errors import BadRequest
+
 KINDS = ("json_object", "json_schema", "lark", "gbnf", "regex")
 
 # JSON whitespace, at most 32 characters at each place it may appear (llguidance's x-guidance options).
@@ -62,8 +64,9 @@ JSON_FORMAT = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
 _CACHE_SIZE = 64  # compiled template matchers kept per tokenizer
 
 
-class GrammarError(ValueError):
-    """A grammar or schema that cannot be compiled, or a token the grammar does not allow."""
+class GrammarError(BadRequest, ValueError):
+    """A grammar or schema that cannot be compiled, or a token the grammar does not allow: the client's to fix,
+    so a 400 wherever it surfaces (also mid-generation, as a stream's last event)."""
 
 
 @dataclass(frozen=True)

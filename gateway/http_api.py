@@ -6,15 +6,15 @@ the /swarm page polling it is not counted among the API's requests in /metrics.
 
 from __future__ import annotations
 
-import json
-
 from flask import Blueprint, current_app, jsonify, request
 
 from config import ModelConfig
+from gateway.access import client_id
 from gateway.engine import Engine, GenerationRequest
 from gateway.errors import BadRequest, Unavailable, from_exception
+from gateway.limits import check_context_length, check_max_length, check_new_tokens
 from gateway.sampling import SamplingParams
-from gateway.schemas import CloseSession, GenerationFields, HttpGenerate, OpenSession, parse
+from gateway.schemas import CloseSession, GenerationFields, HttpGenerate, OpenSession, load_json, parse
 
 blueprint = Blueprint("petals_http", __name__)
 monitoring = Blueprint("monitoring", __name__)
@@ -29,10 +29,7 @@ def request_fields() -> dict:
     fields = request.values.to_dict()
     body = request.get_data(cache=True)
     if body.strip() and not request.form:
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise BadRequest(f"the body is not valid JSON: {error}") from None
+        payload = load_json(body)
         if not isinstance(payload, dict):
             raise BadRequest("the JSON body must be an object")
         fields.update(payload)
@@ -45,12 +42,8 @@ def generation_request(fields: GenerationFields, model: ModelConfig, max_new_tok
     `streaming` is the WebSocket's stop_sequence mode: generation goes on until a stop sequence or the
     session's length, and max_new_tokens is the size of each streamed chunk instead of a total.
     """
-    if fields.max_new_tokens is not None and fields.max_new_tokens > max_new_tokens_cap:
-        raise BadRequest(f"max_new_tokens: at most {max_new_tokens_cap}, got {fields.max_new_tokens}",
-                         field="max_new_tokens")
-    if fields.max_length is not None and fields.max_length > model.max_session_length:
-        raise BadRequest(f"max_length: at most {model.max_session_length} for {model.name}, got {fields.max_length}",
-                         field="max_length")
+    check_new_tokens("max_new_tokens", fields.max_new_tokens, max_new_tokens_cap)
+    check_max_length(model, fields.max_length)
     defaults = model.defaults
     pick = lambda value, default: default if value is None else value
     sampling = SamplingParams(
@@ -90,8 +83,9 @@ def generate():
     config = engine.model_config(fields.model)
     request_ = generation_request(fields, config, engine.limits.max_new_tokens, streaming=False)
     prompt_length = len(engine.model(config.name).encode(fields.inputs or "", at_start=True))
+    check_context_length(config, prompt_length, 0, "inputs")  # a reply cut short by the context is Petals' way
     max_length = fields.max_length or min(prompt_length + request_.max_new_tokens, config.max_session_length)
-    session = engine.open_session(config.name, max(max_length, 1), expires=True)
+    session = engine.open_session(config.name, max(max_length, 1), expires=True, owner=client_id())
     try:
         with engine.sessions.use(session.id):
             return _generate(engine, session, fields, request_)
@@ -111,7 +105,7 @@ def _generate(engine: Engine, session, fields: HttpGenerate, request_: Generatio
 @blueprint.route("/api/v1/open_inference_session", methods=["GET", "POST"])
 def open_inference_session():
     fields = parse(OpenSession, request_fields())
-    session = get_engine().open_session(fields.model, fields.max_length, expires=True)
+    session = get_engine().open_session(fields.model, fields.max_length, expires=True, owner=client_id())
     return jsonify(ok=True, session_id=session.id)
 
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible API (a superset of MLC-LLM's, mistral.rs's and Ai00's): thin translators to the engine.
 
-The blueprint is registered under /v1, /api/oai and /api/oai/v1 (Ai00's prefixes); `extras` holds the routes
-that live at the root (/tokenize, /detokenize, /stats, /verbose_stats).
+The blueprint is registered under PREFIXES (OpenAI's /v1, and Ai00's /api/oai and /api/oai/v1); `extras` holds
+the routes that live at the root (/tokenize, /detokenize, /stats, /verbose_stats). Errors in OpenAI's envelope
+come from create_app's one error handler, which asks `speaks_openai` which shape a request gets.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Callable, Iterator, Optional
 from flask import Blueprint, jsonify, request
 
 from gateway import openai_format as wire
+from gateway.access import client_id
 from gateway.engine import Delta, Engine, GenerationRequest, ServedModel
-from gateway.errors import BadRequest, LengthExceeded, from_exception
+from gateway.errors import BadRequest
 from gateway.http_api import get_engine
+from gateway.limits import check_context_length
 from gateway.openai_params import constraint_spec, max_new_tokens, sampling_params, stop_fields
 from gateway.prompts import parse_tool_calls, render_chat
 from gateway.schemas import (
@@ -27,6 +30,7 @@ from gateway.schemas import (
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
+    load_json,
     parse,
 )
 from gateway.sse import event_stream
@@ -34,25 +38,26 @@ from gateway.sse import event_stream
 logger = logging.getLogger(__name__)
 blueprint = Blueprint("openai", __name__)
 extras = Blueprint("openai_extras", __name__)
+PREFIXES = ("/v1", "/api/oai", "/api/oai/v1")
 _unknown_fields_logged: set[str] = set()
+UNKNOWN_FIELDS_REMEMBERED = 1000  # the names are the clients' to choose: a bound on memory and on the log
 
 
-@blueprint.errorhandler(Exception)
-@extras.errorhandler(Exception)
-def openai_error(error: Exception):
-    api_error = from_exception(error)
-    return jsonify(wire.error_body(api_error)), api_error.status, api_error.headers()
+def speaks_openai() -> bool:
+    """Whether this request's errors take OpenAI's envelope: its routes, and unknown paths under its prefixes."""
+    if request.blueprint is not None:
+        return request.blueprint.startswith("openai")
+    return request.path.startswith(tuple(prefix + "/" for prefix in PREFIXES))
 
 
 def json_body(schema):
-    body = request.get_json(silent=True)
-    if body is None:
+    if not request.is_json:
         raise BadRequest("the body must be a JSON object (Content-Type: application/json)")
-    fields = parse(schema, body)
+    fields = parse(schema, load_json(request.get_data()))
     for name in (fields.model_extra or {}):  # accepted and ignored, as vLLM does; said once per field name
-        if name not in _unknown_fields_logged:
+        if name not in _unknown_fields_logged and len(_unknown_fields_logged) < UNKNOWN_FIELDS_REMEMBERED:
             _unknown_fields_logged.add(name)
-            logger.info("ignoring unknown request field %r", name)
+            logger.info("ignoring unknown request field %.80r", name)
     return fields
 
 
@@ -64,7 +69,7 @@ class Choices:
 
     def __init__(self, engine: Engine, model: ServedModel, prompt_ids: list[int], max_tokens: int, n: int):
         self.engine, self.model, self.prompt_ids, self.n = engine, model, prompt_ids, n
-        self.session = engine.open_session(model.name, len(prompt_ids) + max_tokens, expires=False)
+        self.session = engine.open_session(model.name, len(prompt_ids) + max_tokens, expires=False, owner=client_id())
 
     def run(self, make_request: Callable[[int], GenerationRequest], cancelled, stats) -> Iterator[tuple[int, Delta]]:
         engine, session = self.engine, self.session
@@ -87,13 +92,8 @@ def plan_generation(engine: Engine, model: ServedModel, fields, prompt_ids: list
     config = model.config
     if not prompt_ids:
         raise BadRequest(f"{param}: must not be empty", field=param)
-    limit = config.max_session_length
-    max_tokens = max_new_tokens(fields, engine.limits.max_new_tokens, limit - len(prompt_ids))
-    if len(prompt_ids) + max_tokens > limit:
-        raise LengthExceeded(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {param}, {max_tokens} in the "
-            "completion). Please reduce the length of the prompt or of the completion.", field=param)
+    max_tokens = max_new_tokens(fields, engine.limits.max_new_tokens, config.max_session_length - len(prompt_ids))
+    check_context_length(config, len(prompt_ids), max_tokens, param)
     sampling = sampling_params(fields, config.defaults, model.vocab_size)
     stop_sequences, stop_token_ids = stop_fields(fields)
     tool_choice = extra.pop("tool_choice", None)
@@ -228,8 +228,11 @@ def completions():
     model = engine.model(fields.model)
     tokenizer, request_id = model.tokenizer, wire.new_id("cmpl")
     top = fields.logprobs
-    plans = [(ids, *plan_generation(engine, model, fields, ids, "prompt", logprobs=top))
-             for ids in prompt_token_lists(model, fields.prompt)]
+    prompts = prompt_token_lists(model, fields.prompt)
+    if len(prompts) > engine.sessions.max_per_client:  # each prompt holds a session of its own while it runs
+        raise BadRequest(f"prompt: at most {engine.sessions.max_per_client} prompts in one request "
+                         "(MAX_SESSIONS_PER_CLIENT)", field="prompt")
+    plans = [(ids, *plan_generation(engine, model, fields, ids, "prompt", logprobs=top)) for ids in prompts]
     stats = engine.stats.begin()
     prompt_tokens = sum(len(ids) for ids, _, _ in plans)
 
@@ -297,9 +300,9 @@ def embeddings():
         raise BadRequest("input: must not be empty", field="input")
     token_lists = prompt_token_lists(model, fields.input)
     for ids in token_lists:
-        if not ids or len(ids) > model.config.max_session_length:
-            raise BadRequest(f"input: each input must have 1 to {model.config.max_session_length} tokens",
-                             field="input")
+        if not ids:
+            raise BadRequest("input: must not be empty", field="input")
+        check_context_length(model.config, len(ids), 0, "input")
     data = []
     for index, ids in enumerate(token_lists):
         vector = engine.embed(model.name, ids, fields.layer)
@@ -325,8 +328,9 @@ def chooses():
     scored = []
     for index, choice in enumerate(fields.choices):
         continuation = model.encode(choice, at_start=False)
-        if not continuation or len(context) + len(continuation) > model.config.max_session_length:
-            raise BadRequest(f"choices[{index}]: empty, or too long with the input", field=f"choices[{index}]")
+        if not continuation:
+            raise BadRequest(f"choices[{index}]: must not be empty", field=f"choices[{index}]")
+        check_context_length(model.config, len(context) + len(continuation), 0, f"choices[{index}]")
         logprobs = engine.token_logprobs(model.name, context + continuation)[len(context):]
         if not context:
             logprobs = logprobs[1:] or logprobs  # the very first token has no context to be scored against

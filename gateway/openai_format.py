@@ -118,13 +118,13 @@ def tool_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               409: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+               503: "service_unavailable"}  # any other 4xx is an invalid_request_error, any other 5xx a server_error
 
 
 def error_body(error: APIError) -> dict:
     code = error.code
     if error.status == 404 and error.field == "model":
         code = "model_not_found"
-    return {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "server_error"),
-                      "param": error.field, "code": code}}
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "server_error")
+    return {"error": {"message": error.message, "type": kind, "param": error.field, "code": code}}

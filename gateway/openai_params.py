@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from config import GenerationDefaults
 from gateway.errors import BadRequest
+from gateway.limits import check_new_tokens
 from gateway.sampling import SamplingParams
 from gateway.schemas import NamedToolChoice, SamplerOverride, SamplingFields
 
@@ -67,8 +68,7 @@ def max_new_tokens(fields: SamplingFields, cap: int, remaining: int) -> int:
     for name in ("max_completion_tokens", "max_tokens", "max_gen_len"):
         value = getattr(fields, name)
         if value is not None:
-            if value > cap:
-                raise BadRequest(f"{name}: at most {cap}, got {value}", field=name)
+            check_new_tokens(name, value, cap)
             return value
     return max(min(cap, remaining), 1)
 

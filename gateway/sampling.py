@@ -8,7 +8,7 @@ generated sequence (it remembers what penalties and Mirostat need). Each step, i
     3. logit_bias            added to the listed tokens
     4. allowed               constrained decoding's mask: -inf everywhere else
     5. greedy argmax         when not do_sample or temperature == 0; only 1-4 can move the argmax
-    6. temperature
+    6. temperature           on logits shifted to a maximum of 0, so that no temperature overflows
     7. Mirostat v1 or v2     llama.cpp's; it does its own truncation, so it replaces step 8
     8. top_k, typical_p, top_p, min_p, then one draw with the sequence's generator
 
@@ -70,8 +70,9 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0
 
     def generator(self) -> Optional[torch.Generator]:
-        """A seeded generator makes a sampled reply reproducible; None draws from torch's global state."""
-        return torch.Generator().manual_seed(self.seed) if self.seed is not None else None
+        """A seeded generator makes a sampled reply reproducible; None draws from torch's global state.
+        Any integer is a seed: torch takes 64 bits, so larger ones (and negative ones) wrap around."""
+        return torch.Generator().manual_seed(self.seed & 0xFFFF_FFFF_FFFF_FFFF) if self.seed is not None else None
 
 
 # ---- logit processors: (..., vocab) -> (..., vocab), new tensors; these may move the argmax -----------------
@@ -133,6 +134,16 @@ def apply_allowed(logits: torch.Tensor, allowed: Optional[torch.Tensor]) -> torc
     return logits.masked_fill(~allowed, NEG_INF)
 
 
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, shifted so that the largest is 0 (softmax is the same): a tiny temperature then sends
+    the others to -inf, where dividing the raw logits would overflow to inf and softmax would give nan. A logit
+    already at +inf (an extreme repetition penalty) counts as the largest finite number, and a temperature too
+    small for the logits' dtype as the smallest it has (rather than 0)."""
+    limits = torch.finfo(logits.dtype)
+    logits = logits.nan_to_num(nan=NEG_INF, posinf=limits.max)
+    return (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, limits.tiny)
+
+
 # ---- filters: (..., vocab) -> (..., vocab) with removed tokens at -inf; after temperature --------------------
 
 
@@ -142,8 +153,10 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus: keep the smallest set of most likely tokens whose probability reaches p; p >= 1 is off."""
-    return decoding.filter_top_p(logits, p) if p < 1 else logits
+    """Nucleus: keep the smallest set of most likely tokens whose probability reaches p; p >= 1 is off.
+    A p below the logits' smallest normal number would round to 0 against them, and swarm.decoding's filter
+    would then remove every token: such a p keeps just the most likely one, as it should."""
+    return decoding.filter_top_p(logits, max(p, torch.finfo(logits.dtype).tiny)) if p < 1 else logits
 
 
 def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -262,7 +275,7 @@ class Sampler:
         if p.greedy:
             token = int(logits.argmax())
         else:
-            logits = logits / p.temperature
+            logits = apply_temperature(logits, p.temperature)
             if p.mirostat == 2:
                 token, self.mu = mirostat_v2_step(logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.generator)
             elif p.mirostat == 1:

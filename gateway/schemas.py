@@ -6,6 +6,8 @@ booleans are parsed leniently ("0.7", "1", "true"); anything else wrong is a 400
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -96,7 +98,7 @@ class SamplerOverride(_OpenAIRequest):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    penalty: Optional[float] = Field(None, gt=0)  # a half-life in tokens for the accumulated penalties
+    penalty: Optional[float] = Field(None, ge=1)  # a half-life in tokens for the accumulated penalties
     penalty_decay: Optional[float] = Field(None, gt=0, le=1)
     tau: Optional[float] = Field(None, gt=0)  # Mirostat's target surprise, or Typical's mass
     rate: Optional[float] = Field(None, gt=0, le=1)  # Mirostat's learning rate
@@ -239,6 +241,28 @@ class DetokenizeRequest(_OpenAIRequest):
 WsMessage = TypeAdapter(
     Annotated[Union[WsOpenSession, WsGenerate, WsStop, WsCloseSession], Field(discriminator="type")]
 )
+
+
+def load_json(raw, what: str = "the body"):
+    """JSON text (str or bytes) as Python values. Whatever is not JSON is a 400: bad syntax or encoding, nesting
+    too deep for the parser, NaN or Infinity (JavaScript's, not JSON's), and numbers too large for a float."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise BadRequest(f"{what} is not valid JSON: nested too deeply") from None
+    except (TypeError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest(f"{what} is not valid JSON: {error}") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a number")
+    return value
 
 
 def parse(schema, data):

@@ -1,4 +1,5 @@
-"""The open inference sessions of one gateway process: a cap on their number, and expiry of idle ones.
+"""The open inference sessions of one gateway process: caps on their number (overall, and per client: an API
+key, or an address; see access.client_id), and expiry of idle ones.
 
 Expired sessions are closed actively, so the block servers free their caches at once rather than when a
 client comes back. A session serves one request at a time; a second one at once is refused (409).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -18,30 +20,38 @@ logger = logging.getLogger(__name__)
 
 
 class SessionRegistry:
-    def __init__(self, max_sessions: int, idle_timeout: float):
+    def __init__(self, max_sessions: int, idle_timeout: float, max_per_client: int | None = None):
         self.max_sessions, self.idle_timeout = max_sessions, idle_timeout
+        self.max_per_client = max_per_client or max_sessions
         self._sessions: dict = {}  # id -> engine.GatewaySession
-        self._opening = 0  # slots held by sessions whose servers are still being contacted
+        self._opening: Counter[str] = Counter()  # per client: slots held by sessions still contacting servers
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def _held_by(self, owner: str) -> int:
+        return self._opening[owner] + sum(1 for session in list(self._sessions.values()) if session.owner == owner)
+
     @contextmanager
-    def reserve(self) -> Iterator[None]:
-        """Hold a slot under the cap while a session opens (that takes network round trips)."""
+    def reserve(self, owner: str) -> Iterator[None]:
+        """Hold a slot under both caps while `owner`'s session opens (that takes network round trips)."""
         with self._lock:
-            if len(self._sessions) + self._opening >= self.max_sessions:
-                raise TooManySessions(
-                    f"too many open inference sessions ({self.max_sessions}); close one or retry later"
-                )
-            self._opening += 1
+            if len(self._sessions) + self._opening.total() >= self.max_sessions:
+                raise TooManySessions(f"too many open inference sessions ({self.max_sessions}, MAX_SESSIONS); "
+                                      "close one or retry later")
+            if self._held_by(owner) >= self.max_per_client:
+                raise TooManySessions(f"this client holds {self.max_per_client} open inference sessions, the most "
+                                      "it may (MAX_SESSIONS_PER_CLIENT); close one or retry later")
+            self._opening[owner] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._opening -= 1
+                self._opening[owner] -= 1
+                if not self._opening[owner]:
+                    del self._opening[owner]
 
     def add(self, session) -> None:
         with self._lock:

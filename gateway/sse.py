@@ -8,6 +8,7 @@ the next write, whatever the producer is doing.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import queue
 import threading
@@ -26,6 +27,9 @@ def event_stream(events: Callable[[Callable[[], bool]], Iterator[dict]], error_b
     """`events(cancelled)` yields the JSON events; it should stop when `cancelled()` turns true."""
     outbox: queue.Queue = queue.Queue()
     gone = threading.Event()
+    # the producer runs in this request's context (its request id), though the stream starts after the request's
+    # teardown, when gunicorn iterates the response
+    context = contextvars.copy_context()
 
     def produce():
         try:
@@ -37,7 +41,7 @@ def event_stream(events: Callable[[Callable[[], bool]], Iterator[dict]], error_b
             outbox.put(_END)
 
     def stream():
-        producer = threading.Thread(target=produce, name="sse-producer", daemon=True)
+        producer = threading.Thread(target=context.run, args=(produce,), name="sse-producer", daemon=True)
         producer.start()
         try:
             while True:

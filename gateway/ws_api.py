@@ -12,7 +12,12 @@ session's end or max_reply_tokens, in frames of max_new_tokens tokens each; othe
 max_new_tokens tokens. The last frame of a reply has stop: true and a finish_reason.
 Chat mode (`messages`) renders turns with the model's chat template and keeps the transcript, so each turn
 sends only its new text; `regenerate` rewinds the session to the start of the last reply.
-Any error is a frame {ok: false, error, traceback}, after which the connection stays usable.
+Any error is a frame {ok: false, error, code, traceback}, after which the connection stays usable.
+
+Limits: each message counts against the client's REQUESTS_PER_MINUTE (over it: an error frame, the connection
+stays); a connection whose client sends nothing for WS_IDLE_TIMEOUT seconds gets an idle_timeout frame and is
+closed (code 1000), which frees its session; a message over WS_MAX_MESSAGE_BYTES closes it with code 1009.
+A failure outside any one message (a bug) closes it with code 1011 and a clean reason; the log has the rest.
 """
 
 from __future__ import annotations
@@ -25,13 +30,25 @@ from dataclasses import replace
 from flask import Blueprint
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
+from wsproto.frame_protocol import CloseReason
 
 from gateway import metrics
+from gateway.access import client_id
 from gateway.engine import Engine
-from gateway.errors import BadRequest, error_body, from_exception
+from gateway.errors import BadRequest, IdleTimeout, error_body, from_exception
 from gateway.http_api import generation_request, get_engine
+from gateway.limits import charge_request
 from gateway.prompts import render_chat
-from gateway.schemas import ChatMessage, WsCloseSession, WsGenerate, WsMessage, WsOpenSession, WsStop, parse
+from gateway.schemas import (
+    ChatMessage,
+    WsCloseSession,
+    WsGenerate,
+    WsMessage,
+    WsOpenSession,
+    WsStop,
+    load_json,
+    parse,
+)
 
 logger = logging.getLogger(__name__)
 blueprint = Blueprint("petals_ws", __name__)
@@ -40,43 +57,58 @@ sock = Sock()
 
 @sock.route("/api/v2/generate", bp=blueprint)
 def generate_ws(ws):
-    Connection(ws, get_engine()).serve()
+    Connection(ws, get_engine(), client_id()).serve()
 
 
 class Connection:
-    def __init__(self, ws, engine: Engine):
-        self.ws, self.engine = ws, engine
+    def __init__(self, ws, engine: Engine, client: str):
+        self.ws, self.engine, self.client = ws, engine, client
+        self.idle_timeout = engine.limits.ws_idle_timeout or None  # 0: never
         self.session = None
         self.chat = ChatTranscript(engine)
         self.inbox: deque[str] = deque()  # messages that arrived while a reply was being generated
 
     def serve(self) -> None:
         try:
-            while True:
-                raw = self.inbox.popleft() if self.inbox else self.ws.receive()
-                if raw is None:
-                    return
-                try:
-                    self.handle(raw)
-                    metrics.count_ws_message(200)
-                except ConnectionClosed:
-                    raise  # flask-sock ends the connection quietly
-                except Exception as error:
-                    api_error = from_exception(error)
-                    metrics.count_ws_message(api_error.status)  # each message once, with its reply's status
-                    self.send(error_body(api_error))
+            while (raw := self.next_message()) is not None:
+                self.answer(raw)
+        except ConnectionClosed:
+            raise  # flask-sock ends the connection quietly
+        except Exception as error:  # not one message's fault: say so in one clean line, log the rest
+            from_exception(error)
+            self.ws.close(reason=CloseReason.INTERNAL_ERROR, message="internal error (see the gateway's log)")
         finally:
             self.close_session()
 
-    def handle(self, raw) -> None:
+    def next_message(self):
+        """The next message, or None once the client has been idle for too long (the connection is then closed)."""
+        if self.inbox:
+            return self.inbox.popleft()
+        raw = self.ws.receive(timeout=self.idle_timeout)
+        if raw is None:
+            self.send(error_body(IdleTimeout(f"closing the connection after {self.idle_timeout:g} s without a "
+                                             "message (WS_IDLE_TIMEOUT); reconnect to go on")))
+            self.ws.close(reason=CloseReason.NORMAL_CLOSURE, message="idle timeout")
+        return raw
+
+    def answer(self, raw) -> None:
+        """Handle one message; any error is a frame, after which the connection goes on."""
         try:
-            data = json.loads(raw)
-        except (TypeError, ValueError) as error:
-            raise BadRequest(f"the message is not valid JSON: {error}") from None
-        message = parse(WsMessage, data)
+            charge_request()
+            self.handle(raw)
+            metrics.count_ws_message(200)
+        except ConnectionClosed:
+            raise
+        except Exception as error:
+            api_error = from_exception(error)
+            metrics.count_ws_message(api_error.status)  # each message once, with its reply's status
+            self.send(error_body(api_error))
+
+    def handle(self, raw) -> None:
+        message = parse(WsMessage, load_json(raw, "the message"))
         if isinstance(message, WsOpenSession):
             self.close_session()  # opening again starts a new conversation on the same connection
-            self.session = self.engine.open_session(message.model, message.max_length, expires=False)
+            self.session = self.engine.open_session(message.model, message.max_length, expires=False, owner=self.client)
             self.send({"ok": True})
         elif isinstance(message, WsGenerate):
             self.generate(message)
@@ -120,22 +152,30 @@ class Connection:
     def stop_requested(self) -> bool:
         """Between two tokens: has the client asked to stop? Other messages wait in the inbox."""
         while (raw := self.ws.receive(timeout=0)) is not None:
-            try:
-                if json.loads(raw).get("type") == "stop":
-                    return True
-            except (TypeError, ValueError, AttributeError):
-                pass
+            if _is_stop(raw):
+                return True
             self.inbox.append(raw)
         return False
 
     def send(self, frame: dict) -> None:
-        self.ws.send(json.dumps(frame, ensure_ascii=False))
+        try:
+            self.ws.send(json.dumps(frame, ensure_ascii=False))
+        except OSError:  # the client went away mid-reply: as for a close, not a failure of ours
+            raise ConnectionClosed() from None
 
     def close_session(self) -> None:
         self.chat = ChatTranscript(self.engine)
         if self.session is not None:
             session, self.session = self.session, None
             self.engine.close_session(session)
+
+
+def _is_stop(raw) -> bool:
+    try:
+        message = load_json(raw, "the message")
+    except BadRequest:
+        return False  # answered in turn, from the inbox
+    return isinstance(message, dict) and message.get("type") == "stop"
 
 
 class ChatTranscript:

@@ -4,7 +4,7 @@ import { GatewaySocket } from "./socket.js";
 
 const $ = (id) => document.getElementById(id);
 const STORE_KEY = "swarm-chat/v1";
-const DEFAULTS = { model: "", system: "", temperature: 0.6, top_p: 0.9, max_new_tokens: 512 };
+const DEFAULTS = { model: "", system: "", temperature: 0.6, top_p: 0.9, max_new_tokens: 512, api_key: "" };
 // Tokens a conversation's first session reserves on the servers; doubled (up to the model's
 // max_session_length) when the conversation outgrows it, as chat.petals.dev did.
 const FIRST_SESSION_LENGTH = 1024;
@@ -25,7 +25,7 @@ if (md) {
 } else console.warn("markdown-it is missing: run `npm ci --prefix static`; replies are shown as plain text");
 
 const store = load();
-const socket = new GatewaySocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/api/v2/generate`);
+const socket = new GatewaySocket(socketUrl());
 let models = [], defaultModel = "";
 let busy = false; // a reply is being generated
 let inflight = Promise.resolve(); // that reply, so that switching conversations can wait for its end
@@ -57,6 +57,19 @@ const current = () => store.conversations.find((conv) => conv.id === store.curre
 const newId = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 8); // randomUUID needs https
 
 // ------------------------------------------------------------------------------------------ talking to the swarm
+
+// A gateway with API keys wants one on every API call. A browser's WebSocket cannot send headers, so there the
+// key travels as ?api_key= (the gateway's documented way for browsers); fetch sends it as a bearer token.
+function socketUrl() {
+  const key = store.settings.api_key.trim();
+  const query = key ? `?api_key=${encodeURIComponent(key)}` : "";
+  return `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/api/v2/generate${query}`;
+}
+
+function authHeaders() {
+  const key = store.settings.api_key.trim();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
 
 function chosenModel() {
   const name = store.settings.model || defaultModel;
@@ -231,6 +244,7 @@ const EXPLAIN = {
   context_length_exceeded: "This conversation is longer than the model can hold. "
     + "Start a new conversation, or retry for a shorter reply.",
   too_many_sessions: "The gateway is serving as many chats as it can right now. Try again in a minute.",
+  rate_limited: "Too many messages in a short time. Wait a moment, then retry.",
   session_busy: "The session is busy with another request. Try again.",
   connection_lost: "Lost the connection to the gateway. "
     + "The page reconnects by itself; Retry sends the conversation again.",
@@ -337,7 +351,14 @@ function showSpeed(rate) {
 async function refreshStatus() {
   const line = $("swarm-status");
   try {
-    const data = await (await fetch("/api/v1/models", { cache: "no-store" })).json();
+    const reply = await fetch("/api/v1/models", { headers: authHeaders(), cache: "no-store" });
+    if (reply.status === 401) {
+      line.textContent = store.settings.api_key ? "The API key in Settings is not valid for this gateway."
+        : "This gateway needs an API key: enter it in Settings.";
+      line.dataset.state = "bad";
+      return;
+    }
+    const data = await reply.json();
     if (!data.ok) throw new Error(data.error);
     models = data.models;
     defaultModel = data.default_model;
@@ -374,6 +395,10 @@ function bindSettings() {
     });
     input.addEventListener("change", () => (input.value = store.settings[name])); // out of range: the last good one
   }
+  $("api_key").addEventListener("change", () => { // once typed (not at each keystroke): reconnect with it
+    socket.retarget(socketUrl());
+    refreshStatus();
+  });
   $("open-settings").addEventListener("click", () => dialog.showModal());
 }
 

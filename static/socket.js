@@ -62,6 +62,19 @@ export class GatewaySocket extends EventTarget {
     };
   }
 
+  // Another address (a new API key): drop this connection and open one to the new address at once.
+  retarget(url) {
+    if (url === this.url) return;
+    this.url = url;
+    const old = this.ws;
+    this.ws = null; // so that its close is ignored: no backoff for a change asked for
+    if (old) old.close();
+    this.session = null;
+    this.finish((pending) => pending.reject(new GatewayError("connection_lost", "the API key changed")));
+    this.delay = FIRST_DELAY_MS;
+    this.connect();
+  }
+
   // Resolves once the socket is open; reconnects at once instead of waiting out the backoff (someone is waiting).
   ready() {
     if (this.connected) return Promise.resolve();

@@ -4,8 +4,17 @@
 "use strict";
 
 const REFRESH_MS = 5000;
-// a browser cannot send headers on a plain page load: /swarm?api_key=KEY passes the key on to the API
-const API_KEY = new URLSearchParams(location.search).get("api_key");
+// a browser cannot send headers on a plain page load: /swarm?api_key=KEY passes the key on to the API;
+// without one, the key set in the chat page's settings (same origin, same storage)
+const API_KEY = new URLSearchParams(location.search).get("api_key") || storedKey();
+
+function storedKey() {
+  try {
+    return JSON.parse(localStorage.getItem("swarm-chat/v1"))?.settings?.api_key || "";
+  } catch {
+    return "";
+  }
+}
 
 function el(tag, attributes = {}, ...children) {
   const node = document.createElement(tag);

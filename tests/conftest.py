@@ -148,3 +148,26 @@ def gateway(tiny_swarm, tiny_llama, tmp_path_factory):
     yield server
     server.stop()
     assert "Traceback" not in server.log() or "expected" in server.log()
+
+
+STRICT_KEYS = ("key-access", "key-body", "key-context", "key-sessions", "key-other", "key-rate", "key-ws-rate",
+               "key-ws", "key-logs", "key-browser")  # one per test: the per-client limits count by key
+STRICT_ORIGIN = "https://chat.example"
+STRICT_CONTEXT = 64  # the model's max_session_length
+STRICT_LIMITS = {"MAX_SESSIONS_PER_CLIENT": 2, "REQUESTS_PER_MINUTE": 40, "WS_IDLE_TIMEOUT": 3, "MAX_BODY_BYTES": 8192,
+                 "WS_MAX_MESSAGE_BYTES": 4096, "MAX_NEW_TOKENS": 16}
+
+
+@pytest.fixture(scope="session")
+def strict_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
+    """gunicorn in front of the tiny swarm configured tight: API keys, an origin allowlist, small limits."""
+    import json
+
+    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": STRICT_CONTEXT}]
+    env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models),
+           "API_KEYS": ",".join(STRICT_KEYS), "ALLOWED_ORIGINS": STRICT_ORIGIN, "LOG_LEVEL": "INFO",
+           **{name: str(value) for name, value in STRICT_LIMITS.items()}}
+    server = Gateway(env, tmp_path_factory.mktemp("strict-gateway") / "gunicorn.log")
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log()

@@ -79,10 +79,12 @@ class Frames:
     def __init__(self, page):
         self.sent: list[dict] = []
         self.received: list[dict] = []
+        self.urls: list[str] = []
         page.on("websocket", self._attach)
 
     def _attach(self, ws) -> None:
-        if ws.url.endswith("/api/v2/generate"):
+        if "/api/v2/generate" in ws.url:  # with ?api_key= when the gateway has keys
+            self.urls.append(ws.url)
             ws.on("framesent", lambda payload: self.sent.append(json.loads(payload)))
             ws.on("framereceived", lambda payload: self.received.append(json.loads(payload)))
 
@@ -286,6 +288,25 @@ def test_keyboard_only(chat_gateway, page):
     page.keyboard.press("Enter")  # and it works from the keyboard
     finish(page)
     expect(page.locator("article.assistant")).to_have_count(1)
+
+
+def test_a_gateway_with_keys_asks_for_one_and_chats_with_it(strict_gateway, page, artifacts):
+    """conftest.strict_gateway has API keys: the page says so, takes one in its settings, and keeps it."""
+    page.goto(strict_gateway.url + "/")
+    status = page.locator("#swarm-status")
+    expect(status).to_have_text("This gateway needs an API key: enter it in Settings.")
+    settings(page, api_key="not-a-key")
+    expect(status).to_have_text("The API key in Settings is not valid for this gateway.")
+    settings(page, api_key="key-browser", screenshot=artifacts / "chat-api-key.png")
+    expect(status).to_have_text(f"{MODEL}: all 4 blocks served by 2 servers")
+    expect(page.locator("#session-state")).to_contain_text("connected")
+    say(page, "Hello!")
+    last = finish(page)
+    assert last["ok"] and last["stop"]
+    assert page.frames_seen.urls[-1].endswith("/api/v2/generate?api_key=key-browser")  # a browser WebSocket's way
+    page.reload()
+    expect(status).to_have_text(f"{MODEL}: all 4 blocks served by 2 servers")
+    assert stored(page)["settings"]["api_key"] == "key-browser"
 
 
 # ------------------------------------------------------------------------------------------ a scripted gateway

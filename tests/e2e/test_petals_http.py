@@ -156,7 +156,7 @@ def test_a_busy_session_refuses_a_second_request(gateway):
         ("/api/v1/generate", {"json": {"max_new_tokens": 3}}, 400, "inputs: required"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "model": "gpt-9"}}, 404, "unknown model 'gpt-9'"),
         ("/api/v1/generate", {"json": {"inputs": "hi", "session_id": "no-such"}}, 404, "unknown inference session"),
-        ("/api/v1/generate", {"json": {"inputs": "word " * 1000, "max_new_tokens": 1}}, 400, "max_length"),
+        ("/api/v1/generate", {"json": {"inputs": "word " * 1000, "max_new_tokens": 1}}, 400, "maximum context length"),
         ("/api/v1/open_inference_session", {"json": {}}, 400, "max_length: Field required"),
         ("/api/v1/open_inference_session", {"json": {"max_length": 0}}, 400, "max_length"),
         ("/api/v1/open_inference_session", {"json": {"max_length": 100000}}, 400, "max_length: at most 1024"),

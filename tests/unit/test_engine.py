@@ -51,6 +51,8 @@ def remote(tiny_llama):
 def engine(tiny_llama, remote, tmp_path):
     gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), max_session_length=64),),
                               limits=Limits(max_sessions=2, session_idle_timeout=0.2))
+    # sessions that should not expire mid-test are opened with expires=False: under load, the 0.2 s (which
+    # test_cap_and_idle_expiry needs) can pass between two steps of a test
     return Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
 
 
@@ -71,7 +73,7 @@ def reference_tokens(remote, ids, count):
 
 
 def test_greedy_reply_equals_transformers_and_continues_without_resending(engine, remote):
-    session = engine.open_session("tiny", 64, expires=True)
+    session = engine.open_session("tiny", 64, expires=False)
     first_ids = remote.tokenizer("Hello, world!")["input_ids"]
     text, deltas = run(engine, session, greedy(6, inputs="Hello, world!"))
     generated = reference_tokens(remote, first_ids, 6)
@@ -87,18 +89,18 @@ def test_greedy_reply_equals_transformers_and_continues_without_resending(engine
 
 
 def test_stop_sequence_ends_the_reply(engine, remote):
-    session = engine.open_session("tiny", 64, expires=True)
+    session = engine.open_session("tiny", 64, expires=False)
     full, _ = run(engine, session, greedy(12, inputs="The quick"))
     engine.close_session(session)
     stop = full[4:9]
-    session = engine.open_session("tiny", 64, expires=True)
+    session = engine.open_session("tiny", 64, expires=False)
     text, deltas = run(engine, session, greedy(12, inputs="The quick", stop_sequences=(stop,)))
     assert text == full[: full.index(stop) + len(stop)]
     assert deltas[-1].finish_reason == "stop"
 
 
 def test_cancel_ends_the_reply_and_keeps_the_session(engine):
-    session = engine.open_session("tiny", 64, expires=True)
+    session = engine.open_session("tiny", 64, expires=False)
     calls = iter(range(100))
     _, deltas = run(engine, session, greedy(10, inputs="Hi"), cancelled=lambda: next(calls) >= 3)
     assert deltas[-1].finish_reason == "cancelled" and sum(d.token_count for d in deltas) == 3
@@ -107,7 +109,7 @@ def test_cancel_ends_the_reply_and_keeps_the_session(engine):
 
 
 def test_lengths(engine):
-    session = engine.open_session("tiny", 8, expires=True)
+    session = engine.open_session("tiny", 8, expires=False)
     with pytest.raises(LengthExceeded, match="max_length of 8"):
         run(engine, session, greedy(1, inputs="The quick brown fox jumps over the lazy dog."))
     _, deltas = run(engine, session, greedy(None, inputs="Hi"))  # until the session is full
@@ -117,7 +119,7 @@ def test_lengths(engine):
 
 
 def test_prefill_only_and_inputs_required(engine, remote):
-    session = engine.open_session("tiny", 64, expires=True)
+    session = engine.open_session("tiny", 64, expires=False)
     with pytest.raises(BadRequest, match="inputs: required"):
         run(engine, session, greedy(3))
     _, deltas = run(engine, session, greedy(0, inputs="Hello"))

@@ -270,3 +270,20 @@ def test_bad_parameters_are_refused():
                 {"logit_bias": {-1: 1.0}}]:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("fields", [
+    {"top_p": 5e-324},  # rounds to 0 in float32
+    {"temperature": 1e-300},  # ditto; dividing by it would overflow
+    {"temperature": 5e-324, "repetition_penalty": 1e-300},  # a penalty that sends logits to inf
+    {"typical_p": 5e-324, "min_p": 1.0, "top_k": 1},
+    {"mirostat": 2, "mirostat_tau": 5e-324, "mirostat_eta": 5e-324},
+    {"mirostat": 1, "mirostat_tau": 1e300, "temperature": 1e-30},
+    {"presence_penalty": 2, "frequency_penalty": -2, "penalty_decay": 5e-324},
+    {"seed": 2**80}, {"seed": -1},  # any integer seeds (torch takes 64 bits)
+])
+def test_extreme_valid_parameters_still_choose_a_token(fields):
+    """Whatever the APIs accept, the sampler turns into a token: never nan probabilities or a bad seed."""
+    sampler = Sampler(SamplingParams(do_sample=True, **{"seed": 1, **fields}), 10, context=[1, 2])
+    for _ in range(3):
+        assert 0 <= sampler(torch.randn(10) * 50) < 10

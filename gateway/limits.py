@@ -1,0 +1,116 @@
+"""The checks that keep one request, and one client, within the gateway's Limits (config.py), shared by every API.
+
+    install(app, limits)    the body size (413) and each client's requests per minute (429), before any route
+    charge_request()        the same rate limit, for each message on a WebSocket
+    check_new_tokens()      a request's token budget against MAX_NEW_TOKENS
+    check_max_length()      a session's length against the model's max_session_length
+    check_context_length()  a prompt (and the completion asked for) against the model's context
+
+The cap on open sessions, overall and per client, lives with the sessions (sessions.py); the idle timeouts
+there and in ws_api.py. Flask is imported only by the two hooks: the engine uses the checks without it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from config import Limits, ModelConfig
+from gateway.errors import BadRequest, LengthExceeded, PayloadTooLarge, RateLimited
+
+
+def install(app, limits: Limits) -> None:
+    """Install after access.install: a caller's key decides which allowance a request is charged to."""
+    from flask import request
+
+    from gateway.access import is_open
+
+    most = limits.max_body_bytes
+    # werkzeug stops reading a chunked body (no Content-Length) at MAX_CONTENT_LENGTH, silently: one byte more
+    # tells a body over the limit from one just at it
+    app.config["MAX_CONTENT_LENGTH"] = most + 1
+    app.config["MAX_FORM_MEMORY_SIZE"] = most  # a form field alone over it is werkzeug's 413 (errors.py)
+    app.extensions["rate_limiter"] = RateLimiter(limits.requests_per_minute)
+
+    @app.before_request
+    def check_request():
+        size = request.content_length
+        if size is None and "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+            size = len(request.get_data(cache=True))  # kept for the route: read once, up to most + 1 bytes
+        if size is not None and size > most:
+            raise PayloadTooLarge(f"the request body is over this gateway's limit of {most} bytes (MAX_BODY_BYTES)")
+        if request.method != "OPTIONS" and not is_open(request.path):
+            charge_request()
+
+
+def charge_request() -> None:
+    """Count one request (or WebSocket message) against the calling client's allowance."""
+    from flask import current_app
+
+    from gateway.access import client_id
+
+    current_app.extensions["rate_limiter"].charge(client_id())
+
+
+class RateLimiter:
+    """A token bucket per client: a burst of up to a minute's allowance, refilled steadily.
+
+    Our own rather than flask-limiter or limits: gunicorn runs one worker process, so in-memory state is the
+    whole truth, and a bucket is a few lines; those libraries bring storage backends, decorators and replies of
+    their own that would still have to be turned into our two error formats."""
+
+    PRUNE_ABOVE = 10_000  # clients remembered before the full (idle) buckets are forgotten
+
+    def __init__(self, per_minute: int):
+        self.per_minute = per_minute
+        self.per_second = per_minute / 60.0
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when they were counted)
+        self._prune_above = self.PRUNE_ABOVE  # doubles while most clients are busy: pruning stays rare
+        self._lock = threading.Lock()
+
+    def charge(self, client: str) -> None:
+        if self.per_minute <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            tokens = self._tokens(client, now)
+            if tokens < 1:
+                wait = math.ceil((1 - tokens) / self.per_second)
+                raise RateLimited(f"too many requests: at most {self.per_minute} per minute per client "
+                                  f"(REQUESTS_PER_MINUTE); retry in {wait} s", retry_after=wait)
+            self._buckets[client] = (tokens - 1, now)
+            if len(self._buckets) > self._prune_above:
+                self._forget_full(now)
+                self._prune_above = max(self.PRUNE_ABOVE, 2 * len(self._buckets))
+
+    def _tokens(self, client: str, now: float) -> float:
+        tokens, counted_at = self._buckets.get(client, (self.per_minute, now))
+        return min(self.per_minute, tokens + (now - counted_at) * self.per_second)
+
+    def _forget_full(self, now: float) -> None:
+        """A full bucket is what a new client gets anyway."""
+        for client in [client for client in self._buckets if self._tokens(client, now) >= self.per_minute]:
+            del self._buckets[client]
+
+
+def check_new_tokens(field: str, value: int | None, cap: int) -> None:
+    if value is not None and value > cap:
+        raise BadRequest(f"{field}: at most {cap}, got {value} (MAX_NEW_TOKENS)", field=field)
+
+
+def check_max_length(model: ModelConfig, max_length: int | None) -> None:
+    if max_length is not None and max_length > model.max_session_length:
+        raise BadRequest(f"max_length: at most {model.max_session_length} for {model.name}, got {max_length}",
+                         field="max_length")
+
+
+def check_context_length(model: ModelConfig, prompt_tokens: int, new_tokens: int, field: str) -> None:
+    """The prompt and the tokens asked for must fit the model's context; `field` is where the prompt came in."""
+    limit, total = model.max_session_length, prompt_tokens + new_tokens
+    if total > limit:
+        asked = f" ({prompt_tokens} in the {field}, {new_tokens} in the completion)" if new_tokens else ""
+        raise LengthExceeded(
+            f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens{asked}. "
+            f"Please reduce the length of the {field}" + (" or of the completion." if new_tokens else "."),
+            field=field)

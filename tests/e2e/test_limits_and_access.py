@@ -1,0 +1,226 @@
+"""The gateway's limits, keys and origin checks, through a real gunicorn in front of the tiny swarm, configured
+tight (conftest.strict_gateway): small limits, API keys and an origin allowlist. Each test spends the allowance of
+a key of its own, since the per-client limits count by key."""
+
+import json
+import time
+
+import openai
+import pytest
+import requests
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from conftest import STRICT_CONTEXT as CONTEXT
+from conftest import STRICT_LIMITS as LIMITS
+from conftest import STRICT_ORIGIN as ALLOWED_ORIGIN
+
+
+@pytest.fixture(scope="module")
+def strict(strict_gateway):
+    return strict_gateway
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def post(strict, path, key, **kwargs):
+    reply = requests.post(strict.url + path, headers={**bearer(key), **kwargs.pop("headers", {})}, timeout=60,
+                          **kwargs)
+    assert "Traceback" not in reply.text and 'File "' not in reply.text
+    return reply
+
+
+def ws_connect(strict, key=None, **kwargs):
+    url = strict.ws_url + (f"?api_key={key}" if key else "")
+    return connect(url, open_timeout=30, **kwargs)
+
+
+def ws_call(ws, **message) -> dict:
+    ws.send(json.dumps(message))
+    return json.loads(ws.recv(timeout=30))
+
+
+def handshake_status(strict, **kwargs) -> int:
+    with pytest.raises(InvalidStatus) as refused:
+        with ws_connect(strict, **kwargs):
+            pass
+    return refused.value.response.status_code
+
+
+# ------------------------------------------------------------------------------------------ keys and origins
+
+
+def test_every_api_needs_a_key_and_health_stays_open(strict):
+    assert requests.get(strict.url + "/health").status_code == 200
+    assert requests.get(strict.url + "/").status_code == 200  # the chat page asks for the key itself
+    refused = requests.post(strict.url + "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1})
+    assert refused.status_code == 401 and refused.json()["code"] == "invalid_api_key"
+    assert requests.get(strict.url + "/api/v1/models").status_code == 401
+    assert requests.get(strict.url + "/metrics").status_code == 401
+    assert post(strict, "/api/v1/generate", "key-access", json={"inputs": "hi", "max_new_tokens": 1}).status_code == 200
+    assert requests.post(strict.url + "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1},
+                         headers={"X-API-Key": "key-access"}).status_code == 200
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=strict.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=strict.url + "/v1", api_key="key-access", max_retries=0)
+    assert good.models.list().data[0].id == "tiny"
+
+    assert handshake_status(strict) == 401
+    assert handshake_status(strict, key="wrong") == 401
+    with ws_connect(strict, key="key-access") as ws:  # a browser's way: ?api_key=
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+    with ws_connect(strict, additional_headers=bearer("key-access")) as ws:  # any other client's
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+
+
+def test_websocket_handshakes_follow_the_origin_allowlist(strict):
+    assert handshake_status(strict, key="key-access", origin="https://evil.example") == 403
+    for origin in (ALLOWED_ORIGIN, strict.url):  # the allowlist, and the gateway's own chat page
+        with ws_connect(strict, key="key-access", origin=origin) as ws:
+            assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+    preflight = requests.options(strict.url + "/v1/chat/completions",
+                                 headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "Access-Control-Allow-Origin" not in preflight.headers
+
+
+# ------------------------------------------------------------------------------------------ request limits
+
+
+def test_a_body_over_max_body_bytes_is_413(strict):
+    big = {"inputs": "x" * 9000, "max_new_tokens": 1}
+    petals = post(strict, "/api/v1/generate", "key-body", json=big)
+    assert petals.status_code == 413 and petals.json()["code"] == "request_too_large"
+    assert "limit of 8192 bytes (MAX_BODY_BYTES)" in petals.json()["error"]
+    chat = post(strict, "/v1/chat/completions", "key-body", json={"messages": [{"role": "user", "content": "x" * 9000}]})
+    assert chat.status_code == 413 and chat.json()["error"]["code"] == "request_too_large"
+    chunked = post(strict, "/api/v1/generate", "key-body", data=(b"x" * 1000 for _ in range(10)),
+                   headers={"Content-Type": "application/json"})  # no Content-Length: found while reading
+    assert chunked.status_code == 413 and "MAX_BODY_BYTES" in chunked.json()["error"]
+
+
+def test_prompts_longer_than_the_context_are_context_length_exceeded_in_every_api(strict):
+    long_text = "word " * CONTEXT
+    chat = post(strict, "/v1/chat/completions", "key-context", json={"messages": [{"role": "user", "content": long_text}]})
+    # a prompt that fits, but not with the completion asked for
+    completion = post(strict, "/v1/completions", "key-context", json={"prompt": [5] * (CONTEXT - 8), "max_tokens": 16})
+    embedding = post(strict, "/v1/embeddings", "key-context", json={"input": long_text})
+    for reply, param in ((chat, "messages"), (completion, "prompt"), (embedding, "input")):
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == param
+        assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+    petals = post(strict, "/api/v1/generate", "key-context", json={"inputs": long_text, "max_new_tokens": 1})
+    assert petals.status_code == 400 and petals.json()["code"] == "context_length_exceeded"
+    with ws_connect(strict, key="key-context") as ws:
+        assert ws_call(ws, type="open_inference_session", max_length=CONTEXT)["ok"]
+        frame = ws_call(ws, type="generate", inputs=long_text, max_new_tokens=1)
+        assert frame["ok"] is False and frame["code"] == "context_length_exceeded"
+
+
+def test_caps_name_their_setting(strict):
+    reply = post(strict, "/v1/completions", "key-context", json={"prompt": "hi", "max_tokens": 17})
+    assert reply.status_code == 400 and "at most 16, got 17 (MAX_NEW_TOKENS)" in reply.json()["error"]["message"]
+    # each prompt of a completion holds a session while it runs: more than a client may hold is a bad request
+    reply = post(strict, "/v1/completions", "key-context", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "prompt" and "MAX_SESSIONS_PER_CLIENT" in error["message"]
+
+
+def test_requests_per_minute_per_client(strict):
+    spend = lambda key: post(strict, "/v1/chat/completions", key, json={})  # a cheap 400; it counts all the same
+    statuses = [spend("key-rate").status_code for _ in range(LIMITS["REQUESTS_PER_MINUTE"] + 3)]
+    assert statuses.count(400) in range(40, 43) and statuses[-1] == 429  # 40 at once, plus what refilled meanwhile
+    refused = spend("key-rate")
+    assert refused.json()["error"]["code"] == "rate_limited" and refused.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 2  # one request's worth: 1.5 s at 40 a minute
+    assert "REQUESTS_PER_MINUTE" in refused.json()["error"]["message"]
+    assert spend("key-other").status_code == 400  # another client is not held back
+    assert handshake_status(strict, key="key-rate") == 429
+    time.sleep(int(refused.headers["Retry-After"]))
+    assert spend("key-rate").status_code == 400
+
+
+def test_websocket_messages_count_too_and_the_connection_stays(strict):
+    with ws_connect(strict, key="key-ws-rate") as ws:
+        answered = 0
+        while (frame := ws_call(ws, type="fly"))["code"] != "rate_limited":
+            answered += 1
+            assert answered <= 45, "never limited"
+        assert answered in range(39, 43)  # the handshake took one
+        assert "REQUESTS_PER_MINUTE" in frame["error"]
+        time.sleep(1.6)  # one request's worth: 1.5 s at 40 a minute (and less than WS_IDLE_TIMEOUT)
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+
+
+# ------------------------------------------------------------------------------------------ sessions
+
+
+def test_open_sessions_per_client(strict):
+    opened = [post(strict, "/api/v1/open_inference_session", "key-sessions", json={"max_length": 16}).json()
+              for _ in range(2)]
+    assert all(reply["ok"] for reply in opened)
+    refused = post(strict, "/api/v1/open_inference_session", "key-sessions", json={"max_length": 16})
+    assert refused.status_code == 429 and refused.json()["code"] == "too_many_sessions"
+    assert refused.headers["Retry-After"] == "1" and "MAX_SESSIONS_PER_CLIENT" in refused.json()["error"]
+    with ws_connect(strict, key="key-sessions") as ws:  # the WebSocket's sessions count for the same client
+        frame = ws_call(ws, type="open_inference_session", max_length=16)
+        assert frame["ok"] is False and frame["code"] == "too_many_sessions"
+        other = post(strict, "/api/v1/open_inference_session", "key-other", json={"max_length": 16})
+        assert other.status_code == 200  # another client is not held back
+        post(strict, "/api/v1/close_inference_session", "key-other", json={"session_id": other.json()["session_id"]})
+        post(strict, "/api/v1/close_inference_session", "key-sessions", json={"session_id": opened[0]["session_id"]})
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+    post(strict, "/api/v1/close_inference_session", "key-sessions", json={"session_id": opened[1]["session_id"]})
+
+
+def open_sessions(strict) -> int:
+    return requests.get(strict.url + "/health").json()["open_sessions"]
+
+
+def test_an_idle_websocket_is_closed_with_a_reason_and_frees_its_session(strict):
+    with ws_connect(strict, key="key-ws") as ws:
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        for _ in range(2):  # each message restarts the clock: idle for 2 s at most, 4 s in all
+            time.sleep(LIMITS["WS_IDLE_TIMEOUT"] - 1)
+            assert ws_call(ws, type="generate", inputs="hi", max_new_tokens=1)["ok"]
+        assert open_sessions(strict) == 1
+        started = time.monotonic()
+        frame = json.loads(ws.recv(timeout=10))
+        assert frame["ok"] is False and frame["code"] == "idle_timeout" and "WS_IDLE_TIMEOUT" in frame["error"]
+        assert 2.5 < time.monotonic() - started < 6
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1000 and closed.value.rcvd.reason == "idle timeout"
+    assert open_sessions(strict) == 0
+
+
+def test_a_websocket_message_over_the_limit_closes_with_1009(strict):
+    with ws_connect(strict, key="key-ws") as ws:
+        ws.send(json.dumps({"type": "generate", "inputs": "x" * 5000}))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1009
+    with ws_connect(strict, key="key-ws") as ws:  # the gateway goes on
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+
+
+# ------------------------------------------------------------------------------------------ logs
+
+
+def test_request_ids_reach_the_log_and_prompts_do_not(strict):
+    secret = "SECRET-PROMPT-7Q"
+    reply = post(strict, "/api/v1/generate", "key-logs", json={"inputs": secret, "max_new_tokens": 1},
+                 headers={"X-Request-ID": "e2e-req-1"})
+    assert reply.status_code == 200 and reply.headers["X-Request-ID"] == "e2e-req-1"
+    assert len(post(strict, "/api/v1/generate", "key-logs", json={}).headers["X-Request-ID"]) == 32
+    chat = post(strict, "/v1/chat/completions", "key-logs", headers={"X-Request-ID": "e2e-req-2"},
+                json={"messages": [{"role": "user", "content": secret}], "max_tokens": 1, "zz_unknown_field": 1})
+    assert chat.status_code == 200
+    deadline = time.monotonic() + 5
+    while "zz_unknown_field" not in strict.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [line] = [line for line in strict.log().splitlines() if "zz_unknown_field" in line]
+    assert "INFO" in line and "[e2e-req-2]" in line
+    assert secret not in strict.log()
