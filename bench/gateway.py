@@ -35,7 +35,8 @@ class Gateway:
         self.env = {
             "INITIAL_PEERS": " ".join(initial_peers),
             "MAX_SESSIONS": str(max_sessions),
-            # the gateway has no torch-threads setting of its own; torch takes its default from OpenMP's
+            "MAX_SESSIONS_PER_CLIENT": str(max_sessions),  # every session of the benchmark comes from 127.0.0.1
+            "REQUESTS_PER_MINUTE": "0",
             "TORCH_THREADS": str(torch_threads),
         }
         self.threads = max(GUNICORN_THREADS, max_sessions + 8)  # + a few for /health and /metrics

@@ -41,6 +41,8 @@ def soak_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
         "INITIAL_PEERS": " ".join(tiny_swarm.initial_peers),
         "MODELS": json.dumps(models),
         "MAX_SESSIONS": "256",
+        "MAX_SESSIONS_PER_CLIENT": "256",  # every client of the soak comes from 127.0.0.1
+        "REQUESTS_PER_MINUTE": "0",
         "SESSION_IDLE_TIMEOUT": "5",
     }
     server = Gateway(env, tmp_path_factory.mktemp("soak-gateway") / "gunicorn.log")
