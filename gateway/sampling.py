@@ -153,10 +153,8 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus: keep the smallest set of most likely tokens whose probability reaches p; p >= 1 is off.
-    A p below the logits' smallest normal number would round to 0 against them, and swarm.decoding's filter
-    would then remove every token: such a p keeps just the most likely one, as it should."""
-    return decoding.filter_top_p(logits, max(p, torch.finfo(logits.dtype).tiny)) if p < 1 else logits
+    """Nucleus: keep the smallest set of most likely tokens whose probability reaches p; p >= 1 is off."""
+    return decoding.filter_top_p(logits, p) if p < 1 else logits
 
 
 def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:

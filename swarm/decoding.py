@@ -39,6 +39,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= p  # mass before this token already reaches p
+    remove[..., 0] = False  # the likeliest token stays even when p is below what float32 tells from zero
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

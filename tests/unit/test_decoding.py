@@ -36,3 +36,8 @@ def test_detokenizer_streams_exactly_the_text(text):
     pieces = [detokenizer.push(token) for token in ids]
     assert "".join(pieces) == tokenizer.decode(ids)
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_top_p_below_what_float32_tells_from_zero_keeps_the_likeliest():
+    logits = torch.tensor([[0.5, 2.0, -1.0]])
+    assert (filter_top_p(logits, 1e-60) > float("-inf")).tolist() == [[False, True, False]]
