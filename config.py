@@ -5,6 +5,9 @@ Each command-line tool takes its defaults from here, so an operator can set them
     SWARM_CACHE_DIR   where converted models live (default: $XDG_CACHE_HOME/swarm-gateway or ~/.cache/...)
     INITIAL_PEERS     space- or comma-separated multiaddrs of DHT peers to join
     WIRE_DTYPE        how a client sends hidden states to servers: float32 (default, exact), bfloat16 or float16
+    ALLOWED_SERVERS   a private swarm's servers (peer ids, space- or comma-separated): clients route only to them
+    ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
+    SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
@@ -50,10 +53,15 @@ class SwarmSettings:
     announce_period: float = 10.0
     cache_tokens: int = 32768
     wire_dtype: str = "float32"
+    allowed_servers: tuple[str, ...] = ()  # empty: any server
+    allowed_clients: tuple[str, ...] = ()  # empty: any client
+    spot_check_rate: float = 0.0
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"WIRE_DTYPE must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if not 0.0 <= self.spot_check_rate <= 1.0:
+            raise ValueError(f"SPOT_CHECK_RATE must be between 0 and 1, got {self.spot_check_rate}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SwarmSettings":
@@ -62,6 +70,9 @@ class SwarmSettings:
             model=environ.get("MODEL", DEFAULT_MODEL),
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
             wire_dtype=environ.get("WIRE_DTYPE", "float32"),
+            allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
+            allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
+            spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
         )
 
 
