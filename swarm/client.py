@@ -258,6 +258,7 @@ class RemoteSession:
         """Streams to the best chain over blocks [start, end); a server whose cache is full is routed around."""
         client, route = self.client, self.route
         unusable: set[str] = set(avoid)
+        last_refusal = ""
         while True:
             try:
                 # servers take cache a page at a time as the session grows: what matters is room for the first
@@ -266,7 +267,7 @@ class RemoteSession:
             except MissingBlocksError:
                 if unusable:  # only full or failing servers could have served: that is the error worth reporting
                     raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
-                                         f"{route.model_name} has a full cache or failed") from None
+                                         f"{route.model_name} has a full cache or failed{last_refusal}") from None
                 raise
             hops: list[Hop] = []
             try:
@@ -279,6 +280,7 @@ class RemoteSession:
             except (CacheFullError, ServerUnavailableError) as error:
                 logger.info("routing around server %s: %s", link.peer_id, error)
                 unusable.add(link.peer_id)
+                last_refusal = f" (the last one: {error})"
                 if isinstance(error, ServerUnavailableError):
                     client.bans.ban(link.peer_id)
                 for hop in hops:

@@ -19,6 +19,7 @@ broken stream, so the client can raise the same SwarmError the server raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from typing import AsyncIterator, Collection, Optional
@@ -41,6 +42,7 @@ from swarm.protocol import (
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT = 10.0
+REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
 
 
 # hivemind widens bfloat16 to float32 on the wire; its bits travel as int16 instead, named under this key
@@ -142,6 +144,10 @@ class BlockService(ServicerBase):
             return
         except Exception as error:
             yield error_reply(error)
+            # then wait for the client to end its side (a bounded time): a stream that the server closes at once
+            # sometimes loses the reply on its way through the libp2p daemons, and the client waits in vain
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_drain(requests), REFUSAL_LINGER)
             return
         try:
             yield reply(metadata={"ok": True})
@@ -177,6 +183,11 @@ class BlockService(ServicerBase):
         task = asyncio.ensure_future(push())
         self._pushes.add(task)  # a reference, so that the task is not collected while it runs
         task.add_done_callback(self._pushes.discard)
+
+
+async def _drain(requests: AsyncIterator) -> None:
+    async for _ in requests:
+        pass
 
 
 def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:

@@ -120,7 +120,8 @@ class Backend:
 
     def accept_push(self, tensors: list, metadata: dict) -> None:
         """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
-        session = self.sessions_by_id.get(metadata.get("session_id"))
+        session_id = metadata.get("session_id")
+        session = self.sessions_by_id.get(session_id) if isinstance(session_id, str) else None
         if session is None:
             raise BadRequestError("no open session has this 'session_id'")
         session.pushed(tensors, metadata)
