@@ -19,12 +19,14 @@ from swarm.cache import PAGE_TOKENS
 from swarm.protocol import (
     CacheFullError,
     MissingBlocksError,
+    NotAllowedError,
     RemoteServer,
     ServerUnavailableError,
     SessionLengthError,
 )
 from swarm.routing import ChainLink, choose_chain
 from swarm.rpc import InferenceStream, call_forward, call_info
+from swarm.spot_check import SpotChecker
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +40,12 @@ class Bans:
         self._strikes: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def ban(self, peer_id: str) -> None:
+    def ban(self, peer_id: str, seconds: Optional[float] = None) -> None:
+        """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened."""
         with self._lock:
             strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
-            self._until[peer_id] = time.monotonic() + min(self.base * 2 ** (strikes - 1), self.max)
+            seconds = min(self.base * 2 ** (strikes - 1), self.max) if seconds is None else seconds
+            self._until[peer_id] = max(self._until.get(peer_id, 0.0), time.monotonic() + seconds)
 
     def current(self) -> set[str]:
         now = time.monotonic()
@@ -78,10 +82,21 @@ class PeerLoad:
 
 
 class SwarmClient:
-    """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures."""
+    """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures.
+
+    `allowed_servers`: a private swarm's servers (peer ids), the only ones it routes to (empty: any server);
+    `spot_check_rate`: the chance that a step is checked on other servers (swarm/spot_check.py; 0: never).
+    Both default to the settings of config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE), so that every
+    client of a deployment (the gateway's too) follows them."""
 
     def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
-                 max_retries: int = 5, wire_dtype: torch.dtype = torch.float32):
+                 max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
+                 allowed_servers: Optional[Collection[str]] = None, spot_check_rate: Optional[float] = None):
+        from config import SwarmSettings
+
+        settings = SwarmSettings.from_env() if allowed_servers is None or spot_check_rate is None else None
+        self.allowed_servers = frozenset(settings.allowed_servers if allowed_servers is None else allowed_servers)
+        self.spot_checks = SpotChecker(self, settings.spot_check_rate if spot_check_rate is None else spot_check_rate)
         self.loop = dht.EventLoop.get()
         # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
         self.wire_dtype = wire_dtype
@@ -93,7 +108,8 @@ class SwarmClient:
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks))
+        """The online servers of a model that this client may route to."""
+        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
@@ -185,14 +201,19 @@ class RemoteSession:
             )
         output, index = hidden.to(self.client.wire_dtype), 0
         self._steps += 1
+        check = self.client.spot_checks.plan(self.route, self.chain)
         while index < len(self.hops):
             hop = self.hops[index]
             hop.record(output, position)
             following = self.hops[index + 1] if index + 1 < len(self.hops) else None
             try:
-                output = self._step_hop(hop, output, position, following)
+                hop_output = self._step_hop(hop, output, position, following)
+                if check is not None and check.link == hop.link:
+                    self.client.spot_checks.verify(check, hop.inputs, hop_output)  # raises if the hop lied
+                output = hop_output
                 index += 1
-            except (ServerUnavailableError, CacheFullError) as error:  # a full cache: not a fault, but go elsewhere
+            # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
+            except (ServerUnavailableError, CacheFullError) as error:
                 output, index = self._fail_over(index, error, output.shape[1])
         self.position = end
         return output.to(hidden.dtype)
@@ -277,7 +298,7 @@ class RemoteSession:
                     client.load.opened(link.peer_id)
                     client.loop.run(stream.open(self.max_length, self.batch_size))
                 return hops
-            except (CacheFullError, ServerUnavailableError) as error:
+            except (CacheFullError, ServerUnavailableError, NotAllowedError) as error:  # a private server: not for us
                 logger.info("routing around server %s: %s", link.peer_id, error)
                 unusable.add(link.peer_id)
                 last_refusal = f" (the last one: {error})"

@@ -216,6 +216,7 @@ async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     response = await stub.rpc_info(pack(), timeout=timeout)
     _, metadata = unpack(response)
+    _raise_if_error(metadata)
     return metadata
 
 
