@@ -6,6 +6,9 @@ Each command-line tool takes its defaults from here, so an operator can set them
     INITIAL_PEERS     space- or comma-separated multiaddrs of DHT peers to join
     WIRE_DTYPE        how a client sends hidden states to servers: float32 (default, exact), bfloat16 or float16
     TORCH_THREADS     torch's threads in each process (the gateway's, and block servers' without --threads)
+    ALLOWED_SERVERS   a private swarm's servers (peer ids, space- or comma-separated): clients route only to them
+    ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
+    SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
@@ -54,10 +57,15 @@ class SwarmSettings:
     cache_tokens: int = 32768
     wire_dtype: str = "float32"
     torch_threads: int | None = None  # None: torch's choice (one per core)
+    allowed_servers: tuple[str, ...] = ()  # empty: any server
+    allowed_clients: tuple[str, ...] = ()  # empty: any client
+    spot_check_rate: float = 0.0
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"WIRE_DTYPE must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if not 0.0 <= self.spot_check_rate <= 1.0:
+            raise ValueError(f"SPOT_CHECK_RATE must be between 0 and 1, got {self.spot_check_rate}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SwarmSettings":
@@ -67,6 +75,9 @@ class SwarmSettings:
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
             wire_dtype=environ.get("WIRE_DTYPE", "float32"),
             torch_threads=int(environ["TORCH_THREADS"]) if environ.get("TORCH_THREADS") else None,
+            allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
+            allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
+            spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
         )
 
 

@@ -19,34 +19,48 @@ from swarm.cache import PAGE_TOKENS
 from swarm.protocol import (
     CacheFullError,
     MissingBlocksError,
+    NotAllowedError,
     RemoteServer,
     ServerUnavailableError,
     SessionLengthError,
 )
 from swarm.routing import ChainLink, choose_chain
 from swarm.rpc import InferenceStream, call_forward, call_info
+from swarm.spot_check import SpotChecker
 
 logger = logging.getLogger(__name__)
 
 
 class Bans:
-    """Peers that failed recently, left out of routing for a while; each repeated failure doubles the ban."""
+    """Peers left out of routing for a while. A failure (dead, stalled, cut off) bans a peer for a time that
+    doubles on each repeat, and routing still falls back on it when no other server holds its blocks; a peer
+    caught answering wrong is distrusted: never routed to until its ban ends."""
 
     def __init__(self, base_seconds: float = 30.0, max_seconds: float = 600.0):
         self.base, self.max = base_seconds, max_seconds
         self._until: dict[str, float] = {}
+        self._distrusted_until: dict[str, float] = {}
         self._strikes: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def ban(self, peer_id: str) -> None:
+    def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False) -> None:
+        """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened."""
         with self._lock:
             strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
-            self._until[peer_id] = time.monotonic() + min(self.base * 2 ** (strikes - 1), self.max)
+            seconds = min(self.base * 2 ** (strikes - 1), self.max) if seconds is None else seconds
+            for bans in (self._until, self._distrusted_until) if distrust else (self._until,):
+                bans[peer_id] = max(bans.get(peer_id, 0.0), time.monotonic() + seconds)
 
     def current(self) -> set[str]:
+        return self._live(self._until)
+
+    def distrusted(self) -> set[str]:
+        return self._live(self._distrusted_until)
+
+    def _live(self, bans: dict[str, float]) -> set[str]:
         now = time.monotonic()
         with self._lock:
-            return {peer for peer, until in self._until.items() if until > now}
+            return {peer for peer, until in bans.items() if until > now}
 
 
 class PeerLoad:
@@ -78,10 +92,21 @@ class PeerLoad:
 
 
 class SwarmClient:
-    """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures."""
+    """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures.
+
+    `allowed_servers`: a private swarm's servers (peer ids), the only ones it routes to (empty: any server);
+    `spot_check_rate`: the chance that a step is checked on other servers (swarm/spot_check.py; 0: never).
+    Both default to the settings of config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE), so that every
+    client of a deployment (the gateway's too) follows them."""
 
     def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
-                 max_retries: int = 5, wire_dtype: torch.dtype = torch.float32):
+                 max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
+                 allowed_servers: Optional[Collection[str]] = None, spot_check_rate: Optional[float] = None):
+        from config import SwarmSettings
+
+        settings = SwarmSettings.from_env() if allowed_servers is None or spot_check_rate is None else None
+        self.allowed_servers = frozenset(settings.allowed_servers if allowed_servers is None else allowed_servers)
+        self.spot_checks = SpotChecker(self, settings.spot_check_rate if spot_check_rate is None else spot_check_rate)
         self.loop = dht.EventLoop.get()
         # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
         self.wire_dtype = wire_dtype
@@ -93,7 +118,8 @@ class SwarmClient:
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks))
+        """The online servers of a model that this client may route to."""
+        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
@@ -105,11 +131,12 @@ class SwarmClient:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
                                 self.load.factors(), min_cache_tokens)
         except MissingBlocksError:
-            if not self.bans.current():
+            if not self.bans.current() - self.bans.distrusted():
                 raise
-            # only banned servers hold some of the blocks: a ban steers toward others, it must not strand a
-            # session when there are none (a server that was only slow, say, under a burst of load)
-            return choose_chain(servers, end, model_name, set(exclude), start, self.load.factors(), min_cache_tokens)
+            # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
+            # not strand a session when there are none (a server that was only slow under a burst of load)
+            return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
+                                self.load.factors(), min_cache_tokens)
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
@@ -192,14 +219,19 @@ class RemoteSession:
             )
         output, index = hidden.to(self.client.wire_dtype), 0
         self._steps += 1
+        check = self.client.spot_checks.plan(self.route, self.chain)
         while index < len(self.hops):
             hop = self.hops[index]
             hop.record(output, position)
             following = self.hops[index + 1] if index + 1 < len(self.hops) else None
             try:
-                output = self._step_hop(hop, output, position, following)
+                hop_output = self._step_hop(hop, output, position, following)
+                if check is not None and check.link == hop.link:
+                    self.client.spot_checks.verify(check, hop.inputs, hop_output)  # raises if the hop lied
+                output = hop_output
                 index += 1
-            except (ServerUnavailableError, CacheFullError) as error:  # a full cache: not a fault, but go elsewhere
+            # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
+            except (ServerUnavailableError, CacheFullError) as error:
                 output, index = self._fail_over(index, error, output.shape[1])
         self.position = end
         return output.to(hidden.dtype)
@@ -265,7 +297,8 @@ class RemoteSession:
         """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any
         found full or unreachable on the way)."""
         client, route = self.client, self.route
-        full, unreachable = set(full), set()
+        full, unreachable = set(full), set()  # full: its cache (or a limit), or it does not serve us
+        last_refusal = ""
         while True:
             try:
                 # servers take cache a page at a time as the session grows: what matters is room for the first
@@ -274,7 +307,7 @@ class RemoteSession:
             except MissingBlocksError:
                 if full:  # servers with a full cache could have served: that is the error worth reporting
                     raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
-                                         f"{route.model_name} has a full cache or failed") from None
+                                         f"{route.model_name} has a full cache or failed{last_refusal}") from None
                 raise
             hops: list[Hop] = []
             try:
@@ -284,13 +317,14 @@ class RemoteSession:
                     client.load.opened(link.peer_id)
                     client.loop.run(stream.open(self.max_length, self.batch_size))
                 return hops
-            except (CacheFullError, ServerUnavailableError) as error:
+            except (CacheFullError, ServerUnavailableError, NotAllowedError) as error:  # a private server: not for us
                 logger.info("routing around server %s: %s", link.peer_id, error)
-                if isinstance(error, CacheFullError):
-                    full.add(link.peer_id)
-                else:
+                if isinstance(error, ServerUnavailableError):
                     unreachable.add(link.peer_id)
                     client.bans.ban(link.peer_id)
+                else:
+                    full.add(link.peer_id)
+                    last_refusal = f" (the last one: {error})"
                 for hop in hops:
                     self._close_hop(hop)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from typing import Iterable, Optional
+from collections import Counter
+from typing import Collection, Iterable, Optional
 
 from swarm.protocol import CATALOGUE_KEY, ModelRecord, RemoteServer, ServerInfo, ServerState, block_key
 
@@ -57,19 +58,26 @@ async def start_node(
     identity_path: Optional[str] = None,
     client_mode: bool = False,
 ):
-    """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm)."""
+    """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm). It signs the
+    records it stores with its identity key, and refuses forged ones (see swarm/trust.py)."""
     from hivemind.dht.node import DHTNode
 
-    return await DHTNode.create(
-        initial_peers=list(initial_peers),
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        identity_path=identity_path,
-        client_mode=client_mode,
-        # the peer must be reachable on loopback and private networks alike; no public relays needed
-        use_relay=False,
-        use_auto_relay=False,
-        nat_port_map=False,
-    )
+    from swarm import trust
+
+    with trust.identity(identity_path) as identity:
+        return await DHTNode.create(
+            initial_peers=list(initial_peers),
+            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            identity_path=identity.path,
+            # hivemind asks the swarm whether an existing identity is in use already; a new one cannot be
+            check_if_identity_free=not identity.created,
+            record_validator=trust.OwnerSignedRecords(identity.key),
+            client_mode=client_mode,
+            # the peer must be reachable on loopback and private networks alike; no public relays needed
+            use_relay=False,
+            use_auto_relay=False,
+            nat_port_map=False,
+        )
 
 
 async def visible_maddrs(node) -> list[str]:
@@ -81,60 +89,86 @@ def peer_id_of(node) -> str:
 
 
 async def announce(node, prefix: str, info: ServerInfo, expiration: float) -> None:
-    """Store the server's record under each of its blocks, keyed by its peer id; valid `expiration` seconds."""
+    """Store the server's record under each of its blocks, signed, under its owner subkey (so that only it
+    can change the record, and readers know which peer wrote it); valid `expiration` seconds."""
     from hivemind.utils import get_dht_time
+
+    from swarm.trust import owner_subkey
 
     keys = [block_key(prefix, index) for index in range(info.start, info.end)]
     await node.store_many(
         keys,
         [info.to_wire()] * len(keys),
         expiration_time=get_dht_time() + expiration,
-        subkeys=[peer_id_of(node)] * len(keys),
+        subkeys=[owner_subkey(node)] * len(keys),
     )
 
 
 async def announce_model(node, record: ModelRecord, expiration: float) -> None:
-    """Add the model to the swarm's catalogue (every server of the model writes the same entry)."""
+    """Add the model to the swarm's catalogue.
+
+    Each server writes its own entry, signed under its owner subkey, rather than one shared entry per model:
+    under a shared subkey any peer could replace a model's entry (send clients to other weights, or hide
+    the model); under its own subkey a stranger can only add an entry, never change or remove a server's,
+    and readers go with what most servers of a model say (see fetch_catalogue)."""
     from hivemind.utils import get_dht_time
 
-    await node.store(CATALOGUE_KEY, record.to_wire(), get_dht_time() + expiration, subkey=record.prefix)
+    from swarm.trust import owner_subkey
+
+    await node.store(CATALOGUE_KEY, record.to_wire(), get_dht_time() + expiration, subkey=owner_subkey(node))
 
 
-async def fetch_catalogue(node) -> list[ModelRecord]:
-    """Every model that servers announce, by prefix."""
+async def fetch_catalogue(node, allowed: Collection[str] = ()) -> list[ModelRecord]:
+    """Every model that servers announce (only servers in `allowed`, if given), one record per prefix: the
+    one most servers announce, where they disagree."""
     entry = await node.get(CATALOGUE_KEY, latest=True)
-    if entry is None or not isinstance(entry.value, dict):
-        return []
-    records = (ModelRecord.from_wire(getattr(item, "value", None)) for item in entry.value.values())
-    return sorted((record for record in records if record is not None), key=lambda record: record.name)
+    votes: Counter[ModelRecord] = Counter()
+    for _, item in _signed_entries(entry, allowed):
+        record = ModelRecord.from_wire(item.value)
+        if record is not None:
+            votes[record] += 1
+    chosen: dict[str, ModelRecord] = {}
+    for record, _ in votes.most_common():  # most servers first: the first record seen for a prefix wins
+        chosen.setdefault(record.prefix, record)
+    return sorted(chosen.values(), key=lambda record: record.name)
 
 
-async def fetch_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
-    """Every online server that announced any block of the model, as it last described itself."""
-    servers = await fetch_all_servers(node, prefix, num_blocks)
+async def fetch_servers(node, prefix: str, num_blocks: int, allowed: Collection[str] = ()) -> list[RemoteServer]:
+    """Every online server that announced any block of the model, as it last described itself (only
+    servers in `allowed`, if given)."""
+    servers = await fetch_all_servers(node, prefix, num_blocks, allowed)
     return [server for server in servers if server.info.state == ServerState.ONLINE]
 
 
-async def fetch_all_servers(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
+async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collection[str] = ()) -> list[RemoteServer]:
     """Every server with an unexpired record under any block of the model, joining and offline ones too
-    (what a health page shows; routing wants fetch_servers)."""
+    (what a health page shows; routing wants fetch_servers); only servers in `allowed`, if given."""
     keys = [block_key(prefix, index) for index in range(num_blocks)]
     # latest=True in effect: a cached record may be stale (a server that left), so always ask the swarm
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     latest: dict[str, tuple[float, RemoteServer]] = {}
     for key in keys:
-        entry = found.get(key)
-        if entry is None or not isinstance(entry.value, dict):
-            continue
-        for peer_id, record in entry.value.items():
-            info = ServerInfo.from_wire(getattr(record, "value", None))
-            if info is None or info.end > num_blocks or not isinstance(peer_id, str):
+        for peer_id, record in _signed_entries(found.get(key), allowed):
+            info = ServerInfo.from_wire(record.value)
+            if info is None or info.end > num_blocks:
                 continue
             # a server that moved left OFFLINE records under its old blocks: its newest record says where it is
-            expiration = getattr(record, "expiration_time", 0.0)
-            if peer_id not in latest or expiration > latest[peer_id][0]:
-                latest[peer_id] = (expiration, RemoteServer(peer_id, info))
+            if peer_id not in latest or record.expiration_time > latest[peer_id][0]:
+                latest[peer_id] = (record.expiration_time, RemoteServer(peer_id, info))
     return [server for _, server in latest.values()]
+
+
+def _signed_entries(entry, allowed: Collection[str] = ()):
+    """(peer id of the writer, entry) for each entry of a dictionary value that its writer signed (see
+    swarm/trust.py); with `allowed`, only those written by these peers. Every other entry could be anyone's."""
+    from swarm.trust import owner_peer_id
+
+    if entry is None or not isinstance(entry.value, dict):
+        return
+    for subkey, item in entry.value.items():
+        peer_id = owner_peer_id(subkey)
+        if peer_id is not None and (not allowed or peer_id in allowed):
+            yield peer_id, item
 
 
 # ------------------------------------------------------------------------------------------- process

@@ -17,6 +17,9 @@ from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
 RETRIES = Counter("swarm_client_retries_total", "Steps of a session sent again to a server after a failure")
 FAILOVERS = Counter("swarm_client_failovers_total", "Servers of a session's chain replaced by others after a failure")
+SPOT_CHECKS = Counter("swarm_client_spot_checks_total",
+                      "Steps whose outputs other servers recomputed (swarm/spot_check.py), by outcome: agreed, "
+                      "caught (a lying server was banned) or unresolved", ["outcome"])
 
 # ---------------------------------------------------------------------------------------- server side
 

@@ -15,7 +15,7 @@ def catalogue(client) -> list[tuple[ModelRecord, list, list]]:
     from swarm.routing import missing_ranges
 
     rows = []
-    for record in client.loop.run(dht.fetch_catalogue(client.node)):
+    for record in client.loop.run(dht.fetch_catalogue(client.node, client.allowed_servers)):
         servers = client.servers(record.prefix, record.num_blocks)
         rows.append((record, servers, missing_ranges(servers, record.num_blocks)))
     return rows

@@ -1,10 +1,10 @@
 """What travels between peers: the DHT key scheme, the server record, RPC metadata and the error tree.
 
 DHT layout: one key per transformer block, ``"{prefix}.{index}"``; each server that holds the block stores
-its ServerInfo under that key with its own peer id (base58) as the subkey, so servers never overwrite
-each other and a lookup of N keys returns every server of every block. The catalogue, one more key
-(CATALOGUE_KEY), holds a ModelRecord per model prefix: what a client needs to serve a model it was not
-configured with.
+its ServerInfo under that key, with its own owner marker as the subkey (signed: see swarm/trust.py), so
+servers never overwrite each other, no peer can forge another's record, and a lookup of N keys returns
+every server of every block. The catalogue, one more key (CATALOGUE_KEY), holds the ModelRecord of each
+server's model under its owner marker: what a client needs to serve a model it was not configured with.
 
 Errors (every one a SwarmError, each with a stable ``code`` that crosses the wire)::
 
@@ -12,9 +12,13 @@ Errors (every one a SwarmError, each with a stable ``code`` that crosses the wir
     ├── UnknownModelError        name is neither a known model nor a local Hugging Face folder
     ├── MissingBlocksError       no chain of servers covers these blocks
     ├── CacheFullError           a server has no room for the session's attention cache
+    │   └── ServerLimitError     a server's limit on one client (sessions per peer, tokens per session)
     ├── SessionLengthError       a step would go past the session's max_length
     ├── BadRequestError          a server refused a malformed request
-    └── ServerUnavailableError   a server did not answer, or broke the stream
+    ├── ServerUnavailableError   a server did not answer, or broke the stream
+    └── NotAllowedError          a private server refused a peer that is not on its list of clients
+
+The client routes around a server that raised CacheFullError (ServerLimitError included), without banning it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import enum
 import re
 from dataclasses import asdict, dataclass
 
-PROTOCOL_VERSION = "0.1.0"
+PROTOCOL_VERSION = "0.2.0"  # 0.2: signed records under owner subkeys
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -45,6 +49,10 @@ class CacheFullError(SwarmError):
     code = "cache_full"
 
 
+class ServerLimitError(CacheFullError):
+    code = "server_limit"
+
+
 class SessionLengthError(SwarmError):
     code = "session_length_exceeded"
 
@@ -57,7 +65,15 @@ class ServerUnavailableError(SwarmError):
     code = "server_unavailable"
 
 
-_ERRORS_BY_CODE = {cls.code: cls for cls in (SwarmError, *SwarmError.__subclasses__())}
+class NotAllowedError(SwarmError):
+    code = "not_allowed"
+
+
+def _error_classes(cls: type) -> list[type]:
+    return [cls, *(sub for subclass in cls.__subclasses__() for sub in _error_classes(subclass))]
+
+
+_ERRORS_BY_CODE = {cls.code: cls for cls in _error_classes(SwarmError)}
 
 
 def error_to_wire(error: SwarmError) -> dict:

@@ -19,9 +19,10 @@ broken stream, so the client can raise the same SwarmError the server raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Collection, Optional
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -29,11 +30,19 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
-from swarm.protocol import BadRequestError, ServerUnavailableError, SwarmError, error_from_wire, error_to_wire
+from swarm.protocol import (
+    BadRequestError,
+    NotAllowedError,
+    ServerUnavailableError,
+    SwarmError,
+    error_from_wire,
+    error_to_wire,
+)
 
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT = 10.0
+REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
 
 
 # hivemind widens bfloat16 to float32 on the wire; its bits travel as int16 instead, named under this key
@@ -52,6 +61,9 @@ def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None
 
 
 def unpack(message) -> tuple[list[torch.Tensor], dict]:
+    # peers send tensors as they are: hivemind's compressed formats would only widen what a stranger can reach
+    if any(tensor.compression != runtime_pb2.CompressionType.NONE for tensor in message.tensors):
+        raise BadRequestError("tensors must travel uncompressed")
     try:
         metadata = MSGPackSerializer.loads(message.metadata) if message.metadata else {}
         tensors = [deserialize_torch_tensor(tensor) for tensor in message.tensors]
@@ -79,10 +91,14 @@ def error_reply(error: Exception):
 
 
 class BlockService(ServicerBase):
-    """Decodes requests, hands them to the server's backend (see server.Backend), encodes replies."""
+    """Decodes requests, hands them to the server's backend (see server.Backend), encodes replies.
 
-    def __init__(self, backend):
+    Every request may come from anyone: the backend checks what it carries; here, who sends it (a private
+    server takes requests only from `allowed_peers`, if given) and that a stream steps only its own session."""
+
+    def __init__(self, backend, allowed_peers: Collection[str] = ()):
         self.backend = backend
+        self.allowed_peers = frozenset(allowed_peers)
         self.p2p = None  # set by add_p2p_handlers: pushes go out through it
         self._pushes: set[asyncio.Task] = set()
 
@@ -91,17 +107,25 @@ class BlockService(ServicerBase):
         await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return reply(metadata=self.backend.info())
+        try:
+            self._check_caller(context)
+            return reply(metadata=self.backend.info())
+        except Exception as error:
+            return error_reply(error)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
+            self._check_caller(context)
             tensors, metadata = unpack(request)
             return reply((await self.backend.forward(tensors, metadata),))
         except Exception as error:
             return error_reply(error)
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A session's step, pushed by the previous server of its client's chain: it may name the session only
+        by its random id, which the client gave only to that server."""
         try:
+            self._check_caller(context)
             tensors, metadata = unpack(request)
             self.backend.accept_push(tensors, metadata)
             return reply()
@@ -112,12 +136,18 @@ class BlockService(ServicerBase):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
-            _, metadata = unpack(await anext(requests))
-            session = await self.backend.open_session(metadata)
+            opening = await anext(requests)
+            self._check_caller(context)
+            _, metadata = unpack(opening)
+            session = await self.backend.open_session(metadata, context.remote_id.to_base58())
         except StopAsyncIteration:
             return
         except Exception as error:
             yield error_reply(error)
+            # then wait for the client to end its side (a bounded time): a stream that the server closes at once
+            # sometimes loses the reply on its way through the libp2p daemons, and the client waits in vain
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_drain(requests), REFUSAL_LINGER)
             return
         try:
             yield reply(metadata={"ok": True})
@@ -134,6 +164,10 @@ class BlockService(ServicerBase):
         finally:
             session.close()
 
+    def _check_caller(self, context: P2PContext) -> None:
+        if self.allowed_peers and context.remote_id.to_base58() not in self.allowed_peers:
+            raise NotAllowedError(f"peer {context.remote_id.to_base58()} is not on this server's list of clients")
+
     def _push(self, target: tuple[PeerID, str], metadata: dict, output: torch.Tensor) -> None:
         """Send a step's outputs to the next server of the client's chain, beside the reply to the client."""
         peer, session_id = target
@@ -149,6 +183,11 @@ class BlockService(ServicerBase):
         task = asyncio.ensure_future(push())
         self._pushes.add(task)  # a reference, so that the task is not collected while it runs
         task.add_done_callback(self._pushes.discard)
+
+
+async def _drain(requests: AsyncIterator) -> None:
+    async for _ in requests:
+        pass
 
 
 def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
@@ -177,6 +216,7 @@ async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
     stub = BlockService.get_stub(p2p, PeerID.from_base58(peer_id))
     response = await stub.rpc_info(pack(), timeout=timeout)
     _, metadata = unpack(response)
+    _raise_if_error(metadata)
     return metadata
 
 

@@ -15,6 +15,8 @@ import os
 import signal
 import statistics
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,6 +29,7 @@ from swarm.protocol import (
     PROTOCOL_VERSION,
     BadRequestError,
     ServerInfo,
+    ServerLimitError,
     ServerState,
     ServerUnavailableError,
     SessionLengthError,
@@ -35,14 +38,26 @@ from swarm.protocol import (
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_SIZE = 64
+# what hidden states may travel as (config.WIRE_DTYPES); any other dtype is refused before it reaches a batch
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What any one client may ask of the server: every request comes from a peer nobody vetted."""
+
+    max_request_tokens: int = 8192  # rows x positions of one request: a step, a push, a cache-less forward
+    max_session_tokens: int = 8192  # max_length x batch_size of one session: the most cache it may grow to
+    max_sessions_per_peer: int = 256  # open at once from one peer (a gateway is one peer for all its users)
+    cache_wait: float = 3.0  # seconds a step waits for cache when it is full, before it is refused
 
 
 class Backend:
-    """What the RPC handlers call: validates requests against the span, queues them for the compute thread
-    (swarm/batching.py), and keeps the sessions' caches within the budget."""
+    """What the RPC handlers call: validates requests against the span and the limits, queues them for the
+    compute thread (swarm/batching.py), and keeps the sessions' caches within the budget."""
 
-    def __init__(self, span: BlockSpan, budget: CacheBudget, cache_wait: float = 3.0, **batching):
-        self.span, self.budget, self.cache_wait = span, budget, cache_wait
+    def __init__(self, span: BlockSpan, budget: CacheBudget, limits: Limits = Limits(), **batching):
+        self.span, self.budget, self.limits = span, budget, limits
         self.hidden_size = span.config.hidden_size
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self.scheduler = Scheduler(lambda: self.span, **batching)
@@ -50,6 +65,7 @@ class Backend:
         self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
         self.sessions: set[ServerSession] = set()
         self.sessions_by_id: dict[str, ServerSession] = {}  # those a previous server may push steps to
+        self.sessions_by_peer: Counter[str] = Counter()
 
     def move_to(self, span: BlockSpan) -> None:
         """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
@@ -78,8 +94,9 @@ class Backend:
             raise SessionLengthError(f"sequence of {hidden.shape[1]} tokens exceeds {self.max_positions} positions")
         return await self.scheduler.run(hidden, 0, start, end)
 
-    async def open_session(self, metadata: dict) -> "ServerSession":
-        """A new session, holding its first page of cache (refused with CacheFullError if none frees up)."""
+    async def open_session(self, metadata: dict, peer_id: str) -> "ServerSession":
+        """A new session for peer `peer_id`, holding its first page of cache (refused with CacheFullError if
+        none frees up, or ServerLimitError past the limits on one client)."""
         start, end = self._block_range(metadata)
         max_length = _int_field(metadata, "max_length", 1, self.max_positions)
         batch_size = _int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
@@ -88,7 +105,13 @@ class Backend:
             raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
         if session_id in self.sessions_by_id:
             raise BadRequestError("field 'session_id' is already in use")
-        session = ServerSession(self, start, end, max_length, batch_size, session_id)
+        if max_length * batch_size > self.limits.max_session_tokens:
+            raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
+                                   f"server's limit of {self.limits.max_session_tokens} tokens per session")
+        if self.sessions_by_peer[peer_id] >= self.limits.max_sessions_per_peer:
+            raise ServerLimitError(f"peer {peer_id} has {self.sessions_by_peer[peer_id]} sessions open on this "
+                                   f"server already, its limit per peer")
+        session = ServerSession(self, start, end, max_length, batch_size, peer_id, session_id)
         try:
             await session.reserve(1)
         except BaseException:
@@ -98,7 +121,8 @@ class Backend:
 
     def accept_push(self, tensors: list, metadata: dict) -> None:
         """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
-        session = self.sessions_by_id.get(metadata.get("session_id"))
+        session_id = metadata.get("session_id")
+        session = self.sessions_by_id.get(session_id) if isinstance(session_id, str) else None
         if session is None:
             raise BadRequestError("no open session has this 'session_id'")
         session.pushed(tensors, metadata)
@@ -112,6 +136,7 @@ class Backend:
         return start, end
 
     def check_hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
+        """The one tensor of hidden states a request carries, refused unless a span can run it as it is."""
         if len(tensors) != 1:
             raise BadRequestError(f"expected one tensor of hidden states, got {len(tensors)}")
         hidden = tensors[0]
@@ -121,9 +146,34 @@ class Backend:
             )
         if batch_size is not None and hidden.shape[0] != batch_size:
             raise BadRequestError(f"this session has batch size {batch_size}, got {hidden.shape[0]}")
-        if not hidden.is_floating_point():
-            raise BadRequestError(f"hidden states must be floating point, got {hidden.dtype}")
-        return hidden
+        if hidden.dtype not in HIDDEN_DTYPES:
+            names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
+            raise BadRequestError(f"hidden states must be floating point ({names}), got {hidden.dtype}")
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if tokens > self.limits.max_request_tokens:
+            raise BadRequestError(f"a request of {hidden.shape[0]} x {hidden.shape[1]} tokens is over this server's "
+                                  f"limit of {self.limits.max_request_tokens} tokens per request")
+        if not torch.isfinite(hidden).all():  # it would poison the session's cache, and anything computed after
+            raise BadRequestError("hidden states must be finite (no NaN or infinity)")
+        return hidden.detach()  # a request may say requires_grad: nothing here needs a graph
+
+@dataclass
+class EarlyStep:
+    """A step started from the previous server's push, before the client's own copy of its inputs came."""
+
+    step_id: int
+    tensors: list
+    position: object
+    result: asyncio.Future
+
+    def ran(self, tensors: list, metadata: dict) -> bool:
+        """Whether it ran these inputs, successfully: then its result is the client's step's result."""
+        if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
+            return False
+        if len(tensors) != 1 or not _is_int(metadata.get("position")) or metadata["position"] != self.position:
+            return False
+        pushed, sent = self.tensors[0], tensors[0]
+        return pushed.dtype == sent.dtype and pushed.shape == sent.shape and torch.equal(pushed, sent)
 
 
 class ServerSession:
@@ -131,73 +181,83 @@ class ServerSession:
 
     A step's inputs come from the client, and may come earlier from the previous server of the client's
     chain, which pushes its outputs here as soon as it has them (server-to-server push): the step then starts
-    at once, and the client's own copy of the inputs, arriving later, just collects the result. Step ids
-    (increasing per session) tell which copy came first; the other one is dropped.
+    at once, and the client's own copy of the inputs, arriving later, collects the result. Step ids
+    (increasing per session) tell which copy came first. The client's copy is what counts: a push only ever
+    continues the session where it is (never rewinds it), and a pushed step whose inputs differ from the
+    client's copy (a server that pushes other outputs than it returns to the client) runs again from the
+    client's copy. Steps of a session never overlap, whoever sends them.
     """
 
-    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int,
+    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int, peer_id: str,
                  session_id: Optional[str] = None):
         self.backend, self.start, self.end = backend, start, end
-        self.max_length, self.batch_size, self.id = max_length, batch_size, session_id
+        self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
         self.cache = backend.span.new_cache(start, end, batch_size)  # empty: it takes pages as it grows
         self.length = 0  # positions filled in the cache
         self._closed = False
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
         self._newest_step = -1  # the highest step id started
-        self._early: Optional[tuple[int, asyncio.Future]] = None  # a pushed step, started before the client's copy
+        self._early: Optional[EarlyStep] = None
+        self._one_step_at_a_time = asyncio.Lock()
         backend.sessions.add(self)
+        backend.sessions_by_peer[peer_id] += 1
         if session_id is not None:
             backend.sessions_by_id[session_id] = self
         metrics.SESSIONS.inc()
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
         step_id = metadata.get("step_id")
-        if self._early is not None:
-            early_id, started = self._early
-            self._early = None
-            if early_id == step_id:
-                return await started
-            await asyncio.wait([started])  # a stale push: let it finish, so that steps never overlap
-        if isinstance(step_id, int):
+        if step_id is not None and not _is_int(step_id):
+            raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        early, self._early = self._early, None
+        if early is not None:
+            await asyncio.wait([early.result])
+            if early.step_id == step_id and early.ran(tensors, metadata):
+                return early.result.result()
+        if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
         return await self._run(tensors, metadata)
 
     def pushed(self, tensors: list, metadata: dict) -> None:
         step_id = metadata.get("step_id")
-        if not isinstance(step_id, int) or isinstance(step_id, bool):
+        if not _is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
-        if step_id <= self._newest_step or self._early is not None:
-            return  # the client's copy came first, or an earlier push awaits it: the client's copy will do
+        if step_id <= self._newest_step or self._early is not None or metadata.get("position") != self.length:
+            # the client's copy came first, or an earlier push awaits it, or the push would not continue the
+            # session where it is (an honest one only rewinds it when the client does): the client's copy will do
+            return
         self._newest_step = step_id
         self.backend.steps_pushed += 1
         started = asyncio.ensure_future(self._run(tensors, metadata))
         started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
-        self._early = (step_id, started)
+        self._early = EarlyStep(step_id, tensors, metadata.get("position"), started)
 
     async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
-        if self.evicted:
-            raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
-        hidden = self.backend.check_hidden_states(tensors, self.batch_size)
-        # a position below the current length rewinds the session (regenerate, or a replay after failover)
-        position = _int_field(metadata, "position", 0, self.length)
-        end = position + hidden.shape[1]
-        if end > self.max_length:
-            raise SessionLengthError(
-                f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
-            )
-        await self.reserve(end)
-        output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache, self._wanted)
-        self.length = end
-        self.backend.positions_served += hidden.shape[1]
-        metrics.POSITIONS_SERVED.inc(hidden.shape[1])
-        return output
+        async with self._one_step_at_a_time:
+            if self.evicted:
+                raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
+            hidden = self.backend.check_hidden_states(tensors, self.batch_size)
+            # a position below the current length rewinds the session (regenerate, or a replay after failover)
+            position = _int_field(metadata, "position", 0, self.length)
+            end = position + hidden.shape[1]
+            if end > self.max_length:
+                raise SessionLengthError(
+                    f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
+                )
+            await self.reserve(end)
+            output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache,
+                                                      self._wanted)
+            self.length = end
+            self.backend.positions_served += hidden.shape[1]
+            metrics.POSITIONS_SERVED.inc(hidden.shape[1])
+            return output
 
     async def reserve(self, positions: int) -> None:
         """Pages of the budget for `positions` positions of every row (waiting a bounded time for them)."""
         if positions <= self.cache.reserved:
             return
         wanted = min(pages_for(positions) * PAGE_TOKENS, max(self.max_length, positions))
-        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, self.backend.cache_wait)
+        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, self.backend.limits.cache_wait)
         if self._closed:  # closed while waiting: give the pages straight back
             self.backend.budget.give_back((wanted - self.cache.reserved) * self.batch_size)
             raise ServerUnavailableError("the session ended while waiting for cache")
@@ -210,16 +270,21 @@ class ServerSession:
         if not self._closed:
             self._closed = True
             if self._early is not None:
-                self._early[1].cancel()
+                self._early.result.cancel()
             self.backend.budget.give_back(self.cache.tokens)
             self.backend.sessions.discard(self)
+            self.backend.sessions_by_peer -= Counter([self.peer_id])  # a peer with none left leaves the counter
             self.backend.sessions_by_id.pop(self.id, None)
             metrics.SESSIONS.dec()
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # msgpack's true is a Python int too
+
+
 def _int_field(metadata: dict, name: str, low: int, high: int) -> int:
     value = metadata.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not _is_int(value) or not low <= value <= high:
         raise BadRequestError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
     return value
 
@@ -295,10 +360,13 @@ async def serve(args) -> None:
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
         joining = ServerInfo(ServerState.JOINING, start, end, 0.0, args.cache_tokens)
         span, throughput = await _announced_while(node, prefix, joining, args.announce_period, load())
-        backend = Backend(span, CacheBudget(args.cache_tokens), args.cache_wait, max_batch_tokens=args.max_batch_tokens,
+        limits = Limits(args.max_request_tokens, args.max_session_tokens, args.max_sessions_per_peer, args.cache_wait)
+        backend = Backend(span, CacheBudget(args.cache_tokens), limits, max_batch_tokens=args.max_batch_tokens,
                           prefill_chunk_tokens=args.prefill_chunk_tokens)
         metrics.watch_cache(backend.budget)
-        await BlockService(backend).add_p2p_handlers(node.p2p)
+        # a private server takes requests from its clients, and pushes from the other servers of its swarm
+        allowed = {*args.allowed_clients, *args.allowed_servers} if args.allowed_clients else ()
+        await BlockService(backend, allowed).add_p2p_handlers(node.p2p)
 
         def record(state: ServerState) -> ServerInfo:
             return ServerInfo(state, start, end, throughput, backend.budget.free)
@@ -410,8 +478,17 @@ def parse_args(argv=None):
                         help="store the blocks' linear weights in 8 bits (int8) or 4 bits (nf4) with bitsandbytes")
     parser.add_argument("--cache-tokens", type=int, default=settings.cache_tokens,
                         help="attention cache budget, in token slots (sessions take them a page at a time)")
-    parser.add_argument("--cache-wait", type=float, default=3.0,
+    parser.add_argument("--cache-wait", type=float, default=Limits.cache_wait,
                         help="seconds a step waits for cache when it is full, before it is refused")
+    parser.add_argument("--max-request-tokens", type=int, default=Limits.max_request_tokens,
+                        help="most tokens (rows x positions) one request may carry")
+    parser.add_argument("--max-session-tokens", type=int, default=Limits.max_session_tokens,
+                        help="most cache one session may grow to, in tokens (max_length x batch_size)")
+    parser.add_argument("--max-sessions-per-peer", type=int, default=Limits.max_sessions_per_peer,
+                        help="most sessions one client peer may have open here at once")
+    parser.add_argument("--allowed-clients", nargs="*", default=list(settings.allowed_clients),
+                        help="peer ids of the only clients this server serves (default: anyone; ALLOWED_CLIENTS); "
+                             "the servers of ALLOWED_SERVERS may push steps to it too")
     parser.add_argument("--max-batch-tokens", type=int, default=1024,
                         help="most tokens in one batched forward (decode steps of all sessions + prefill chunks)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=128,
@@ -429,9 +506,13 @@ def parse_args(argv=None):
 
     if args.num_blocks is not None and args.num_blocks < 1:
         parser.error("--num-blocks must be at least 1")
-    for name in ("cache_tokens", "max_batch_tokens", "prefill_chunk_tokens"):
+    for name in ("cache_tokens", "max_batch_tokens", "prefill_chunk_tokens", "max_request_tokens",
+                 "max_session_tokens", "max_sessions_per_peer"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_session_tokens > args.max_request_tokens:  # after a failover, a client replays a whole session
+        parser.error("--max-session-tokens must not exceed --max-request-tokens: a client replays a session's "
+                     "inputs in one request when it moves the session to this server")
     if args.cache_wait < 0:
         parser.error("--cache-wait must not be negative")
     if args.rebalance_period is None:
@@ -450,6 +531,7 @@ def parse_args(argv=None):
         parser.error(f"--device {args.device} asked for, but CUDA is not available on this machine")
     args.dtype = getattr(torch, args.dtype)
     args.cache_dir = settings.cache_dir
+    args.allowed_servers = settings.allowed_servers
     return args
 
 

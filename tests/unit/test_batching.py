@@ -12,7 +12,7 @@ from swarm.batching import Scheduler
 from swarm.blocks import Segment, load_span
 from swarm.cache import PAGE_TOKENS, CacheBudget
 from swarm.protocol import CacheFullError
-from swarm.server import Backend
+from swarm.server import Backend, Limits
 from tiny_model import build_tiny_model
 
 ATOL = 1e-4  # float32 sums in another order when more rows share a matrix product
@@ -182,10 +182,10 @@ def test_sessions_take_pages_as_they_grow_and_give_all_back(llama_span):
     span = llama_span
 
     async def scenario():
-        backend = Backend(span, CacheBudget(3 * PAGE_TOKENS), cache_wait=0.1)
+        backend = Backend(span, CacheBudget(3 * PAGE_TOKENS), Limits(cache_wait=0.1))
         try:
             opening = {"start": 0, "end": 3, "max_length": 4 * PAGE_TOKENS, "batch_size": 1}
-            first, second = await backend.open_session(opening), await backend.open_session(opening)
+            first, second = await backend.open_session(opening, "peer"), await backend.open_session(opening, "peer")
             assert backend.budget.used == 2 * PAGE_TOKENS  # one page each, not max_length
 
             await first.step([batch_hidden(span, 1, PAGE_TOKENS + 1)], {"position": 0})

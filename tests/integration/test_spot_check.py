@@ -1,0 +1,63 @@
+"""Spot checks against a real lying server: one serves a copy of the tiny model whose block weights differ. A
+client that checks every step catches it on the first step, bans it, and its generation equals the honest one."""
+
+import pytest
+
+from conftest import TINY_BLOCKS
+from swarm.client import SwarmClient
+from swarm.model import RemoteModel
+from swarm.routing import ChainLink
+from tiny_model import build_tiny_model
+
+PREFIX = "spot"
+PROMPT = [5, 17, 42, 99, 7]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_swarm, tmp_path_factory):
+    """Two honest servers of every block, and a liar: the tiny model's shape, other block weights (seed 1)."""
+    liar_model = build_tiny_model(tmp_path_factory.mktemp("liar"), "llama", TINY_BLOCKS, seed=1)
+    blocks = ["--blocks", f"0:{TINY_BLOCKS}", "--dht-prefix", PREFIX]
+    started = [tiny_swarm.add_server(blocks, wait=False) for _ in range(2)]
+    started.append(tiny_swarm.add_server(["--model", str(liar_model), *blocks], wait=False))
+    for server in started:
+        server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 120)
+    yield started
+    for server in started:
+        server.stop()
+
+
+def greedy(session) -> list[int]:
+    tokens = [int(session.step([PROMPT])[0].argmax())]
+    for _ in range(NEW_TOKENS - 1):
+        tokens.append(int(session.step([[tokens[-1]]])[0].argmax()))
+    return tokens
+
+
+def caught() -> float:
+    from swarm import metrics
+
+    return metrics.SPOT_CHECKS.labels("caught")._value.get()
+
+
+def test_a_lying_server_is_caught_banned_and_routed_around(tiny_swarm, tiny_llama, tiny_remote, servers):
+    *honest, liar = servers
+    with tiny_remote.session(max_length=len(PROMPT) + NEW_TOKENS) as session:
+        reference = greedy(session)
+    model = RemoteModel(tiny_llama, SwarmClient(tiny_swarm.initial_peers, spot_check_rate=1.0), str(tiny_llama), PREFIX)
+    try:
+        hidden = model.embed([PROMPT])
+        truth, lie = (model.client.forward([ChainLink(server.peer_id, 0, TINY_BLOCKS)], hidden)
+                      for server in (honest[0], liar))
+        assert (truth - lie).abs().max() > 1  # the liar does lie
+
+        model.client.allowed_servers = frozenset([liar.peer_id])  # so that the session starts on the liar
+        with model.session(max_length=len(PROMPT) + NEW_TOKENS) as session:
+            model.client.allowed_servers = frozenset()  # now any server may check it, or replace it
+            before = caught()
+            assert greedy(session) == reference
+            assert caught() == before + 1 and liar.peer_id in model.client.bans.current()
+            assert [link.peer_id for link in session.remote.chain] != [liar.peer_id]
+    finally:
+        model.close()
