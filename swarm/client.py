@@ -298,14 +298,17 @@ class RemoteSession:
                     client.load.opened(link.peer_id)
                     client.loop.run(stream.open(self.max_length, self.batch_size))
                 return hops
-            except (CacheFullError, ServerUnavailableError, NotAllowedError) as error:  # a private server: not for us
+            except BaseException as error:
+                for hop in hops:  # the servers already opened free their cache at once
+                    self._close_hop(hop)
+                # full, failing, or private (NotAllowedError: a server not for this client): go elsewhere
+                if not isinstance(error, (CacheFullError, ServerUnavailableError, NotAllowedError)):
+                    raise
                 logger.info("routing around server %s: %s", link.peer_id, error)
                 unusable.add(link.peer_id)
                 last_refusal = f" (the last one: {error})"
                 if isinstance(error, ServerUnavailableError):
                     client.bans.ban(link.peer_id)
-                for hop in hops:
-                    self._close_hop(hop)
 
     def _close_hop(self, hop: Hop) -> None:
         self.client.load.opened(hop.link.peer_id, -1)
