@@ -94,9 +94,12 @@ class SwarmClient:
                  allowed_servers: Optional[Collection[str]] = None, spot_check_rate: Optional[float] = None):
         from config import SwarmSettings
 
-        settings = SwarmSettings.from_env() if allowed_servers is None or spot_check_rate is None else None
-        self.allowed_servers = frozenset(settings.allowed_servers if allowed_servers is None else allowed_servers)
-        self.spot_checks = SpotChecker(self, settings.spot_check_rate if spot_check_rate is None else spot_check_rate)
+        if allowed_servers is None or spot_check_rate is None:
+            settings = SwarmSettings.from_env()
+            allowed_servers = settings.allowed_servers if allowed_servers is None else allowed_servers
+            spot_check_rate = settings.spot_check_rate if spot_check_rate is None else spot_check_rate
+        self.allowed_servers = frozenset(allowed_servers)
+        self.spot_checks = SpotChecker(self, spot_check_rate)
         self.loop = dht.EventLoop.get()
         # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
         self.wire_dtype = wire_dtype
