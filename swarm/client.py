@@ -104,9 +104,12 @@ class SwarmClient:
                  allowed_servers: Optional[Collection[str]] = None, spot_check_rate: Optional[float] = None):
         from config import SwarmSettings
 
-        settings = SwarmSettings.from_env() if allowed_servers is None or spot_check_rate is None else None
-        self.allowed_servers = frozenset(settings.allowed_servers if allowed_servers is None else allowed_servers)
-        self.spot_checks = SpotChecker(self, settings.spot_check_rate if spot_check_rate is None else spot_check_rate)
+        if allowed_servers is None or spot_check_rate is None:
+            settings = SwarmSettings.from_env()
+            allowed_servers = settings.allowed_servers if allowed_servers is None else allowed_servers
+            spot_check_rate = settings.spot_check_rate if spot_check_rate is None else spot_check_rate
+        self.allowed_servers = frozenset(allowed_servers)
+        self.spot_checks = SpotChecker(self, spot_check_rate)
         self.loop = dht.EventLoop.get()
         # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
         self.wire_dtype = wire_dtype
@@ -317,7 +320,12 @@ class RemoteSession:
                     client.load.opened(link.peer_id)
                     client.loop.run(stream.open(self.max_length, self.batch_size))
                 return hops
-            except (CacheFullError, ServerUnavailableError, NotAllowedError) as error:  # a private server: not for us
+            except BaseException as error:
+                for hop in hops:  # the servers already opened free their cache at once
+                    self._close_hop(hop)
+                # full, failing, or private (NotAllowedError: a server not for this client): go elsewhere
+                if not isinstance(error, (CacheFullError, ServerUnavailableError, NotAllowedError)):
+                    raise
                 logger.info("routing around server %s: %s", link.peer_id, error)
                 if isinstance(error, ServerUnavailableError):
                     unreachable.add(link.peer_id)
@@ -325,8 +333,6 @@ class RemoteSession:
                 else:
                     full.add(link.peer_id)
                     last_refusal = f" (the last one: {error})"
-                for hop in hops:
-                    self._close_hop(hop)
 
     def _close_hop(self, hop: Hop) -> None:
         self.client.load.opened(hop.link.peer_id, -1)

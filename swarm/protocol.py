@@ -18,7 +18,8 @@ Errors (every one a SwarmError, each with a stable ``code`` that crosses the wir
     ├── ServerUnavailableError   a server did not answer, or broke the stream
     └── NotAllowedError          a private server refused a peer that is not on its list of clients
 
-The client routes around a server that raised CacheFullError (ServerLimitError included), without banning it.
+A client routes around a server that raises CacheFullError (ServerLimitError included) or NotAllowedError
+when a session opens, without banning it.
 """
 
 from __future__ import annotations

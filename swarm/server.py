@@ -157,20 +157,22 @@ class Backend:
             raise BadRequestError("hidden states must be finite (no NaN or infinity)")
         return hidden.detach()  # a request may say requires_grad: nothing here needs a graph
 
+
 @dataclass
 class EarlyStep:
     """A step started from the previous server's push, before the client's own copy of its inputs came."""
 
     step_id: int
-    tensors: list
-    position: object
+    tensors: list  # what the push carried
+    position: int
     result: asyncio.Future
 
     def ran(self, tensors: list, metadata: dict) -> bool:
         """Whether it ran these inputs, successfully: then its result is the client's step's result."""
         if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
             return False
-        if len(tensors) != 1 or not _is_int(metadata.get("position")) or metadata["position"] != self.position:
+        position = metadata.get("position")
+        if len(tensors) != 1 or len(self.tensors) != 1 or not _is_int(position) or position != self.position:
             return False
         pushed, sent = self.tensors[0], tensors[0]
         return pushed.dtype == sent.dtype and pushed.shape == sent.shape and torch.equal(pushed, sent)
@@ -211,7 +213,7 @@ class ServerSession:
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
         early, self._early = self._early, None
         if early is not None:
-            await asyncio.wait([early.result])
+            await asyncio.wait([early.result])  # its result, or a stale push finished: steps never overlap
             if early.step_id == step_id and early.ran(tensors, metadata):
                 return early.result.result()
         if step_id is not None:
@@ -230,7 +232,7 @@ class ServerSession:
         self.backend.steps_pushed += 1
         started = asyncio.ensure_future(self._run(tensors, metadata))
         started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
-        self._early = EarlyStep(step_id, tensors, metadata.get("position"), started)
+        self._early = EarlyStep(step_id, tensors, self.length, started)
 
     async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
         async with self._one_step_at_a_time:
@@ -257,7 +259,8 @@ class ServerSession:
         if positions <= self.cache.reserved:
             return
         wanted = min(pages_for(positions) * PAGE_TOKENS, max(self.max_length, positions))
-        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, self.backend.limits.cache_wait)
+        wait = self.backend.limits.cache_wait
+        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, wait)
         if self._closed:  # closed while waiting: give the pages straight back
             self.backend.budget.give_back((wanted - self.cache.reserved) * self.batch_size)
             raise ServerUnavailableError("the session ended while waiting for cache")

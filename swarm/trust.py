@@ -108,7 +108,10 @@ def owner_peer_id(subkey) -> Optional[str]:
 def _write_identity(path: str, key: RSAPrivateKey) -> None:
     """A libp2p identity file, as hivemind's P2P.generate_identity writes one (a protobuf-wrapped RSA key)."""
     wrapped = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes())
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)  # a private key: owner-readable only
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)  # a private key: owner-readable
+    except OSError as error:
+        raise BadRequestError(f"--identity {path}: cannot create it: {error.strerror}") from None
     with os.fdopen(descriptor, "wb") as file:
         file.write(wrapped.SerializeToString())
 

@@ -15,7 +15,7 @@ import torch
 
 from conftest import TINY_BLOCKS
 from swarm.client import SwarmClient
-from swarm.protocol import BadRequestError, CacheFullError, ServerLimitError
+from swarm.protocol import BadRequestError, CacheFullError
 
 PREFIX = "hostile"
 HIDDEN = 64  # the tiny model's
@@ -58,7 +58,7 @@ def test_limits_on_one_client(client, server):
     with pytest.raises(CacheFullError, match=f"limit of {MAX_SESSION_TOKENS} tokens per session"):
         open_session(client, MAX_SESSION_TOKENS // 2 + 1, batch_size=2)  # the only server refuses: no route
     sessions = [open_session(client, MAX_SESSION_TOKENS) for _ in range(MAX_SESSIONS_PER_PEER)]
-    with pytest.raises(CacheFullError, match=f"sessions open on this server already"):
+    with pytest.raises(CacheFullError, match="sessions open on this server already"):
         open_session(client, 8)
     sessions.pop().close()
     sessions.append(open_session(client, 8))  # a closed session frees its place
@@ -82,7 +82,8 @@ SEED = 20240907
 FIELDS = ["start", "end", "max_length", "batch_size", "session_id", "position", "step_id", "push_to",
           "bfloat16_tensors"]
 VALUES = [0, 1, 2, 3, 4, 7, 31, -1, MAX_REQUEST_TOKENS + 1, 2**31, 2**63 - 1, -2**63, True, False, None, 0.5,
-          float("nan"), float("inf"), "2", "", "x" * 32, b"\x00", [], [0], [1, 2], {}, {"peer_id": "x", "session_id": "y"}]
+          float("nan"), float("inf"), "2", "", "x" * 32, b"\x00", [], [0], [1, 2], {},
+          {"peer_id": "x", "session_id": "y"}]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.uint8,
           torch.bool, torch.complex64]
 DTYPE_NAMES = ["float32", "bfloat16", "float16", "int64", "object", "float128", "V8", "<U4", "", "complex128",
@@ -155,7 +156,9 @@ class Fuzzer:
                 values.view(-1)[rng.randrange(values.numel())] = rng.choice([float("nan"), float("inf"), -float("inf")])
             dtype = rng.choice(DTYPES)
             tensor = (values != 0) if dtype == torch.bool else values.to(dtype)
-            return serialize_torch_tensor(tensor.requires_grad_(rng.random() < 0.2) if tensor.is_floating_point() else tensor)
+            if tensor.is_floating_point():
+                tensor.requires_grad_(rng.random() < 0.2)
+            return serialize_torch_tensor(tensor)
         return runtime_pb2.Tensor(
             buffer=rng.randbytes(rng.choice([0, 3, 4 * HIDDEN, 8 * HIDDEN, 1000])),
             size=[rng.choice([0, 1, 2, HIDDEN, 2**32 - 1]) for _ in range(rng.randint(0, 4))],
@@ -259,7 +262,8 @@ class Fuzzer:
     async def run(self, concurrency: int = 6) -> None:
         jobs = [handler for handler, count in REQUESTS.items() for _ in range(count)]
         self.rng.shuffle(jobs)
-        calls = {"rpc_info": self.info, "rpc_forward": self.forward, "rpc_push": self.push, "rpc_inference": self.stream}
+        calls = {"rpc_info": self.info, "rpc_forward": self.forward, "rpc_push": self.push,
+                 "rpc_inference": self.stream}
         await self.victim.open(VICTIM_STEPS, batch_size=1)
         for group, first in enumerate(range(0, len(jobs), concurrency)):  # a few at once: they overlap
             await asyncio.gather(*(calls[job]() for job in jobs[first: first + concurrency]))
@@ -284,7 +288,8 @@ def test_the_server_survives_a_fuzzer(client, server):
     for handler, count in REQUESTS.items():
         assert fuzzer.sent[handler] >= count
         if handler != "rpc_info":  # which reads nothing of the request
-            assert by_handler[handler].get("ok") and set(by_handler[handler]) - {"ok"}, f"{handler}: {by_handler[handler]}"
+            answers = by_handler[handler]
+            assert answers.get("ok") and set(answers) - {"ok"}, f"{handler}: {answers}"
 
     deadline = time.monotonic() + 10  # streams the fuzzer hung up on close on the server's side
     while client.server_info(server.peer_id)["cache_tokens_free"] != CACHE_TOKENS and time.monotonic() < deadline:

@@ -24,7 +24,8 @@ def test_a_client_routes_only_to_the_allowed_servers(tiny_swarm, monkeypatch):
         client.shutdown()
     client = SwarmClient(tiny_swarm.initial_peers, allowed_servers=[first.peer_id, second.peer_id])
     try:
-        assert [link.peer_id for link in client.chain(TINY_PREFIX, TINY_BLOCKS, "tiny")] == [first.peer_id, second.peer_id]
+        chain = client.chain(TINY_PREFIX, TINY_BLOCKS, "tiny")
+        assert [link.peer_id for link in chain] == [first.peer_id, second.peer_id]
     finally:
         client.shutdown()
 

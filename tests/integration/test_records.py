@@ -31,55 +31,48 @@ def reader(tiny_swarm):
 
 
 @pytest.fixture(scope="module")
-def strangers(tiny_swarm, reader):
-    """Two peers that do not play by the swarm's rules: a full DHT node with no validator (it keeps whatever
-    it is sent, and serves it back), and a client-mode node whose validator signs anything with its own key."""
+def forger(tiny_swarm, reader):
+    """A client-mode peer that signs what it stores with the wrong key (see forger_class)."""
     from hivemind.dht.node import DHTNode
 
-    async def start(**options):
-        return await DHTNode.create(initial_peers=tiny_swarm.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                    **options)
-
-    run = reader.loop.run
-    nodes = [run(start()), run(start(client_mode=True, record_validator=forger_class()()))]
-    yield nodes
-    for node in nodes:
-        run(node.shutdown())
+    node = reader.loop.run(DHTNode.create(initial_peers=tiny_swarm.initial_peers, client_mode=True,
+                                          host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validator=forger_class()()))
+    yield node
+    reader.loop.run(node.shutdown())
 
 
 def real_servers(reader) -> dict[str, ServerInfo]:  # what routing sees
     return {server.peer_id: server.info for server in reader.servers(TINY_PREFIX, TINY_BLOCKS)}
 
 
-def test_no_peer_can_overwrite_or_forge_a_servers_record(tiny_swarm, reader, strangers):
-    from hivemind.utils import get_dht_time
-
+def victim_subkey(reader, victim: str, key: str):
+    """The owner subkey the victim's record is stored under."""
     from swarm.trust import owner_peer_id
+
+    entry = reader.loop.run(reader.node.get(key, latest=True))
+    [subkey] = [subkey for subkey in entry.value if owner_peer_id(subkey) == victim]
+    return subkey
+
+
+def test_no_peer_can_overwrite_or_forge_a_servers_record(tiny_swarm, reader, forger):
+    from hivemind.utils import get_dht_time
 
     before = real_servers(reader)
     victim = tiny_swarm.servers[0].peer_id
-    assert victim in before
     key = block_key(TINY_PREFIX, 0)
-    subkeys = lambda: set(reader.loop.run(reader.node.get(key, latest=True)).value)
-    [owner_subkey] = [subkey for subkey in subkeys() if owner_peer_id(subkey) == victim]
     expiration = get_dht_time() + 300  # later than the real record's: it would win, were it accepted
-
-    for stranger in strangers:
-        # the same key and subkey (unsigned, or signed by the wrong key), and the server's peer id as a subkey
-        for subkey in (owner_subkey, victim):
-            stored = reader.loop.run(stranger.store(key, FORGED, expiration, subkey=subkey))
-            if stranger.protocol.client_mode:  # the full node keeps its own forgery; every other peer refused it
-                assert not stored
+    # the same key and subkey, signed by the wrong key; and the server's peer id as a subkey
+    for subkey in (victim_subkey(reader, victim, key), victim):
+        assert not reader.loop.run(forger.store(key, FORGED, expiration, subkey=subkey))  # every peer refused
     assert real_servers(reader) == before
-    assert victim not in subkeys() and owner_subkey in subkeys()
 
 
-def test_a_stranger_can_sign_only_as_itself(reader, strangers):
+def test_a_stranger_can_sign_only_as_itself(reader, forger):
     from hivemind.utils import get_dht_time
 
     from swarm.trust import owner_peer_id
 
-    stranger = strangers[1]
+    stranger = forger
     own_subkey = stranger.protocol.record_validator.local_public_key
     record = ServerInfo(ServerState.ONLINE, 0, 1, throughput=1.0, cache_tokens_free=1)
     assert reader.loop.run(stranger.store(block_key("elsewhere", 0), record.to_wire(), get_dht_time() + 30,
@@ -88,12 +81,12 @@ def test_a_stranger_can_sign_only_as_itself(reader, strangers):
     assert server.peer_id == owner_peer_id(own_subkey) and server.info == record  # the peer of the key that signed
 
 
-def test_the_catalogue_keeps_what_the_servers_announce(reader, strangers):
+def test_the_catalogue_keeps_what_the_servers_announce(reader, forger):
     from hivemind.utils import get_dht_time
 
     [before] = [record for record in reader.loop.run(dht.fetch_catalogue(reader.node)) if record.prefix == TINY_PREFIX]
     hijack = ModelRecord(before.name, TINY_PREFIX, TINY_BLOCKS, source="/elsewhere/evil-weights").to_wire()
-    stranger = strangers[1]
+    stranger = forger
     expiration = get_dht_time() + 30
     for subkey in reader.loop.run(reader.node.get(CATALOGUE_KEY, latest=True)).value:  # each server's entry
         assert not reader.loop.run(stranger.store(CATALOGUE_KEY, hijack, expiration, subkey=subkey))
@@ -102,3 +95,28 @@ def test_the_catalogue_keeps_what_the_servers_announce(reader, strangers):
                                           subkey=stranger.protocol.record_validator.local_public_key))
     records = reader.loop.run(dht.fetch_catalogue(reader.node))
     assert [record for record in records if record.prefix == TINY_PREFIX] == [before]
+
+
+def test_a_peer_that_serves_forged_records_is_not_believed(tiny_swarm, reader):
+    """A full DHT node without the validator keeps the forgery it stores, and sends it back to lookups: the
+    reader's validator drops what it sends."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+
+    before = real_servers(reader)
+    key = block_key(TINY_PREFIX, 0)
+    liar = reader.loop.run(DHTNode.create(initial_peers=tiny_swarm.initial_peers,
+                                          host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    try:
+        subkey = victim_subkey(reader, tiny_swarm.servers[0].peer_id, key)
+        reader.loop.run(liar.store(key, FORGED, get_dht_time() + 300, subkey=subkey))
+        assert liar.protocol.storage.get(DHTID.generate(key)) is not None  # it kept the forgery
+        assert real_servers(reader) == before
+        fresh = SwarmClient(tiny_swarm.initial_peers)  # one whose cache never held the real record
+        try:
+            assert {server.peer_id: server.info for server in fresh.servers(TINY_PREFIX, TINY_BLOCKS)} == before
+        finally:
+            fresh.shutdown()
+    finally:
+        reader.loop.run(liar.shutdown())

@@ -71,7 +71,8 @@ def test_a_ban_is_never_shortened():
 def test_settings_read_the_allowlists_and_the_spot_check_rate():
     from config import SwarmSettings
 
-    settings = SwarmSettings.from_env({"ALLOWED_SERVERS": "QmA, QmB", "ALLOWED_CLIENTS": "QmC", "SPOT_CHECK_RATE": "0.1"})
+    environ = {"ALLOWED_SERVERS": "QmA, QmB", "ALLOWED_CLIENTS": "QmC", "SPOT_CHECK_RATE": "0.1"}
+    settings = SwarmSettings.from_env(environ)
     assert settings.allowed_servers == ("QmA", "QmB") and settings.allowed_clients == ("QmC",)
     assert settings.spot_check_rate == 0.1
     assert SwarmSettings.from_env({}).spot_check_rate == 0.0 and SwarmSettings.from_env({}).allowed_servers == ()
