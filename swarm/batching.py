@@ -7,11 +7,6 @@ and runs them through the span at once: the weights are read once for all of the
 through in chunks of at most `prefill_chunk_tokens`, round after round, so the sessions that are decoding
 meanwhile wait for one chunk at most, never for the whole prompt. The chunks of one prompt run in order
 and write the session's cache like one step would, so the outputs are the same.
-
-Sessions decoding at once drift apart into groups (while one group runs here, another is on the next server,
-a third at the client), and on a CPU a forward of 3 rows costs nearly what one of 16 does. So before a round,
-the compute thread gives the sessions that stepped here recently, and are due again, a moment to arrive:
-at most half the last round's time and GATHER_SECONDS_MAX. A lone session never waits.
 """
 
 from __future__ import annotations
@@ -28,9 +23,6 @@ from swarm import metrics
 from swarm.blocks import BlockSpan, Segment
 from swarm.cache import SessionCache
 from swarm.protocol import ServerUnavailableError
-
-GATHER_SECONDS_MAX = 0.02
-ACTIVE_SECONDS = 1.0  # a session that stepped here this recently is expected back
 
 
 @dataclass(eq=False)
@@ -73,8 +65,6 @@ class Scheduler:
         self._waiting: list[Work] = []
         self._wakeup = threading.Condition()
         self._stopped = False
-        self._last_step: dict[int, float] = {}  # id of a session's cache -> when it last sent a step
-        self._last_round_seconds = 0.0
         self._thread = threading.Thread(target=self._serve, name="compute", daemon=True)
         self._thread.start()
 
@@ -85,19 +75,12 @@ class Scheduler:
         work = Work(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted)
         with self._wakeup:
             self._waiting.append(work)
-            if cache is not None:
-                self._last_step[id(cache)] = time.monotonic()
             self._wakeup.notify()
         began = time.perf_counter()
         try:
             return await work.future
         finally:
             metrics.STEP_SECONDS.observe(time.perf_counter() - began)
-
-    def forget(self, cache: SessionCache) -> None:
-        """The session closed: no step of it is to be waited for."""
-        with self._wakeup:
-            self._last_step.pop(id(cache), None)
 
     def stop(self) -> None:
         with self._wakeup:
@@ -113,22 +96,9 @@ class Scheduler:
                     self._wakeup.wait()
                 if self._stopped:
                     return
-                self._gather()
                 round_ = self._next_round()
             if round_:
-                began = time.monotonic()
                 self._run(round_)
-                self._last_round_seconds = time.monotonic() - began
-
-    def _gather(self) -> None:
-        """Wait (holding no lock meanwhile) for recently active sessions that have no step queued yet."""
-        deadline = time.monotonic() + min(GATHER_SECONDS_MAX, self._last_round_seconds / 2)
-        while (now := time.monotonic()) < deadline and not self._stopped:
-            self._last_step = {key: at for key, at in self._last_step.items() if now - at < ACTIVE_SECONDS}
-            queued = {id(work.cache) for work in self._waiting if work.cache is not None}
-            if not self._last_step.keys() - queued:
-                return
-            self._wakeup.wait(deadline - now)
 
     def _next_round(self) -> list[tuple[Work, int]]:
         """(work, positions to run now) for one forward: the oldest work's block range; decode steps first,

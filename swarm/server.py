@@ -275,7 +275,6 @@ class ServerSession:
             if self._early is not None:
                 self._early.result.cancel()
             self.backend.budget.give_back(self.cache.tokens)
-            self.backend.scheduler.forget(self.cache)
             self.backend.sessions.discard(self)
             self.backend.sessions_by_peer -= Counter([self.peer_id])  # a peer with none left leaves the counter
             self.backend.sessions_by_id.pop(self.id, None)
