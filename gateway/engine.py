@@ -159,7 +159,7 @@ class Engine:
         configured = self.settings.gateway.models
         known = {model.name for model in configured} | {model.dht_prefix or dht_prefix(model.path) for model in configured}
         try:
-            records = client.loop.run(dht.fetch_catalogue(client.node), timeout=10)
+            records = client.loop.run(dht.fetch_catalogue(client.node, client.allowed_servers), timeout=10)
         except Exception:  # the catalogue is a convenience: the configured models are served regardless
             logger.warning("could not read the swarm's model catalogue", exc_info=True)
             records = []
@@ -236,7 +236,8 @@ class Engine:
 
         remote = self.model(name).remote
         client = remote.client
-        servers = client.loop.run(dht.fetch_all_servers(client.node, remote.prefix, remote.num_blocks))
+        servers = client.loop.run(dht.fetch_all_servers(client.node, remote.prefix, remote.num_blocks,
+                                                        client.allowed_servers))
         servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
         online = [server for server in servers if server.info.state == ServerState.ONLINE]
         coverage = [0] * remote.num_blocks
