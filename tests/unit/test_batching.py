@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm import metrics
-from swarm.batching import Scheduler
+from swarm.batching import Scheduler, Work
 from swarm.blocks import Segment, load_span
 from swarm.cache import PAGE_TOKENS, CacheBudget
 from swarm.protocol import CacheFullError
@@ -85,7 +85,7 @@ def test_packed_segments_equal_each_run_alone(family_span):
 
 
 async def run_session(scheduler, span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    cache = span.new_cache(0, 3, prompt.shape[0], capacity=256)
+    cache = span.new_cache(0, 3, prompt.shape[0], capacity=64)
     outputs = [await scheduler.run(prompt, 0, 0, 3, cache)]
     for position, step in enumerate(steps, start=prompt.shape[1]):
         outputs.append(await scheduler.run(step, position, 0, 3, cache))
@@ -93,7 +93,7 @@ async def run_session(scheduler, span, prompt: torch.Tensor, steps: list[torch.T
 
 
 def run_alone(span, prompt, steps) -> list[torch.Tensor]:
-    cache = span.new_cache(0, 3, prompt.shape[0], capacity=256)
+    cache = span.new_cache(0, 3, prompt.shape[0], capacity=64)
     outputs = [span(prompt, 0, cache)]
     for position, step in enumerate(steps, start=prompt.shape[1]):
         outputs.append(span(step, position, cache))
@@ -123,26 +123,15 @@ def test_concurrent_sessions_batch_and_equal_each_alone(llama_span):
     assert after["single"] - before["single"] < rounds
 
 
-def test_a_long_prompt_runs_in_chunks_between_decode_steps(llama_span):
+def test_a_long_prompt_runs_in_chunks_and_keeps_its_outputs(llama_span):
     span = llama_span
-    # long enough (40 chunks) that the decoding session's few steps find rounds to join even on a loaded machine
-    prompt = batch_hidden(span, 1, 160)
+    prompt = batch_hidden(span, 1, 37)
     decoding = (batch_hidden(span, 1, 4), [batch_hidden(span, 1, 1) for _ in range(6)])
-    finished = []
 
     async def scenario():
         scheduler = Scheduler(lambda: span, prefill_chunk_tokens=4)
-
-        async def timed(name, coroutine):
-            result = await coroutine
-            finished.append(name)
-            return result
-
         try:
-            return await asyncio.gather(
-                timed("decoding", run_session(scheduler, span, *decoding)),
-                timed("prompt", run_session(scheduler, span, prompt, [])),
-            )
+            return await asyncio.gather(run_session(scheduler, span, *decoding), run_session(scheduler, span, prompt, []))
         finally:
             scheduler.stop()
 
@@ -151,8 +140,25 @@ def test_a_long_prompt_runs_in_chunks_between_decode_steps(llama_span):
     torch.testing.assert_close(prefilled, span(prompt), atol=ATOL, rtol=0)  # chunking preserves the outputs
     for got, wanted in zip(decoded, run_alone(span, *decoding)):
         torch.testing.assert_close(got, wanted, atol=ATOL, rtol=0)
-    assert histogram(metrics.BATCH_SIZE)["count"] - before["count"] >= 160 // 4  # in chunks of 4 positions
-    assert finished == ["decoding", "prompt"]  # six decode steps went through while the prompt was chunked
+    assert histogram(metrics.BATCH_SIZE)["count"] - before["count"] >= 37 // 4  # in chunks of 4 positions
+
+
+def test_a_round_takes_every_decode_step_first_then_one_chunk_of_a_prompt(llama_span):
+    """The policy that keeps decoding sessions going while a long prompt is read, checked round by round."""
+    span, loop = llama_span, asyncio.new_event_loop()
+    scheduler = Scheduler(lambda: span, prefill_chunk_tokens=4)
+    scheduler.stop()  # its thread picks no round: this test picks them
+
+    def work(length: int, position: int = 0) -> Work:
+        return Work(batch_hidden(span, 1, length), position, 0, 3, span.new_cache(0, 3, 1, 64), loop,
+                    loop.create_future())
+
+    prompt, steps = work(37), [work(1, position=9) for _ in range(3)]
+    scheduler._waiting = [prompt, *steps]
+    assert scheduler._next_round() == [(steps[0], 1), (steps[1], 1), (steps[2], 1), (prompt, 4)]
+    scheduler._waiting = [prompt]
+    assert scheduler._next_round() == [(prompt, 4)]  # alone, a prompt still goes a chunk at a time
+    loop.close()
 
 
 # ------------------------------------------------------------------------------------------- the budget
