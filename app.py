@@ -15,8 +15,9 @@ from pathlib import Path
 from config import Settings
 from gateway import create_app
 from gateway.request_ids import configure_logging
+from swarm.cli import settings_from_env
 
-_settings = Settings.from_env()
+_settings = settings_from_env(Settings.from_env)  # a malformed variable: one line, not a traceback
 configure_logging(_settings.gateway.log_level)  # every log line with its request id
 app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request that needs it
 

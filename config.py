@@ -37,6 +37,14 @@ def _split_list(value: str) -> tuple[str, ...]:
     return tuple(item for item in re.split(r"[\s,]+", value) if item)
 
 
+def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
+    if not environ.get(name):
+        return None
+    if not environ[name].isdigit() or int(environ[name]) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {environ[name]!r}")
+    return int(environ[name])
+
+
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
     if environ.get("SWARM_CACHE_DIR"):
         return Path(environ["SWARM_CACHE_DIR"]).expanduser()
@@ -74,7 +82,7 @@ class SwarmSettings:
             model=environ.get("MODEL", DEFAULT_MODEL),
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
             wire_dtype=environ.get("WIRE_DTYPE", "float32"),
-            torch_threads=int(environ["TORCH_THREADS"]) if environ.get("TORCH_THREADS") else None,
+            torch_threads=_positive_int(environ, "TORCH_THREADS"),
             allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
             allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
             spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),

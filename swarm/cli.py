@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional, TypeVar
 
 from swarm.protocol import SwarmError
+
+T = TypeVar("T")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -20,6 +22,16 @@ class ArgumentParser(argparse.ArgumentParser):
 def fail(message: str, status: int = 1) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(status)
+
+
+def settings_from_env(load: Optional[Callable[[], T]] = None) -> T:
+    """config's settings from the environment (default: SwarmSettings); a malformed variable is one line."""
+    from config import SwarmSettings
+
+    try:
+        return (load or SwarmSettings.from_env)()
+    except ValueError as error:
+        fail(f"bad environment: {error}", status=2)
 
 
 def parse_block_range(text: str) -> tuple[int, int]:

@@ -66,10 +66,10 @@ def run(args) -> None:
 
 
 def main(argv=None) -> None:
-    from config import WIRE_DTYPES, SwarmSettings
-    from swarm.cli import ArgumentParser, multiaddr, run_main, setup_logging
+    from config import WIRE_DTYPES
+    from swarm.cli import ArgumentParser, multiaddr, run_main, settings_from_env, setup_logging
 
-    settings = SwarmSettings.from_env()
+    settings = settings_from_env()
     parser = ArgumentParser(prog="python -m swarm.generate", description="Generate text through a swarm.")
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
     parser.add_argument("--model", default=settings.model, help="a known model name or a Hugging Face folder")

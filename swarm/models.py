@@ -22,10 +22,9 @@ def catalogue(client) -> list[tuple[ModelRecord, list, list]]:
 
 
 def main(argv=None) -> None:
-    from config import SwarmSettings
-    from swarm.cli import ArgumentParser, multiaddr, run_main, setup_logging
+    from swarm.cli import ArgumentParser, multiaddr, run_main, settings_from_env, setup_logging
 
-    settings = SwarmSettings.from_env()
+    settings = settings_from_env()
     parser = ArgumentParser(prog="python -m swarm.models", description="List the models a swarm serves.")
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
     args = parser.parse_args(argv)

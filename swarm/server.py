@@ -461,11 +461,10 @@ async def _announced_while(node, prefix: str, info: ServerInfo, period: float, w
 
 
 def parse_args(argv=None):
-    from config import SwarmSettings
     from swarm.blocks import QUANTIZATIONS
-    from swarm.cli import ArgumentParser, multiaddr, parse_block_range
+    from swarm.cli import ArgumentParser, multiaddr, parse_block_range, settings_from_env
 
-    settings = SwarmSettings.from_env()
+    settings = settings_from_env()
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
     parser.add_argument("--model", default=settings.model, help="a known model name or a Hugging Face folder")
     span = parser.add_mutually_exclusive_group(required=True)

@@ -139,11 +139,10 @@ def _exclusive_lock(lock_path: Path):
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m swarm.weights [NAME_OR_PATH]`: fetch and convert a model now, print its folder."""
-    from config import SwarmSettings
-    from swarm.cli import ArgumentParser, run_main
+    from swarm.cli import ArgumentParser, run_main, settings_from_env
 
     parser = ArgumentParser(prog="python -m swarm.weights", description=main.__doc__)
-    settings = SwarmSettings.from_env()
+    settings = settings_from_env()
     parser.add_argument("model", nargs="?", default=settings.model)
     args = parser.parse_args(argv)
     run_main(lambda: print(resolve_model(args.model, settings.cache_dir)))

@@ -69,9 +69,12 @@ def real_swarm(real_model, tmp_path_factory):
         yield swarm
 
 
-def run_tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run one of the project's command-line tools the way a user would."""
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run_tool(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run one of the project's command-line tools the way a user would (`env`: extra environment variables)."""
+    import os
+
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
 
 
 def free_port() -> int:

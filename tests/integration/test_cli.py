@@ -30,6 +30,14 @@ def assert_one_line_error(result, *fragments):
          ["unknown model 'no-such-model'"]),
         (["-m", "swarm.server", "--blocks", "0:1", "--device", "cuda", "--initial-peers", BOGUS_PEER],
          ["CUDA is not available"]),
+        (["-m", "swarm.server", "--blocks", "0:1", "--prefill-chunk-tokens", "0", "--initial-peers", BOGUS_PEER],
+         ["--prefill-chunk-tokens must be at least 1"]),
+        (["-m", "swarm.server", "--blocks", "0:1", "--cache-wait", "-1", "--initial-peers", BOGUS_PEER],
+         ["--cache-wait must not be negative"]),
+        (["-m", "swarm.server", "--blocks", "0:1", "--quantize", "int4", "--initial-peers", BOGUS_PEER],
+         ["--quantize: invalid choice"]),
+        (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--wire-dtype", "float64"],
+         ["--wire-dtype: invalid choice"]),
         (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", "nope"], ["malformed multiaddr"]),
         (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--top-p", "0"], ["--top-p"]),
         (["-m", "swarm.dht", "--port", "x"], ["--port"]),
@@ -38,6 +46,18 @@ def assert_one_line_error(result, *fragments):
 )
 def test_bad_arguments(args, fragments):
     assert_one_line_error(run_tool(*args), *fragments)
+
+
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["-m", "swarm.generate", "--prompt", "hi"], {"WIRE_DTYPE": "float64"}, "WIRE_DTYPE must be one of"),
+        (["-m", "swarm.server", "--blocks", "0:1"], {"TORCH_THREADS": "many"}, "TORCH_THREADS must be a positive"),
+        (["app.py"], {"MAX_SESSIONS": "lots"}, "MAX_SESSIONS: expected int"),
+    ],
+)
+def test_bad_environment(args, env, fragment):
+    assert_one_line_error(run_tool(*args, env={"INITIAL_PEERS": BOGUS_PEER, **env}), "bad environment", fragment)
 
 
 def test_block_range_out_of_bounds(tiny_llama):
