@@ -5,7 +5,7 @@ thread count in every process.
 It measures, as token arrival times turned into tokens/s, time to first token (TTFT) and inter-token
 latency (ITL):
   - greedy replies to one chat prompt: local transformers `generate`, the swarm's Python client
-    (swarm.model.RemoteModel + swarm.generate), and a real gunicorn gateway over its WebSocket API
+    (swarm.client.RemoteModel + swarm.client.generate), and a real gunicorn gateway over its WebSocket API
     (/api/v2/generate) and its OpenAI-compatible API (/v1/chat/completions, streamed);
   - TTFT of a 512-token prompt through the gateway, against one local forward pass over it (prefill);
   - 1, 4, 16 and 64 simultaneous WebSocket sessions: aggregate and per-session tok/s, TTFT and ITL p50/p95;

@@ -16,8 +16,8 @@ from bench.workload import Prompt, session_length
 
 
 def swarm_client_reply(remote, prompt: Prompt, max_new_tokens: int) -> TokenStream:
-    """Greedy generation with swarm.generate over a RemoteModel (embeddings and LM head in this process)."""
-    from swarm.generate import generate
+    """Greedy generation with swarm.client.generate over a RemoteModel (embeddings and LM head in this process)."""
+    from swarm.client.generate import generate
 
     stream = TokenStream(sent=time.perf_counter())
     for _ in generate(remote, prompt.ids, max_new_tokens):

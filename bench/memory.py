@@ -41,7 +41,7 @@ class ServerBudget:
 def server_budget(folder: Path, start: int, end: int, cache_tokens: int, dtype: torch.dtype) -> ServerBudget:
     """What blocks start:end weigh in `dtype`, and their cache budget, counted on layers built on the meta
     device (shapes only, nothing allocated) by the family code the servers themselves use."""
-    from swarm.blocks import family_of
+    from swarm.families import family_of
     from swarm.weights import load_config
 
     config = load_config(folder)

@@ -85,7 +85,7 @@ def run_suite(options: Options) -> dict:
 
 def run_variant(options: Options, folder: Path, cache_dir: Path, dtype: str, prompts: Prompts) -> dict:
     from swarm.local import LocalSwarm
-    from swarm.model import RemoteModel
+    from swarm.client.remote_model import RemoteModel
 
     cache_tokens = cache_tokens_needed(options, prompts)
     budgets = [server_budget(folder, start, end, cache_tokens, getattr(torch, dtype)) for start, end in SPANS]

@@ -1,27 +1,34 @@
 """Everything that knows about users: the Petals Chat HTTP and WebSocket APIs, served by Flask.
 
-In data-flow order:
+In data-flow order: a request passes the hooks, is read into a schema and translated once into the engine's
+terms by its API, runs in the engine, and leaves in its API's wire format.
 
-    schemas.py    every request and reply shape (pydantic); a bad field is a 400 that names it
-    http_api.py   /api/v1/generate, open/close_inference_session, /api/v1/models, /health, /api/v1/swarm
-    ws_api.py     /api/v2/generate: a session per WebSocket connection, streamed replies, a stop message
-    openai_api.py the OpenAI-compatible API under /v1, /api/oai and /api/oai/v1; /tokenize, /stats, ...
-    openai_params.py  OpenAI-style fields -> SamplingParams, token budget, stops, grammar
-    openai_format.py  OpenAI's wire format: completions, chunks, logprobs, usage, the error envelope
-    prompts.py    chat messages -> prompt (the model's chat template, tools); tool calls out of a reply
-    sse.py        server-sent events: keep-alives, errors as a last event, cancel when the client leaves
-    engine.py     the one generation loop: inputs + GenerationRequest -> Deltas; served models and sessions
-    sampling.py   SamplingParams and the per-sequence Sampler (penalties, bias, Mirostat, top-k/p, min-p, ...)
-    grammar.py    structured output: a token mask per step from a JSON schema or grammar (llguidance)
-    stats.py      prefill and decode speeds of recent requests
-    text.py       stop sequences matched across token boundaries, never shown half
-    sessions.py   open sessions: a cap, idle expiry that frees the servers' caches, one request at a time
-    errors.py     the APIError tree, and how any exception becomes a clean reply
-    request_ids.py  a request id per request: taken from or put in X-Request-ID, and on every log line
-    access.py     API keys, CORS and the WebSocket Origin check; who a caller is (its key, else its address)
-    limits.py     body size, requests per minute per client, token and context-length checks the APIs share
-    metrics.py    Prometheus metrics (requests, sessions, time to first token, inter-token latency) at /metrics
-    docs.py       /openapi.json from the schemas, and a Swagger UI page at /docs (no CDN)
+    request_ids.py     a request id per request: taken from or put in X-Request-ID, and on every log line
+    access.py          API keys, CORS and the WebSocket Origin check; who a caller is (its key, else its address)
+    limits.py          body size, requests per minute per client, token and context-length checks the APIs share
+    schemas.py         every request and reply shape (pydantic); a bad field is a 400 that names it
+    http_api.py        /api/v1/generate, open/close_inference_session, /api/v1/models, /health, /api/v1/swarm
+    ws_api.py          /api/v2/generate: a session per WebSocket connection, streamed replies, a stop message
+    petals_params.py   Petals-style generation fields (HTTP and WebSocket) -> GenerationRequest, defaults filled in
+    openai_api.py      the OpenAI-compatible API under /v1, /api/oai and /api/oai/v1; /tokenize, /stats, ...
+    openai_params.py   OpenAI-style fields -> SamplingParams, token budget, stops, grammar
+    prompts.py         chat messages -> prompt (the model's chat template, tools); tool calls out of a reply
+    openai_choices.py  n choices per prompt: lengths checked, a GenerationRequest per choice, one session rewound
+    current_engine.py  the app's one Engine: installed by create_app, read by every route with get_engine()
+    engine.py          the one generation loop: inputs + GenerationRequest -> Deltas; served models and sessions
+    sessions.py        open sessions: a cap, idle expiry that frees the servers' caches, one request at a time
+    sampling.py        SamplingParams and the per-sequence Sampler (penalties, bias, Mirostat, top-k/p, min-p, ...)
+    grammar.py         structured output: a token mask per step from a JSON schema or grammar (llguidance)
+    text.py            stop sequences matched across token boundaries, never shown half
+    stats.py           prefill and decode speeds of recent requests
+    openai_format.py   OpenAI's wire format: completions, chunks, logprobs, usage, the error envelope
+    sse.py             server-sent events: keep-alives, errors as a last event, cancel when the client leaves
+    errors.py          the APIError tree, and how any exception becomes a clean reply
+    metrics.py         Prometheus metrics (requests, sessions, time to first token, inter-token latency) at /metrics
+    docs.py            /openapi.json from the schemas, and a Swagger UI page at /docs (no CDN)
+
+No API module imports another: what two of them share lives in a module of its own (current_engine, limits,
+petals_params, errors).
 
 Pages, from static/: / (index.html, the chat) and /swarm (swarm.html + swarm.js: servers and block coverage
 per served model, like health.petals.dev, refreshed from /api/v1/swarm).
@@ -40,32 +47,46 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 def create_app(settings=None, engine=None):
     """The Flask app. `settings` defaults to config.Settings.from_env(); tests may pass their own engine."""
-    from flask import Flask, jsonify, send_from_directory
-
     from config import Settings
-    from gateway import access, docs, limits, metrics, openai_format, request_ids
+    from gateway import access, current_engine, limits, metrics, request_ids
     from gateway.engine import Engine
-    from gateway.errors import APIError, error_body, from_exception
-    from gateway.http_api import blueprint as http_blueprint
-    from gateway.http_api import monitoring as monitoring_blueprint
-    from gateway.openai_api import PREFIXES as OPENAI_PREFIXES
-    from gateway.openai_api import blueprint as openai_blueprint
-    from gateway.openai_api import extras as openai_extras
-    from gateway.openai_api import speaks_openai
-    from gateway.ws_api import blueprint as ws_blueprint
-    from gateway.ws_api import sock
 
     settings = settings or Settings.from_env()
+    app = _flask_app(settings)
+    current_engine.install(app, engine or Engine(settings))
+    request_ids.install(app)
+    access.install(app, settings.gateway.access)
+    limits.install(app, settings.gateway.limits)
+    _register_apis(app)
+    metrics.install(app)
+    _register_pages(app)
+    _register_error_handler(app)
+    return app
+
+
+def _flask_app(settings):
+    from flask import Flask
+
     app = Flask(__name__, static_folder=str(STATIC_DIR), static_url_path="/static")
     app.json.ensure_ascii = False
     app.config["SOCK_SERVER_OPTIONS"] = {
         "ping_interval": settings.gateway.limits.ws_ping_interval,
         "max_message_size": settings.gateway.limits.ws_max_message_bytes,
     }
-    app.extensions["engine"] = engine or Engine(settings)
-    request_ids.install(app)
-    access.install(app, settings.gateway.access)
-    limits.install(app, settings.gateway.limits)
+    return app
+
+
+def _register_apis(app) -> None:
+    """Every API's blueprint: Petals' HTTP and WebSocket APIs, the OpenAI API under each of its prefixes, the docs."""
+    from gateway import docs
+    from gateway.http_api import blueprint as http_blueprint
+    from gateway.http_api import monitoring as monitoring_blueprint
+    from gateway.openai_api import PREFIXES as OPENAI_PREFIXES
+    from gateway.openai_api import blueprint as openai_blueprint
+    from gateway.openai_api import extras as openai_extras
+    from gateway.ws_api import blueprint as ws_blueprint
+    from gateway.ws_api import sock
+
     app.register_blueprint(http_blueprint)
     app.register_blueprint(monitoring_blueprint)
     app.register_blueprint(ws_blueprint)
@@ -74,7 +95,10 @@ def create_app(settings=None, engine=None):
     app.register_blueprint(openai_extras)
     app.register_blueprint(docs.blueprint)
     sock.init_app(app)
-    metrics.install(app)
+
+
+def _register_pages(app) -> None:
+    from flask import send_from_directory
 
     @app.get("/")
     def chat_page():
@@ -84,6 +108,14 @@ def create_app(settings=None, engine=None):
     def swarm_page():  # block coverage per server, drawn from /api/v1/swarm
         return send_from_directory(STATIC_DIR, "swarm.html")
 
+
+def _register_error_handler(app) -> None:
+    from flask import jsonify
+
+    from gateway import openai_format
+    from gateway.errors import APIError, error_body, from_exception
+    from gateway.openai_api import speaks_openai
+
     @app.errorhandler(Exception)
     def api_error(error: Exception):
         """Every error of every route and hook, Flask's own 404s and 405s included: a clean message in the
@@ -91,5 +123,3 @@ def create_app(settings=None, engine=None):
         api_error: APIError = from_exception(error)
         body = openai_format.error_body(api_error) if speaks_openai() else error_body(api_error)
         return jsonify(body), api_error.status, api_error.headers()
-
-    return app

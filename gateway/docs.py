@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from flask import Blueprint, Response, current_app, jsonify, send_from_directory
+from flask import Blueprint, Response, jsonify, send_from_directory
 from pydantic.json_schema import models_json_schema
 
 from config import Limits, ModelConfig
 from gateway import schemas
+from gateway.current_engine import get_engine
 
 blueprint = Blueprint("docs", __name__)
 
@@ -130,7 +131,7 @@ def openapi_document(limits: Limits = Limits(), max_session_length: int = ModelC
 
 @blueprint.get("/openapi.json")
 def openapi_json():
-    gateway = current_app.extensions["engine"].settings.gateway
+    gateway = get_engine().settings.gateway
     return jsonify(openapi_document(gateway.limits, max(model.max_session_length for model in gateway.models)))
 
 

@@ -64,12 +64,9 @@ class ServedModel:
     """A model the gateway serves: the client half of it (embeddings, LM head, tokenizer) on the swarm."""
 
     def __init__(self, config: ModelConfig, remote):
-        self.config, self.remote = config, remote
+        self.config, self.remote = config, remote  # remote: swarm.client.RemoteModel
         self.tokenizer = remote.tokenizer
-        eos = remote.config.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            self.stop_ids.add(self.tokenizer.eos_token_id)
+        self.stop_ids = remote.stop_token_ids  # the one stop rule (python -m swarm.client.generate's too)
         self._grammars, self._grammars_lock = None, threading.Lock()
 
     @property
@@ -98,7 +95,7 @@ class GatewaySession:
     """One inference session: the remote session on the servers, and what the gateway knows of it."""
 
     model: ServedModel
-    remote: object  # swarm.model.InferenceSession
+    inference: object  # swarm.client.InferenceSession: the session on the swarm's servers
     max_length: int
     expires: bool  # HTTP sessions expire when idle; a WebSocket's lives as long as its connection
     owner: str = ""  # the client that opened it (access.client_id), for the per-client cap
@@ -113,10 +110,10 @@ class GatewaySession:
     def close(self) -> None:
         """Free the servers' caches; safe to call twice and from any thread."""
         self.closed = True
-        remote, self.remote = self.remote, None
-        if remote is not None:
+        inference, self.inference = self.inference, None
+        if inference is not None:
             try:
-                remote.close()
+                inference.close()
             except Exception:  # the servers free the cache when the stream breaks, too
                 logger.warning("closing session %s failed", self.id, exc_info=True)
 
@@ -150,8 +147,6 @@ class Engine:
 
     def discovered_models(self) -> list[ModelConfig]:
         """Models the swarm's servers announce that config.py does not name (refreshed every few seconds)."""
-        from swarm import dht
-
         fetched_at, models = self._catalogue
         if time.monotonic() - fetched_at < CATALOGUE_SECONDS or self._connect != self._connect_to_swarm:
             return models
@@ -159,7 +154,7 @@ class Engine:
         configured = self.settings.gateway.models
         known = {model.name for model in configured} | {model.dht_prefix or dht_prefix(model.path) for model in configured}
         try:
-            records = client.loop.run(dht.fetch_catalogue(client.node, client.allowed_servers), timeout=10)
+            records = client.catalogue()
         except Exception:  # the catalogue is a convenience: the configured models are served regardless
             logger.warning("could not read the swarm's model catalogue", exc_info=True)
             records = []
@@ -190,10 +185,12 @@ class Engine:
 
                 from swarm.client import SwarmClient
 
-                if self.settings.swarm.torch_threads:  # the embeddings, LM head and sampling of this process
-                    torch.set_num_threads(self.settings.swarm.torch_threads)
-                wire_dtype = getattr(torch, self.settings.swarm.wire_dtype)
-                self._client = SwarmClient(self.settings.swarm.initial_peers, wire_dtype=wire_dtype)
+                swarm = self.settings.swarm
+                if swarm.torch_threads:  # the embeddings, LM head and sampling of this process
+                    torch.set_num_threads(swarm.torch_threads)
+                self._client = SwarmClient(swarm.initial_peers, wire_dtype=getattr(torch, swarm.wire_dtype),
+                                           allowed_servers=swarm.allowed_servers,
+                                           spot_check_rate=swarm.spot_check_rate)
             return self._client
 
     def model(self, name: Optional[str]) -> ServedModel:
@@ -204,58 +201,35 @@ class Engine:
             return self._models[config.name]
 
     def _connect_to_swarm(self, config: ModelConfig):
-        from swarm.model import RemoteModel
-        from swarm.weights import resolve_model
+        from swarm.client import RemoteModel
 
-        folder = resolve_model(config.path, self.settings.swarm.cache_dir)
-        prefix = config.dht_prefix or dht_prefix(config.path)  # as servers derive it from their --model
-        return RemoteModel(folder, self.swarm_client(), config.name, prefix)  # errors name it as clients do
+        # errors name the model as clients do; its prefix is the one servers derive from their --model
+        return RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
+                                     config.dht_prefix, name=config.name)
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it."""
-        from swarm.protocol import format_block_ranges
-        from swarm.routing import missing_ranges
-
-        model = self.model(name)
-        remote = model.remote
-        servers = remote.client.servers(remote.prefix, remote.num_blocks)
-        missing = missing_ranges(servers, remote.num_blocks)
-        return {
-            "num_blocks": remote.num_blocks,
-            "servers": len(servers),
-            "covered": not missing,
-            "missing_blocks": format_block_ranges(missing) if missing else None,
-        }
+        remote = self.model(name).remote
+        coverage = remote.client.coverage(remote.prefix, remote.num_blocks)
+        return {"num_blocks": coverage.num_blocks, "servers": coverage.servers, "covered": coverage.covered,
+                "missing_blocks": coverage.missing_blocks}
 
     def swarm_health(self, name: Optional[str]) -> dict:
         """What the swarm looks like for one model: every server that announced a block of it (joining and
         offline ones too), how many online servers hold each block, and the blocks none holds."""
-        from swarm import dht
-        from swarm.protocol import ServerState, format_block_ranges
-        from swarm.routing import missing_ranges
-
         remote = self.model(name).remote
-        client = remote.client
-        servers = client.loop.run(dht.fetch_all_servers(client.node, remote.prefix, remote.num_blocks,
-                                                        client.allowed_servers))
-        servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
-        online = [server for server in servers if server.info.state == ServerState.ONLINE]
-        coverage = [0] * remote.num_blocks
-        for server in online:
-            for index in range(server.info.start, server.info.end):
-                coverage[index] += 1
-        missing = missing_ranges(online, remote.num_blocks)
+        health = remote.client.health(remote.prefix, remote.num_blocks)
         return {
-            "num_blocks": remote.num_blocks,
-            "coverage": coverage,
-            "covered": not missing,
-            "missing_ranges": [list(block_range) for block_range in missing],  # half-open [start, end)
-            "missing_blocks": format_block_ranges(missing) if missing else None,
+            "num_blocks": health.num_blocks,
+            "coverage": health.servers_per_block,
+            "covered": health.covered,
+            "missing_ranges": [list(block_range) for block_range in health.missing],  # half-open [start, end)
+            "missing_blocks": health.missing_blocks,
             "servers": [
                 {"peer_id": server.peer_id, "start": server.info.start, "end": server.info.end,
                  "state": server.info.state.name.lower(), "throughput": server.info.throughput,
                  "cache_tokens_free": server.info.cache_tokens_free, "version": server.info.version}
-                for server in servers
+                for server in health.servers
             ],
         }
 
@@ -276,13 +250,8 @@ class Engine:
 
     # ----------------------------------------------------------------------------------- the loop
 
-    def generate(
-        self,
-        session: GatewaySession,
-        request: GenerationRequest,
-        cancelled: Callable[[], bool] = lambda: False,
-        stats: Optional[RequestStats] = None,
-    ) -> Iterator[Delta]:
+    def generate(self, session: GatewaySession, request: GenerationRequest,
+                 cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None) -> Iterator[Delta]:
         """Append the request's inputs to the session and stream the reply. The caller holds session.lock.
 
         `cancelled` is asked between tokens (a stop message, a client gone); `stats` collects the timings of
@@ -290,20 +259,7 @@ class Engine:
         if session.closed:
             raise NotFound(f"inference session {session.id} is closed", field="session_id")
         model = session.model
-        new_ids = model.encode(request.inputs, at_start=not session.history) if request.inputs else []
-        feed = session.pending + new_ids + list(request.input_ids)
-        if not feed:
-            raise BadRequest("inputs: required to start a session's first generation", field="inputs")
-
-        limit = session.max_length if request.max_length is None else min(session.max_length, request.max_length)
-        used = len(session.history) + len(feed)
-        if used > limit:
-            raise LengthExceeded(
-                f"the inputs need {used} tokens, over the session's max_length of {limit}; "
-                "open a session with a larger max_length",
-                field="max_length" if request.max_length else "inputs",
-            )
-        budget = limit - used if request.max_new_tokens is None else min(request.max_new_tokens, limit - used)
+        feed, used, budget = self._feed_and_budget(session, request)
         detokenizer = _detokenizer(model, session.history + feed)
         stopper = StopMatcher(request.stop_sequences, request.include_stop)
         sampler = Sampler(request.sampling, model.vocab_size, context=session.history + feed)
@@ -343,6 +299,25 @@ class Engine:
                 return
             yield Delta(text, 1, None, logprobs)
 
+    @staticmethod
+    def _feed_and_budget(session: GatewaySession, request: GenerationRequest) -> tuple[list[int], int, int]:
+        """The tokens to send first (the pending one, then the request's), the session's length once they
+        are in, and how many tokens the reply may have."""
+        new_ids = session.model.encode(request.inputs, at_start=not session.history) if request.inputs else []
+        feed = session.pending + new_ids + list(request.input_ids)
+        if not feed:
+            raise BadRequest("inputs: required to start a session's first generation", field="inputs")
+        limit = session.max_length if request.max_length is None else min(session.max_length, request.max_length)
+        used = len(session.history) + len(feed)
+        if used > limit:
+            raise LengthExceeded(
+                f"the inputs need {used} tokens, over the session's max_length of {limit}; "
+                "open a session with a larger max_length",
+                field="max_length" if request.max_length else "inputs",
+            )
+        budget = limit - used if request.max_new_tokens is None else min(request.max_new_tokens, limit - used)
+        return feed, used, budget
+
     def rewind(self, session: GatewaySession, length: int) -> None:
         """Forget everything after the first `length` tokens (another choice for the same prompt, a regenerate):
         the servers overwrite their caches from there, so the prompt is not computed again."""
@@ -356,7 +331,7 @@ class Engine:
     def _step(session: GatewaySession, feed: list[int]):
         if session.closed:
             raise NotFound(f"inference session {session.id} was closed", field="session_id")
-        logits = session.remote.step([feed], position=len(session.history))[0]  # (vocab,)
+        logits = session.inference.step([feed], position=len(session.history))[0]  # (vocab,)
         session.history.extend(feed)
         session.last_used = time.monotonic()
         return logits
@@ -386,7 +361,7 @@ def _logprob(logits, token: int, top: int) -> TokenLogprob:
 
 
 def _detokenizer(model: ServedModel, context: list[int]):
-    from swarm.decoding import IncrementalDetokenizer
+    from swarm.client import IncrementalDetokenizer
 
     return IncrementalDetokenizer(model.tokenizer, context=context[-DETOKENIZER_CONTEXT:])
 

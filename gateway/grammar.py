@@ -326,6 +326,17 @@ def tool_call_spec(tools: list[dict], tool_choice: Any, parallel: bool) -> Gramm
     Arguments never carry properties that the parameters schema does not list (objects are closed, as in strict
     mode: a model must not invent arguments). Unsupported keywords and formats are errors only when every
     function offered says `"strict": true`; otherwise they are ignored, as OpenAI's non-strict mode does."""
+    functions = _chosen_functions(_tool_functions(tools), tool_choice)
+    defs, calls = _call_schemas(functions)
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "items": call, "minItems": 1} if parallel else dict(call)
+    schema["$defs"] = defs
+    strict = all(function.get("strict") is True for function in functions.values())
+    return GrammarSpec("json_schema", schema, strict=strict)
+
+
+def _tool_functions(tools: list[dict]) -> dict[str, dict]:
+    """The tools' function dicts by name, each checked: a name, unique, and parameters that are an object."""
     if not isinstance(tools, list) or not tools:
         raise GrammarError("tools must be a non-empty list to force a tool call")
     functions: dict[str, dict] = {}
@@ -343,14 +354,22 @@ def tool_call_spec(tools: list[dict], tool_choice: Any, parallel: bool) -> Gramm
         if parameters is not None and not isinstance(parameters, dict):
             raise GrammarError(f"tools[{index}].function.parameters must be a JSON schema object")
         functions[name] = function
+    return functions
 
+
+def _chosen_functions(functions: dict[str, dict], tool_choice: Any) -> dict[str, dict]:
+    """All the functions for "required"; only the named one for a named choice."""
     wanted = _named_choice(tool_choice)
-    if wanted is not None:
-        if wanted not in functions:
-            raise GrammarError(f"tool_choice names function {wanted!r}, which is not among the tools "
-                               f"({', '.join(map(repr, functions))})")
-        functions = {wanted: functions[wanted]}
+    if wanted is None:
+        return functions
+    if wanted not in functions:
+        raise GrammarError(f"tool_choice names function {wanted!r}, which is not among the tools "
+                           f"({', '.join(map(repr, functions))})")
+    return {wanted: functions[wanted]}
 
+
+def _call_schemas(functions: dict[str, dict]) -> tuple[dict[str, Any], list[dict]]:
+    """One call object schema per function, its closed parameters schema under $defs (tool_0, tool_1, ...)."""
     defs: dict[str, Any] = {}
     calls = []
     for index, (name, function) in enumerate(functions.items()):
@@ -366,8 +385,4 @@ def tool_call_spec(tools: list[dict], tool_choice: Any, parallel: bool) -> Gramm
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": call, "minItems": 1} if parallel else dict(call)
-    schema["$defs"] = defs
-    strict = all(function.get("strict") is True for function in functions.values())
-    return GrammarSpec("json_schema", schema, strict=strict)
+    return defs, calls

@@ -6,22 +6,18 @@ the /swarm page polling it is not counted among the API's requests in /metrics.
 
 from __future__ import annotations
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, jsonify, request
 
-from config import ModelConfig
 from gateway.access import client_id
+from gateway.current_engine import get_engine
 from gateway.engine import Engine, GenerationRequest
 from gateway.errors import BadRequest, Unavailable, from_exception
-from gateway.limits import check_context_length, check_max_length, check_new_tokens
-from gateway.sampling import SamplingParams
-from gateway.schemas import CloseSession, GenerationFields, HttpGenerate, OpenSession, load_json, parse
+from gateway.limits import check_context_length
+from gateway.petals_params import generation_request
+from gateway.schemas import CloseSession, HttpGenerate, OpenSession, load_json, parse
 
 blueprint = Blueprint("petals_http", __name__)
 monitoring = Blueprint("monitoring", __name__)
-
-
-def get_engine() -> Engine:
-    return current_app.extensions["engine"]
 
 
 def request_fields() -> dict:
@@ -34,39 +30,6 @@ def request_fields() -> dict:
             raise BadRequest("the JSON body must be an object")
         fields.update(payload)
     return fields
-
-
-def generation_request(fields: GenerationFields, model: ModelConfig, max_new_tokens_cap: int, streaming: bool):
-    """A validated request's generation fields as the engine's GenerationRequest, with the model's defaults.
-
-    `streaming` is the WebSocket's stop_sequence mode: generation goes on until a stop sequence or the
-    session's length, and max_new_tokens is the size of each streamed chunk instead of a total.
-    """
-    check_new_tokens("max_new_tokens", fields.max_new_tokens, max_new_tokens_cap)
-    check_max_length(model, fields.max_length)
-    defaults = model.defaults
-    pick = lambda value, default: default if value is None else value
-    sampling = SamplingParams(
-        do_sample=pick(fields.do_sample, defaults.do_sample),
-        temperature=pick(fields.temperature, defaults.temperature),
-        top_k=pick(fields.top_k, defaults.top_k),
-        top_p=pick(fields.top_p, defaults.top_p),
-        repetition_penalty=pick(fields.repetition_penalty, defaults.repetition_penalty),
-        seed=fields.seed,
-    )
-    if streaming:
-        max_new_tokens = None
-    elif fields.max_new_tokens is None and fields.max_length is not None:
-        max_new_tokens = None  # Petals: either bound may be given; max_length alone bounds the whole text
-    else:
-        max_new_tokens = pick(fields.max_new_tokens, defaults.max_new_tokens)
-    return GenerationRequest(
-        inputs=fields.inputs,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        max_length=fields.max_length,
-        stop_sequences=tuple(fields.stop_sequences()),
-    )
 
 
 @blueprint.post("/api/v1/generate")

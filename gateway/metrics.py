@@ -5,7 +5,7 @@
     gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
     gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
     gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
-    swarm_client_retries_total, swarm_client_failovers_total   the swarm client's (swarm/metrics.py)
+    swarm_client_retries_total, swarm_client_failovers_total   the swarm client's (swarm/client/metrics.py)
 
 Hooks are central: an after_request counts every HTTP reply, ws_api counts each WebSocket message once
 (with the status its reply carries), and Engine.generate times tokens through TokenTimer. gunicorn runs one
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
-import swarm.metrics  # noqa: F401  (registers the swarm client's counters, even before a client exists)
+import swarm.client  # noqa: F401  (registers the swarm client's counters, even before a client exists)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

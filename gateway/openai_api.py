@@ -10,18 +10,16 @@ from __future__ import annotations
 import base64
 import logging
 import struct
-from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 from flask import Blueprint, jsonify, request
 
 from gateway import openai_format as wire
-from gateway.access import client_id
-from gateway.engine import Delta, Engine, GenerationRequest, ServedModel
+from gateway.current_engine import get_engine
+from gateway.engine import Engine, ServedModel
 from gateway.errors import BadRequest
-from gateway.http_api import get_engine
 from gateway.limits import check_context_length
-from gateway.openai_params import constraint_spec, max_new_tokens, sampling_params, stop_fields
+from gateway.openai_choices import collect, plan_generation
 from gateway.prompts import parse_tool_calls, render_chat
 from gateway.schemas import (
     ChatCompletionRequest,
@@ -61,66 +59,6 @@ def json_body(schema):
     return fields
 
 
-# ------------------------------------------------------------------------------------------ generation
-
-
-class Choices:
-    """n choices for one prompt on one swarm session: the prompt runs once, each next choice rewinds to it."""
-
-    def __init__(self, engine: Engine, model: ServedModel, prompt_ids: list[int], max_tokens: int, n: int):
-        self.engine, self.model, self.prompt_ids, self.n = engine, model, prompt_ids, n
-        self.session = engine.open_session(model.name, len(prompt_ids) + max_tokens, expires=False, owner=client_id())
-
-    def run(self, make_request: Callable[[int], GenerationRequest], cancelled, stats) -> Iterator[tuple[int, Delta]]:
-        engine, session = self.engine, self.session
-        try:
-            with engine.sessions.use(session.id):
-                for index in range(self.n):
-                    if index:
-                        engine.rewind(session, len(self.prompt_ids))
-                    request_ = make_request(index)
-                    if index == 0:
-                        request_ = replace(request_, input_ids=tuple(self.prompt_ids))
-                    for delta in engine.generate(session, request_, cancelled, stats):
-                        yield index, delta
-        finally:
-            engine.close_session(session)
-
-
-def plan_generation(engine: Engine, model: ServedModel, fields, prompt_ids: list[int], param: str, **extra):
-    """Check the lengths, build the per-choice request, and open the session (before any stream starts)."""
-    config = model.config
-    if not prompt_ids:
-        raise BadRequest(f"{param}: must not be empty", field=param)
-    max_tokens = max_new_tokens(fields, engine.limits.max_new_tokens, config.max_session_length - len(prompt_ids))
-    check_context_length(config, len(prompt_ids), max_tokens, param)
-    sampling = sampling_params(fields, config.defaults, model.vocab_size)
-    stop_sequences, stop_token_ids = stop_fields(fields)
-    tool_choice = extra.pop("tool_choice", None)
-    spec = constraint_spec(fields, tool_choice)
-    constraint = None
-    if spec is not None:
-        from gateway.grammar import GrammarError
-
-        grammars = model.grammars()
-        try:
-            grammars.check(spec)
-        except GrammarError as error:
-            forced_call = tool_choice is not None and tool_choice[0] not in ("auto", "none")
-            field = "tools" if forced_call else "response_format" if fields.response_format else "grammar"
-            raise BadRequest(f"{field}: {error}", field=field) from None
-        constraint = lambda: grammars.constraint(spec)
-
-    def make_request(index: int) -> GenerationRequest:
-        seed = None if sampling.seed is None else sampling.seed + index  # n different, reproducible choices
-        return GenerationRequest(
-            inputs=None, sampling=replace(sampling, seed=seed), max_new_tokens=max_tokens,
-            stop_sequences=tuple(stop_sequences), include_stop=False, stop_token_ids=tuple(stop_token_ids),
-            constraint=constraint, **extra)
-
-    return Choices(engine, model, prompt_ids, max_tokens, fields.n), make_request
-
-
 # ------------------------------------------------------------------------------------------ chat
 
 
@@ -129,76 +67,88 @@ def chat_completions():
     fields = json_body(ChatCompletionRequest)
     engine = get_engine()
     model = engine.model(fields.model)
-    tool_choice = fields.tool_choice or ("auto" if fields.tools else "none")
-    if tool_choice != "none" and not fields.tools:
-        raise BadRequest("tool_choice: needs tools", field="tool_choice")
-    tools = fields.tools if tool_choice != "none" else None
+    tool_choice, tools = offered_tools(fields)
     prompt = render_chat(model.tokenizer, fields.messages, tools)
     prompt_ids = model.encode(prompt, at_start=False)  # the template wrote any special tokens itself
     top = (fields.top_logprobs or 0) if fields.logprobs else None
-    choices, make_request = plan_generation(engine, model, fields, prompt_ids, "messages", logprobs=top,
-                                            tool_choice=(tool_choice, tools, fields.parallel_tool_calls))
-    stats = engine.stats.begin()
-    # with tools and a free choice, a reply is a tool call or text: known only at its end
-    whole_replies = tools is not None
-    tokenizer, request_id = model.tokenizer, wire.new_id("chatcmpl")
+    plan = plan_generation(engine, model, fields, prompt_ids, "messages", logprobs=top,
+                           tool_choice=(tool_choice, tools, fields.parallel_tool_calls))
+    replies = ChatReplies(model, fields, tools, top, len(prompt_ids), plan, engine.stats.begin())
+    if not fields.stream:
+        return jsonify(replies.completion())
+    return event_stream(replies.chunks, wire.error_body)
 
-    def finish(text: str, finish_reason: str):
-        calls = parse_tool_calls(text, tools) if tools else None
+
+def offered_tools(fields: ChatCompletionRequest) -> tuple:
+    """The tool choice (by default "auto" with tools, else "none") and the tools the reply may call, if any."""
+    tool_choice = fields.tool_choice or ("auto" if fields.tools else "none")
+    if tool_choice != "none" and not fields.tools:
+        raise BadRequest("tool_choice: needs tools", field="tool_choice")
+    return tool_choice, (fields.tools if tool_choice != "none" else None)
+
+
+class ChatReplies:
+    """A chat completion's n choices in OpenAI's wire format: one completion, or chunks as the deltas come."""
+
+    def __init__(self, model: ServedModel, fields: ChatCompletionRequest, tools, top: Optional[int],
+                 prompt_tokens: int, plan: tuple, stats):
+        self.model, self.fields, self.tools, self.top, self.prompt_tokens = model, fields, tools, top, prompt_tokens
+        self.choices, self.make_request = plan
+        self.stats = stats
+        # with tools and a free choice, a reply is a tool call or text: known only at its end, so streamed whole
+        self.whole_replies = tools is not None
+        self.request_id = wire.new_id("chatcmpl")
+        self.include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
+
+    def completion(self) -> dict:
+        replies = collect(self.choices.run(self.make_request, lambda: False, self.stats), self.fields.n)
+        results = []
+        for index, (text, finish_reason, logprobs, _) in enumerate(replies):
+            content, calls, finish_reason = self.finish(text, finish_reason)
+            results.append(wire.chat_choice(index, content, finish_reason, self.logprobs(logprobs), calls))
+        usage = wire.usage(self.prompt_tokens, sum(reply[3] for reply in replies), self.stats.timing())
+        return wire.chat_completion(self.request_id, self.model.name, results, usage)
+
+    def chunks(self, cancelled) -> Iterator[dict]:
+        texts, started = {}, set()
+        for index, delta in self.choices.run(self.make_request, cancelled, self.stats):
+            if index not in started:
+                started.add(index)
+                yield self.chunk(index, {"role": "assistant", "content": ""})
+            texts[index] = texts.get(index, "") + delta.text
+            logprobs = self.logprobs(delta.logprobs) if delta.logprobs else None
+            if not self.whole_replies and (delta.text or logprobs):
+                yield self.chunk(index, {"content": delta.text}, logprobs=logprobs)
+            if delta.finish_reason:
+                yield from self.last_chunks(index, texts[index], delta.finish_reason)
+        if self.include_usage:
+            usage = wire.usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing())
+            yield wire.usage_chunk(self.request_id, self.model.name, "chat.completion.chunk", usage)
+
+    def last_chunks(self, index: int, text: str, finish_reason: str) -> Iterator[dict]:
+        """A reply's end: the whole reply first when it was held back, then its finish_reason."""
+        if self.whole_replies:
+            content, calls, finish_reason = self.finish(text, finish_reason)
+            if calls:
+                numbered = [{"index": number, **call} for number, call in enumerate(calls)]
+                yield self.chunk(index, {"tool_calls": numbered})
+            else:
+                yield self.chunk(index, {"content": content})
+        yield self.chunk(index, {}, finish_reason=finish_reason)
+
+    def finish(self, text: str, finish_reason: str):
+        """(content, tool calls, finish_reason) of a whole reply: tool calls when the reply parses as them."""
+        calls = parse_tool_calls(text, self.tools) if self.tools else None
         if calls:
             return None, [wire.tool_call(name, arguments) for name, arguments in calls], "tool_calls"
         return text, None, finish_reason
 
-    if not fields.stream:
-        replies = collect(choices.run(make_request, lambda: False, stats), fields.n)
-        results = []
-        for index, (text, finish_reason, logprobs, _) in enumerate(replies):
-            content, calls, finish_reason = finish(text, finish_reason)
-            chat_logprobs = wire.chat_logprobs(tokenizer, logprobs) if top is not None else None
-            results.append(wire.chat_choice(index, content, finish_reason, chat_logprobs, calls))
-        usage = wire.usage(len(prompt_ids), sum(reply[3] for reply in replies), stats.timing())
-        return jsonify(wire.chat_completion(request_id, model.name, results, usage))
+    def logprobs(self, items: list) -> Optional[dict]:
+        return wire.chat_logprobs(self.model.tokenizer, items) if self.top is not None else None
 
-    include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-
-    def events(cancelled):
-        chunk = lambda index, delta, **kw: wire.chat_chunk(request_id, model.name, index, delta,
-                                                           with_usage_field=include_usage, **kw)
-        texts, started = {}, set()
-        for index, delta in choices.run(make_request, cancelled, stats):
-            if index not in started:
-                started.add(index)
-                yield chunk(index, {"role": "assistant", "content": ""})
-            texts[index] = texts.get(index, "") + delta.text
-            logprobs = wire.chat_logprobs(tokenizer, delta.logprobs) if top is not None and delta.logprobs else None
-            if not whole_replies and (delta.text or logprobs):
-                yield chunk(index, {"content": delta.text}, logprobs=logprobs)
-            if delta.finish_reason:
-                finish_reason = delta.finish_reason
-                if whole_replies:
-                    content, calls, finish_reason = finish(texts[index], finish_reason)
-                    if calls:
-                        yield chunk(index, {"tool_calls": [{"index": number, **call} for number, call in enumerate(calls)]})
-                    else:
-                        yield chunk(index, {"content": content})
-                yield chunk(index, {}, finish_reason=finish_reason)
-        if include_usage:
-            usage = wire.usage(len(prompt_ids), stats.completion_tokens, stats.timing())
-            yield wire.usage_chunk(request_id, model.name, "chat.completion.chunk", usage)
-
-    return event_stream(events, wire.error_body)
-
-
-def collect(deltas: Iterator[tuple[int, Delta]], n: int) -> list[tuple[str, str, list, int]]:
-    """(text, finish_reason, logprobs, token count) of each choice."""
-    texts, finishes, logprobs, counts = [""] * n, ["stop"] * n, [[] for _ in range(n)], [0] * n
-    for index, delta in deltas:
-        texts[index] += delta.text
-        logprobs[index] += delta.logprobs
-        counts[index] += delta.token_count
-        if delta.finish_reason:
-            finishes[index] = delta.finish_reason
-    return list(zip(texts, finishes, logprobs, counts))
+    def chunk(self, index: int, delta: dict, **kw) -> dict:
+        return wire.chat_chunk(self.request_id, self.model.name, index, delta,
+                               with_usage_field=self.include_usage, **kw)
 
 
 # ------------------------------------------------------------------------------------------ completions
@@ -226,59 +176,75 @@ def completions():
     fields = json_body(CompletionRequest)
     engine = get_engine()
     model = engine.model(fields.model)
-    tokenizer, request_id = model.tokenizer, wire.new_id("cmpl")
-    top = fields.logprobs
     prompts = prompt_token_lists(model, fields.prompt)
     if len(prompts) > engine.sessions.max_per_client:  # each prompt holds a session of its own while it runs
         raise BadRequest(f"prompt: at most {engine.sessions.max_per_client} prompts in one request "
                          "(MAX_SESSIONS_PER_CLIENT)", field="prompt")
-    plans = [(ids, *plan_generation(engine, model, fields, ids, "prompt", logprobs=top)) for ids in prompts]
-    stats = engine.stats.begin()
-    prompt_tokens = sum(len(ids) for ids, _, _ in plans)
+    plans = [(ids, *plan_generation(engine, model, fields, ids, "prompt", logprobs=fields.logprobs)) for ids in prompts]
+    replies = TextReplies(engine, model, fields, plans, engine.stats.begin())
+    if not fields.stream:
+        return jsonify(replies.completion())
+    return event_stream(replies.chunks, wire.error_body)
 
-    def echo(ids: list[int]) -> tuple[str, list]:
+
+class TextReplies:
+    """A text completion's choices, n per prompt, in OpenAI's wire format: one completion, or chunks as the deltas
+    come. With `echo`, each choice starts with its prompt (and with logprobs, the prompt tokens' logprobs)."""
+
+    def __init__(self, engine: Engine, model: ServedModel, fields: CompletionRequest, plans: list[tuple], stats):
+        self.engine, self.model, self.fields, self.plans, self.stats = engine, model, fields, plans, stats
+        self.top = fields.logprobs
+        self.request_id = wire.new_id("cmpl")
+        self.prompt_tokens = sum(len(ids) for ids, _, _ in plans)
+        self.include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
+
+    def completion(self) -> dict:
+        n, results = self.fields.n, []
+        for number, (ids, choices, make_request) in enumerate(self.plans):
+            echo_text, echoed = self.echo(ids)
+            for index, (text, finish_reason, logprobs, _) in enumerate(
+                    collect(choices.run(make_request, lambda: False, self.stats), n)):
+                logprobs = self.logprobs_of(ids if self.fields.echo else [], echoed, logprobs)
+                results.append(wire.text_choice(number * n + index, echo_text + text, finish_reason, logprobs))
+        usage = wire.usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing())
+        return wire.text_completion(self.request_id, self.model.name, results, usage)
+
+    def chunks(self, cancelled) -> Iterator[dict]:
+        for number, plan in enumerate(self.plans):
+            yield from self.prompt_chunks(number, plan, cancelled)
+        if self.include_usage:
+            usage = wire.usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing())
+            yield wire.usage_chunk(self.request_id, self.model.name, "text_completion", usage)
+
+    def prompt_chunks(self, number: int, plan: tuple, cancelled) -> Iterator[dict]:
+        """The chunks of one prompt's n choices; a choice's first chunk carries the echoed prompt."""
+        ids, choices, make_request = plan
+        echo_text, echoed = self.echo(ids)
+        started = set()
+        for index, delta in choices.run(make_request, cancelled, self.stats):
+            text, prefix_ids, prefix_items = delta.text, [], []
+            if index not in started:
+                started.add(index)
+                text, prefix_ids, prefix_items = echo_text + text, ids if self.fields.echo else [], echoed
+            choice = wire.text_choice(number * self.fields.n + index, text, delta.finish_reason,
+                                      self.logprobs_of(prefix_ids, prefix_items, delta.logprobs))
+            if text or delta.finish_reason or choice["logprobs"]:
+                yield wire.text_chunk(self.request_id, self.model.name, choice, with_usage_field=self.include_usage)
+
+    def echo(self, ids: list[int]) -> tuple[str, list]:
         """The prompt's text, and its tokens' logprobs when asked for, to prepend to each choice."""
-        if not fields.echo:
+        if not self.fields.echo:
             return "", []
-        return tokenizer.decode(ids), engine.token_logprobs(model.name, ids, top) if top is not None else []
+        text = self.model.tokenizer.decode(ids)
+        return text, self.engine.token_logprobs(self.model.name, ids, self.top) if self.top is not None else []
 
-    def logprobs_of(prefix_ids: list[int], prefix_items: list, generated) -> Optional[dict]:
-        if top is None:
+    def logprobs_of(self, prefix_ids: list[int], prefix_items: list, generated) -> Optional[dict]:
+        if self.top is None:
             return None
         token_ids = prefix_ids + [item.token_id for item in generated]
-        return wire.completion_logprobs(tokenizer, prefix_items + list(generated), token_ids) if token_ids else None
-
-    if not fields.stream:
-        results = []
-        for number, (ids, choices, make_request) in enumerate(plans):
-            echo_text, echoed = echo(ids)
-            for index, (text, finish_reason, logprobs, _) in enumerate(
-                    collect(choices.run(make_request, lambda: False, stats), fields.n)):
-                logprobs = logprobs_of(ids if fields.echo else [], echoed, logprobs)
-                results.append(wire.text_choice(number * fields.n + index, echo_text + text, finish_reason, logprobs))
-        usage = wire.usage(prompt_tokens, stats.completion_tokens, stats.timing())
-        return jsonify(wire.text_completion(request_id, model.name, results, usage))
-
-    include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-
-    def events(cancelled):
-        for number, (ids, choices, make_request) in enumerate(plans):
-            echo_text, echoed = echo(ids)
-            started = set()
-            for index, delta in choices.run(make_request, cancelled, stats):
-                text, prefix_ids, prefix_items = delta.text, [], []
-                if index not in started:  # a choice's first chunk carries the echoed prompt
-                    started.add(index)
-                    text, prefix_ids, prefix_items = echo_text + text, ids if fields.echo else [], echoed
-                choice = wire.text_choice(number * fields.n + index, text, delta.finish_reason,
-                                          logprobs_of(prefix_ids, prefix_items, delta.logprobs))
-                if text or delta.finish_reason or choice["logprobs"]:
-                    yield wire.text_chunk(request_id, model.name, choice, with_usage_field=include_usage)
-        if include_usage:
-            usage = wire.usage(prompt_tokens, stats.completion_tokens, stats.timing())
-            yield wire.usage_chunk(request_id, model.name, "text_completion", usage)
-
-    return event_stream(events, wire.error_body)
+        if not token_ids:
+            return None
+        return wire.completion_logprobs(self.model.tokenizer, prefix_items + list(generated), token_ids)
 
 
 # ------------------------------------------------------------------------------------------ the rest

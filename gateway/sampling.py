@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from swarm import decoding
+from swarm.client import decoding
 
 NEG_INF = float("-inf")
 
@@ -148,7 +148,7 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k highest logits (and any tied with the k-th); k <= 0 is off. swarm.decoding's, made total."""
+    """Keep the k highest logits (and any tied with the k-th); k <= 0 is off. swarm.client.decoding's, made total."""
     return decoding.filter_top_k(logits, k) if k > 0 else logits
 
 

@@ -1,6 +1,6 @@
 """Streaming text: stop sequences matched on decoded text across token boundaries, never shown half.
 
-A StopMatcher sits after the incremental detokenizer (swarm.decoding.IncrementalDetokenizer, which never
+A StopMatcher sits after the incremental detokenizer (swarm.client.IncrementalDetokenizer, which never
 splits a UTF-8 character): it holds back any tail of the text that could still grow into a stop sequence,
 and releases it as soon as it cannot.
 """

@@ -34,10 +34,11 @@ from wsproto.frame_protocol import CloseReason
 
 from gateway import metrics
 from gateway.access import client_id
+from gateway.current_engine import get_engine
 from gateway.engine import Engine
 from gateway.errors import BadRequest, IdleTimeout, error_body, from_exception
-from gateway.http_api import generation_request, get_engine
 from gateway.limits import charge_request
+from gateway.petals_params import generation_request
 from gateway.prompts import render_chat
 from gateway.schemas import (
     ChatMessage,

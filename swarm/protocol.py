@@ -27,8 +27,12 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import asdict, dataclass
+from typing import Iterable
 
 PROTOCOL_VERSION = "0.2.0"  # 0.2: signed records under owner subkeys
+# servers grow a session's attention cache a page of this many positions at a time: a new session needs room
+# for one page (what the client asks of the servers it routes to), not for its whole max_length
+PAGE_TOKENS = 128
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -176,3 +180,31 @@ class RemoteServer:
 def format_block_ranges(ranges: list[tuple[int, int]]) -> str:
     """[(15, 30)] -> "15..29"; half-open ranges printed inclusively, as people count blocks."""
     return ", ".join(f"{start}..{end - 1}" if end - start > 1 else f"{start}" for start, end in ranges)
+
+
+# ------------------------------------------------------------------------------- coverage of the blocks
+
+
+def servers_per_block(servers: Iterable[RemoteServer], num_blocks: int) -> list[int]:
+    """How many of `servers` hold each block of [0, num_blocks)."""
+    counts = [0] * num_blocks
+    for server in servers:
+        for index in range(server.info.start, min(server.info.end, num_blocks)):
+            counts[index] += 1
+    return counts
+
+
+def missing_ranges(servers: Iterable[RemoteServer], num_blocks: int, start: int = 0) -> list[tuple[int, int]]:
+    """Half-open ranges of blocks in [start, num_blocks) that no server holds."""
+    covered = [index < start for index in range(num_blocks)]
+    for server in servers:
+        for index in range(server.info.start, min(server.info.end, num_blocks)):
+            covered[index] = True
+    ranges, start = [], None
+    for index, is_covered in enumerate([*covered, True]):
+        if not is_covered and start is None:
+            start = index
+        elif is_covered and start is not None:
+            ranges.append((start, index))
+            start = None
+    return ranges

@@ -45,7 +45,7 @@ def tiny_swarm(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_remote(tiny_swarm, tiny_llama, settings):
-    from swarm.model import RemoteModel
+    from swarm.client.remote_model import RemoteModel
 
     model = RemoteModel.from_pretrained(str(tiny_llama), tiny_swarm.initial_peers, settings.cache_dir, TINY_PREFIX)
     yield model
@@ -110,7 +110,7 @@ class Gateway:
             try:
                 if requests.get(self.url + "/health", timeout=30).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or a worker still loading
                 pass
             time.sleep(0.3)
         self.stop()

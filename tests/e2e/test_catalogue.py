@@ -32,7 +32,7 @@ def one_gateway(two_model_swarm, tiny_llama, tmp_path_factory):
 
 def test_catalogue_command_lists_what_servers_announce(two_model_swarm):
     swarm, second = two_model_swarm
-    result = run_tool("-m", "swarm.models", "--initial-peers", *swarm.initial_peers)
+    result = run_tool("-m", "swarm.client.catalogue", "--initial-peers", *swarm.initial_peers)
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:]}
     assert lines["tiny-second"][1:5] == ["tiny-second", "3", "1", "complete"]

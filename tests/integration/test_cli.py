@@ -36,10 +36,10 @@ def assert_one_line_error(result, *fragments):
          ["--cache-wait must not be negative"]),
         (["-m", "swarm.server", "--blocks", "0:1", "--quantize", "int4", "--initial-peers", BOGUS_PEER],
          ["--quantize: invalid choice"]),
-        (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--wire-dtype", "float64"],
+        (["-m", "swarm.client.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--wire-dtype", "float64"],
          ["--wire-dtype: invalid choice"]),
-        (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", "nope"], ["malformed multiaddr"]),
-        (["-m", "swarm.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--top-p", "0"], ["--top-p"]),
+        (["-m", "swarm.client.generate", "--prompt", "hi", "--initial-peers", "nope"], ["malformed multiaddr"]),
+        (["-m", "swarm.client.generate", "--prompt", "hi", "--initial-peers", BOGUS_PEER, "--top-p", "0"], ["--top-p"]),
         (["-m", "swarm.dht", "--port", "x"], ["--port"]),
         (["app.py", "--initial-peers", "garbage"], ["malformed multiaddr"]),
     ],
@@ -51,7 +51,7 @@ def test_bad_arguments(args, fragments):
 @pytest.mark.parametrize(
     "args, env, fragment",
     [
-        (["-m", "swarm.generate", "--prompt", "hi"], {"WIRE_DTYPE": "float64"}, "WIRE_DTYPE must be one of"),
+        (["-m", "swarm.client.generate", "--prompt", "hi"], {"WIRE_DTYPE": "float64"}, "WIRE_DTYPE must be one of"),
         (["-m", "swarm.server", "--blocks", "0:1"], {"TORCH_THREADS": "many"}, "TORCH_THREADS must be a positive"),
         (["app.py"], {"MAX_SESSIONS": "lots"}, "MAX_SESSIONS: expected int"),
     ],
@@ -66,13 +66,13 @@ def test_block_range_out_of_bounds(tiny_llama):
 
 
 def test_generate_names_missing_blocks(tiny_swarm, tiny_llama):
-    result = run_tool("-m", "swarm.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
+    result = run_tool("-m", "swarm.client.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
                       "--dht-prefix", "nobody-serves-this", "--prompt", "Hello")
     assert_one_line_error(result, "no server holds blocks 0..3 of")
 
 
 def test_generate_streams_through_the_swarm(tiny_swarm, tiny_llama):
-    result = run_tool("-m", "swarm.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
+    result = run_tool("-m", "swarm.client.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
                       "--dht-prefix", TINY_PREFIX, "--prompt", "Hello", "--chat", "--max-new-tokens", "5")
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stderr and result.stdout.strip()

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from exact_match import assert_interleaved_sessions_match
-from swarm.model import RemoteModel
+from swarm.client.remote_model import RemoteModel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from swarm.cache import PAGE_TOKENS
-from swarm.model import RemoteModel
+from swarm.protocol import PAGE_TOKENS
+from swarm.client.remote_model import RemoteModel
 from swarm.protocol import BadRequestError, CacheFullError, MissingBlocksError, SessionLengthError
 
 
@@ -71,7 +71,7 @@ def test_exceeding_max_length_says_so(tiny_remote):
         session.step([[7, 8]])  # the session goes on after a refused step
 
         # the server enforces it too, for clients that don't check
-        stream = session.remote.hops[0].stream
+        stream = session.blocks.hops[0].stream
         hidden = torch.zeros(1, 3, tiny_remote.config.hidden_size)
         with pytest.raises(SessionLengthError, match="max_length=8"):
             tiny_remote.client.loop.run(stream.step(hidden, 7))
@@ -79,7 +79,7 @@ def test_exceeding_max_length_says_so(tiny_remote):
 
 def test_servers_refuse_malformed_steps(tiny_remote):
     with tiny_remote.session(max_length=8) as session:
-        stream = session.remote.hops[0].stream
+        stream = session.blocks.hops[0].stream
         run = tiny_remote.client.loop.run
         with pytest.raises(BadRequestError, match="shape"):
             run(stream.step(torch.zeros(1, 2, 5), 0))
@@ -119,5 +119,5 @@ def test_a_ban_steers_away_but_never_strands_a_session(tiny_swarm, remote_for):
     model = remote_for("tiny-banned")
     model.client.bans.ban(only.peer_id)  # say it was slow once: it is still the only server of these blocks
     with model.session(max_length=8) as session:
-        assert session.remote.chain[0].peer_id == only.peer_id
+        assert session.blocks.chain[0].peer_id == only.peer_id
         assert session.step([[1, 2, 3]]).shape == (1, model.config.vocab_size)

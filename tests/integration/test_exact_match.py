@@ -82,8 +82,8 @@ def test_concurrent_sessions_batched_on_the_servers_match(tiny_remote, local_mod
 
 @pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_wire_halves_the_bytes_and_stays_close(tiny_swarm, tiny_llama, settings, local_model, wire_dtype):
-    from swarm.model import RemoteModel
-    from swarm.rpc import pack
+    from swarm.client.remote_model import RemoteModel
+    from swarm.wire import pack
 
     hidden = torch.randn(1, 4, local_model.config.hidden_size)
     assert len(pack((hidden.to(wire_dtype),)).SerializeToString()) < 0.6 * len(pack((hidden,)).SerializeToString())

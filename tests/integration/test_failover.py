@@ -8,7 +8,7 @@ import pytest
 
 from swarm.client import SwarmClient
 from swarm.local import LocalSwarm
-from swarm.model import InferenceSession, RemoteModel
+from swarm.client.remote_model import InferenceSession, RemoteModel
 
 PREFIX = "chaos"
 NEW_TOKENS = 128
@@ -76,7 +76,7 @@ def test_generation_survives_faults_with_identical_output(chaos_swarm, model, re
 
         def strike(step, session: InferenceSession):
             if step == 7 + round_ * 11:  # a different step each round, on alternating hops of the chain
-                peer = session.remote.chain[round_ % 2].peer_id
+                peer = session.blocks.chain[round_ % 2].peer_id
                 victim = server_of(chaos_swarm, peer)
                 victim.process.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 victims.append(victim)
@@ -103,7 +103,7 @@ def test_when_nothing_can_serve_the_span_the_error_names_the_blocks(tiny_llama, 
         try:
             with remote.session(max_length=16) as session:
                 session.step([PROMPT])
-                server_of(swarm, session.remote.chain[1].peer_id).process.send_signal(signal.SIGKILL)
+                server_of(swarm, session.blocks.chain[1].peer_id).process.send_signal(signal.SIGKILL)
                 with pytest.raises(MissingBlocksError, match=r"no server holds blocks 2\.\.3"):
                     session.step([[1]])
         finally:

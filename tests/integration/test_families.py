@@ -60,7 +60,7 @@ def swarm_client(family_swarm):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request, folders, swarm_client):
     """(remote model, local transformers model) of one family."""
-    from swarm.model import RemoteModel
+    from swarm.client.remote_model import RemoteModel
 
     folder = folders[request.param]
     remote = RemoteModel(folder, swarm_client, request.param, prefix=request.param)

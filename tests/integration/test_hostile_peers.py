@@ -39,7 +39,7 @@ def client(tiny_swarm, server):
 
 
 def forward(client, server, hidden):
-    from swarm.rpc import call_forward
+    from swarm.client.stubs import call_forward
 
     return client.loop.run(call_forward(client.node.p2p, server.peer_id, hidden, 0, TINY_BLOCKS, timeout=30))
 
@@ -99,10 +99,11 @@ class Fuzzer:
     def __init__(self, client, server, seed: int):
         from hivemind.p2p import PeerID
 
-        from swarm.rpc import BlockService, InferenceStream
+        from swarm.client.stubs import InferenceStream
+        from swarm.wire import BlockRPC
 
         self.rng = random.Random(seed)
-        self.stub = BlockService.get_stub(client.node.p2p, PeerID.from_base58(server.peer_id))
+        self.stub = BlockRPC.get_stub(client.node.p2p, PeerID.from_base58(server.peer_id))
         self.sent = collections.Counter()  # handler -> requests (for rpc_inference: every message of a stream)
         self.answers = collections.Counter()  # (handler, "ok" or the error's code) -> replies
         # an honest client's session, open all along: pushes aim at it, and its outputs must stay right
@@ -181,7 +182,7 @@ class Fuzzer:
     def tally(self, handler: str, response) -> bool:
         """Count the reply; True if it succeeded. Any reply must be well-formed, and no error internal."""
         from swarm.protocol import error_from_wire
-        from swarm.rpc import unpack
+        from swarm.wire import unpack
 
         _, metadata = unpack(response)
         error = error_from_wire(metadata)

@@ -5,8 +5,8 @@ import pytest
 
 from conftest import TINY_BLOCKS
 from swarm.client import SwarmClient
-from swarm.model import RemoteModel
-from swarm.routing import ChainLink
+from swarm.client.remote_model import RemoteModel
+from swarm.client.routing import ChainLink
 from tiny_model import build_tiny_model
 
 PREFIX = "spot"
@@ -36,7 +36,7 @@ def greedy(session) -> list[int]:
 
 
 def caught() -> float:
-    from swarm import metrics
+    from swarm.client import metrics
 
     return metrics.SPOT_CHECKS.labels("caught")._value.get()
 
@@ -58,6 +58,6 @@ def test_a_lying_server_is_caught_banned_and_routed_around(tiny_swarm, tiny_llam
             before = caught()
             assert greedy(session) == reference
             assert caught() == before + 1 and liar.peer_id in model.client.bans.current()
-            assert [link.peer_id for link in session.remote.chain] != [liar.peer_id]
+            assert [link.peer_id for link in session.blocks.chain] != [liar.peer_id]
     finally:
         model.close()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import TINY_BLOCKS, TINY_PREFIX
+from config import SwarmSettings
 from swarm import dht
 from swarm.client import SwarmClient
 from swarm.protocol import CacheFullError, MissingBlocksError, NotAllowedError
@@ -12,14 +13,15 @@ from swarm.protocol import CacheFullError, MissingBlocksError, NotAllowedError
 
 def test_a_client_routes_only_to_the_allowed_servers(tiny_swarm, monkeypatch):
     first, second = tiny_swarm.servers[:2]  # blocks 0:2 and 2:4
-    monkeypatch.setenv("ALLOWED_SERVERS", first.peer_id)  # as a gateway's client would be configured
-    client = SwarmClient(tiny_swarm.initial_peers)
+    monkeypatch.setenv("ALLOWED_SERVERS", first.peer_id)  # as a gateway's client is configured: config.py reads
+    client = SwarmClient(tiny_swarm.initial_peers, allowed_servers=SwarmSettings.from_env().allowed_servers)  # it
     try:
         assert [server.peer_id for server in client.servers(TINY_PREFIX, TINY_BLOCKS)] == [first.peer_id]
         with pytest.raises(MissingBlocksError, match=r"blocks 2\.\.3"):
             client.chain(TINY_PREFIX, TINY_BLOCKS, "tiny")
-        assert {record.prefix for record in client.loop.run(dht.fetch_catalogue(client.node, client.allowed_servers))} \
-            == {TINY_PREFIX}  # the catalogue, too, as the allowed servers announce it
+        # the catalogue and the health page, too, see only what the allowed servers announce
+        assert {record.prefix for record in client.catalogue()} == {TINY_PREFIX}
+        assert [server.peer_id for server in client.health(TINY_PREFIX, TINY_BLOCKS).servers] == [first.peer_id]
     finally:
         client.shutdown()
     client = SwarmClient(tiny_swarm.initial_peers, allowed_servers=[first.peer_id, second.peer_id])

@@ -19,7 +19,7 @@ def test_converted_model_is_the_expected_llama(real_model):
 
 
 def test_a_span_loads_only_its_blocks(real_model):
-    from swarm.blocks import load_span
+    from swarm.server.span import load_span
 
     span = load_span(real_model, 0, 15)
     held = {name.split(".")[2] for name in span.loaded_names}
@@ -46,7 +46,7 @@ def test_servers_hold_only_their_blocks(real_swarm, real_model, settings):
 
 
 def test_generate_prints_what_transformers_prints(real_swarm, real_model):
-    result = run_tool("-m", "swarm.generate", "--initial-peers", *real_swarm.initial_peers,
+    result = run_tool("-m", "swarm.client.generate", "--initial-peers", *real_swarm.initial_peers,
                       "--model", "SmolLM2-135M-Instruct", "--prompt", PROMPT, "--chat", "--max-new-tokens", "128",
                       timeout=300)
     assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port
 from swarm.local import LocalSwarmError
-from swarm.model import RemoteModel
+from swarm.client.remote_model import RemoteModel
 
 PREFIX = "tiny-metrics"
 CACHE_TOKENS = 1000

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from swarm import metrics
-from swarm.batching import Scheduler, Work
-from swarm.blocks import Segment, load_span
-from swarm.cache import PAGE_TOKENS, CacheBudget
+from swarm.server import metrics
+from swarm.server.batching import Scheduler, Work
+from swarm.server.span import Segment, load_span
+from swarm.server.cache import PAGE_TOKENS, CacheBudget
 from swarm.protocol import CacheFullError
-from swarm.server import Backend, Limits
+from swarm.server.backend import Backend, ServerLimits
 from tiny_model import build_tiny_model
 
 ATOL = 1e-4  # float32 sums in another order when more rows share a matrix product
@@ -189,7 +189,7 @@ def test_sessions_take_pages_as_they_grow_and_give_all_back(llama_span):
     span = llama_span
 
     async def scenario():
-        backend = Backend(span, CacheBudget(3 * PAGE_TOKENS), Limits(cache_wait=0.1))
+        backend = Backend(span, CacheBudget(3 * PAGE_TOKENS), ServerLimits(cache_wait=0.1))
         try:
             opening = {"start": 0, "end": 3, "max_length": 4 * PAGE_TOKENS, "batch_size": 1}
             first, second = await backend.open_session(opening, "peer"), await backend.open_session(opening, "peer")

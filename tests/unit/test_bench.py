@@ -11,7 +11,7 @@ import torch
 from bench.memory import process_memory, reset_peaks, server_budget
 from bench.report import plot, table, targets, write_json
 from bench.stats import TokenStream, percentile, summarize_concurrent, summarize_runs
-from swarm.blocks import load_span
+from swarm.server.span import load_span
 from tiny_model import build_tiny_model
 
 

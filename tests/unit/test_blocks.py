@@ -4,7 +4,9 @@ import pytest
 import torch
 import transformers
 
-from swarm.blocks import FAMILIES, load_client, load_span
+from swarm.client.head import load_client
+from swarm.families import FAMILIES
+from swarm.server.span import load_span
 from swarm.protocol import BadRequestError, UnknownModelError
 from tiny_model import build_tiny_model
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from swarm.coalesce import Coalescer
+from swarm.client.coalesce import Coalescer
 
 
 def test_concurrent_calls_merge_and_each_gets_its_rows():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from swarm.decoding import IncrementalDetokenizer, filter_top_k, filter_top_p, next_token
+from swarm.client.decoding import IncrementalDetokenizer, filter_top_k, filter_top_p, next_token
 from tiny_model import build_tokenizer
 
 

@@ -13,7 +13,7 @@ from gateway.sampling import SamplingParams
 
 
 class LocalSession:
-    """Stands in for swarm.model.InferenceSession: records what would be sent to the servers."""
+    """Stands in for swarm.client.InferenceSession: records what would be sent to the servers."""
 
     def __init__(self, model, max_length):
         self.model, self.max_length = model, max_length
@@ -35,6 +35,7 @@ class LocalRemote:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         self.config = self.model.config
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        self.stop_token_ids = frozenset({self.config.eos_token_id, self.tokenizer.eos_token_id})
         self.sessions = []
 
     def session(self, max_length):

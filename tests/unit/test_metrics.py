@@ -29,7 +29,7 @@ def test_the_first_token_is_timed_against_the_start_and_the_others_against_each_
 def test_a_loading_server_stays_announced_as_joining(monkeypatch):
     from swarm import dht
     from swarm.protocol import ServerInfo, ServerState
-    from swarm.server import _announced_while
+    from swarm.server.main import _announced_while
 
     announced = []
 

@@ -44,7 +44,7 @@ def test_names():
 def test_bfloat16_travels_as_its_16_bits_and_bad_names_are_refused():
     import torch
 
-    from swarm.rpc import BFLOAT16_KEY, pack, unpack
+    from swarm.wire import BFLOAT16_KEY, pack, unpack
 
     hidden = torch.randn(2, 3, 576).to(torch.bfloat16)
     tensors, metadata = unpack(pack((hidden, torch.ones(2)), {"position": 4}))

@@ -1,7 +1,8 @@
 import pytest
 
-from swarm.protocol import MissingBlocksError, RemoteServer, ServerInfo, ServerState
-from swarm.routing import ChainLink, choose_chain, choose_span, missing_ranges
+from swarm.client.routing import ChainLink, choose_chain
+from swarm.protocol import MissingBlocksError, RemoteServer, ServerInfo, ServerState, missing_ranges
+from swarm.server.placement import choose_span
 
 
 def server(peer_id, start, end, throughput=10.0):
@@ -72,7 +73,7 @@ def test_load_and_free_cache_steer_new_sessions():
 
 
 def test_only_a_redundant_server_moves_and_only_toward_a_gap():
-    from swarm.routing import span_to_move_to
+    from swarm.server.placement import span_to_move_to
 
     me, twin = server("b", 0, 2), server("a", 0, 2)
     assert span_to_move_to([twin], 4, me) == (2, 4)  # redundant, and blocks 2..3 have nobody

@@ -6,14 +6,14 @@ import asyncio
 import pytest
 import torch
 
-from swarm.blocks import load_span
-from swarm.cache import PAGE_TOKENS, CacheBudget
+from swarm.server.span import load_span
+from swarm.server.cache import PAGE_TOKENS, CacheBudget
 from swarm.protocol import BadRequestError, ServerLimitError
-from swarm.server import Backend, Limits
+from swarm.server.backend import Backend, ServerLimits
 from tiny_model import build_tiny_model
 
 HIDDEN = 64
-LIMITS = Limits(max_request_tokens=64, max_session_tokens=48, max_sessions_per_peer=2, cache_wait=0.1)
+LIMITS = ServerLimits(max_request_tokens=64, max_session_tokens=48, max_sessions_per_peer=2, cache_wait=0.1)
 OPENING = {"start": 0, "end": 2, "max_length": 16, "batch_size": 1}
 
 

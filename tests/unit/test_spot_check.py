@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from swarm.protocol import RemoteServer, ServerInfo, ServerState
-from swarm.routing import ChainLink
-from swarm.spot_check import agree, find_liar, plan_check
+from swarm.client.routing import ChainLink
+from swarm.client.spot_check import agree, find_liar, plan_check
 
 HONEST = torch.randn(1, 3, 16)
 CLOSE = HONEST * 1.01  # what another honest server computes: 1% off
@@ -58,7 +58,7 @@ def test_a_check_picks_a_hop_that_another_server_holds_whole():
 
 
 def test_a_ban_is_never_shortened():
-    from swarm.client import Bans
+    from swarm.client.peers import Bans
 
     bans = Bans(base_seconds=0.01)
     bans.ban("liar", seconds=3600)

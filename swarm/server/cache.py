@@ -20,9 +20,7 @@ from typing import Optional
 
 import torch
 
-from swarm.protocol import CacheFullError
-
-PAGE_TOKENS = 128
+from swarm.protocol import PAGE_TOKENS, CacheFullError
 
 
 def pages_for(positions: int) -> int:

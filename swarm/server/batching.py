@@ -2,7 +2,7 @@
 
 Requests arrive on the event loop (one step per session at a time, plus cache-less forwards) and queue here.
 The compute thread takes, in each round, every waiting decode step of one block range and as much of the
-waiting prefills as the round's token budget leaves, packs their tokens side by side (blocks.PackedBatch)
+waiting prefills as the round's token budget leaves, packs their tokens side by side (swarm/server/span.py: PackedBatch)
 and runs them through the span at once: the weights are read once for all of them. A long prompt goes
 through in chunks of at most `prefill_chunk_tokens`, round after round, so the sessions that are decoding
 meanwhile wait for one chunk at most, never for the whole prompt. The chunks of one prompt run in order
@@ -19,9 +19,9 @@ from typing import Callable, Optional
 
 import torch
 
-from swarm import metrics
-from swarm.blocks import BlockSpan, Segment
-from swarm.cache import SessionCache
+from swarm.server import metrics
+from swarm.server.span import BlockSpan, Segment
+from swarm.server.cache import SessionCache
 from swarm.protocol import ServerUnavailableError
 
 

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 import torch
 
 from swarm.protocol import RemoteServer, ServerUnavailableError, SwarmError
-from swarm.routing import ChainLink
+from swarm.client.routing import ChainLink
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class SpotChecker:
     def verify(self, check: Check, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
         """Compare the hop's `outputs` (of its last positions) with what other servers compute from all its
         `inputs`; ban a liar, and raise LyingServerError if it is the hop's own server."""
-        from swarm import metrics
+        from swarm.client import metrics
 
         position = inputs.shape[1] - outputs.shape[1]
         opinions = ((peer, self._outputs(peer, check.link, inputs, position)) for peer in check.others)
@@ -127,7 +127,7 @@ class SpotChecker:
 
     def _outputs(self, peer: str, link: ChainLink, inputs: torch.Tensor, position: int) -> Optional[torch.Tensor]:
         """Another server's outputs for the positions from `position`, or None if it fails to give them."""
-        from swarm.rpc import call_forward
+        from swarm.client.stubs import call_forward
 
         try:
             outputs = self.client.loop.run(

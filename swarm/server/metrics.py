@@ -1,10 +1,7 @@
-"""Prometheus metrics of the swarm's processes: the client's retries and failovers, and a block server's load.
+"""Prometheus metrics of a block server: its sessions, cache, batches and steps.
 
-The client's counters live in prometheus_client's default registry, so whatever process runs a SwarmClient
-(the gateway) exposes them with its own metrics. A block server's metrics live in a registry of their own,
-served by prometheus_client's HTTP server when the server runs with --metrics-port: a gateway that imports
-this module does not expose a block server's (empty) gauges.
-
+They live in a registry of their own, served by prometheus_client's HTTP server when the server runs with
+--metrics-port, so that a process that imports this module (a test, a gateway) exposes none of them.
 Importing this module only creates metric objects: no thread, no socket.
 """
 
@@ -12,16 +9,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
-
-# ---------------------------------------------------------------------------------------- client side
-
-RETRIES = Counter("swarm_client_retries_total", "Steps of a session sent again to a server after a failure")
-FAILOVERS = Counter("swarm_client_failovers_total", "Servers of a session's chain replaced by others after a failure")
-SPOT_CHECKS = Counter("swarm_client_spot_checks_total",
-                      "Steps whose outputs other servers recomputed (swarm/spot_check.py), by outcome: agreed, "
-                      "caught (a lying server was banned) or unresolved", ["outcome"])
-
-# ---------------------------------------------------------------------------------------- server side
 
 SERVER_REGISTRY = CollectorRegistry()
 for _collector in (ProcessCollector, PlatformCollector, GCCollector):  # what the default registry would show

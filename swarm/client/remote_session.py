@@ -1,168 +1,31 @@
-"""A client's connection to the swarm, and inference sessions over a chain of block servers.
-
-Synchronous on the outside (the gateway's threads and the command-line tools call it), asynchronous inside:
-every network call runs on the process's one event loop (see dht.EventLoop).
-"""
+"""A remote inference session: hidden states through a chain of block servers that keep its cache, surviving
+their failures (ban, re-route, replay)."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Collection, Optional
 
 import torch
 
-from swarm import dht
-from swarm.cache import PAGE_TOKENS
+from swarm.client import metrics
+from swarm.client.routing import ChainLink
+from swarm.client.stubs import InferenceStream
 from swarm.protocol import (
+    PAGE_TOKENS,
     CacheFullError,
     MissingBlocksError,
     NotAllowedError,
-    RemoteServer,
     ServerUnavailableError,
     SessionLengthError,
 )
-from swarm.routing import ChainLink, choose_chain
-from swarm.rpc import InferenceStream, call_forward, call_info
-from swarm.spot_check import SpotChecker
+
+if TYPE_CHECKING:
+    from swarm.client.swarm_client import SwarmClient
 
 logger = logging.getLogger(__name__)
-
-
-class Bans:
-    """Peers left out of routing for a while. A failure (dead, stalled, cut off) bans a peer for a time that
-    doubles on each repeat, and routing still falls back on it when no other server holds its blocks; a peer
-    caught answering wrong is distrusted: never routed to until its ban ends."""
-
-    def __init__(self, base_seconds: float = 30.0, max_seconds: float = 600.0):
-        self.base, self.max = base_seconds, max_seconds
-        self._until: dict[str, float] = {}
-        self._distrusted_until: dict[str, float] = {}
-        self._strikes: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False) -> None:
-        """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened."""
-        with self._lock:
-            strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
-            seconds = min(self.base * 2 ** (strikes - 1), self.max) if seconds is None else seconds
-            for bans in (self._until, self._distrusted_until) if distrust else (self._until,):
-                bans[peer_id] = max(bans.get(peer_id, 0.0), time.monotonic() + seconds)
-
-    def current(self) -> set[str]:
-        return self._live(self._until)
-
-    def distrusted(self) -> set[str]:
-        return self._live(self._distrusted_until)
-
-    def _live(self, bans: dict[str, float]) -> set[str]:
-        now = time.monotonic()
-        with self._lock:
-            return {peer for peer, until in bans.items() if until > now}
-
-
-class PeerLoad:
-    """The client's own view of each server's load: the sessions it has open there and its recent latency,
-    so that new sessions spread over replicas instead of piling onto the first."""
-
-    def __init__(self):
-        self.sessions: dict[str, int] = {}
-        self.latency: dict[str, float] = {}  # an exponential moving average of seconds per step
-        self._lock = threading.Lock()
-
-    def opened(self, peer_id: str, change: int = 1) -> None:
-        with self._lock:
-            self.sessions[peer_id] = max(self.sessions.get(peer_id, 0) + change, 0)
-
-    def observed(self, peer_id: str, seconds: float) -> None:
-        with self._lock:
-            previous = self.latency.get(peer_id, seconds)
-            self.latency[peer_id] = 0.8 * previous + 0.2 * seconds
-
-    def factors(self) -> dict[str, float]:
-        """Multipliers of each server's estimated time: more sessions and slower answers weigh more."""
-        with self._lock:
-            fastest = min(self.latency.values(), default=0.0)
-            return {
-                peer: (1.0 + self.sessions.get(peer, 0)) * (self.latency.get(peer, fastest) / fastest if fastest else 1.0)
-                for peer in set(self.sessions) | set(self.latency)
-            }
-
-
-class SwarmClient:
-    """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures.
-
-    `allowed_servers`: a private swarm's servers (peer ids), the only ones it routes to (empty: any server);
-    `spot_check_rate`: the chance that a step is checked on other servers (swarm/spot_check.py; 0: never).
-    Both default to the settings of config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE), so that every
-    client of a deployment (the gateway's too) follows them."""
-
-    def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
-                 max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
-                 allowed_servers: Optional[Collection[str]] = None, spot_check_rate: Optional[float] = None):
-        from config import SwarmSettings
-
-        if allowed_servers is None or spot_check_rate is None:
-            settings = SwarmSettings.from_env()
-            allowed_servers = settings.allowed_servers if allowed_servers is None else allowed_servers
-            spot_check_rate = settings.spot_check_rate if spot_check_rate is None else spot_check_rate
-        self.allowed_servers = frozenset(allowed_servers)
-        self.spot_checks = SpotChecker(self, spot_check_rate)
-        self.loop = dht.EventLoop.get()
-        # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
-        self.wire_dtype = wire_dtype
-        self.timeout = timeout  # for a whole-sequence forward, or opening a stream
-        # a step may take this long, plus STEP_SECONDS_PER_TOKEN for each position it carries; a server that
-        # stays silent longer (dead, stalled, cut off) is banned and its span re-routed
-        self.step_timeout, self.max_retries = step_timeout, max_retries
-        self.bans, self.load = Bans(), PeerLoad()
-        self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
-
-    def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        """The online servers of a model that this client may route to."""
-        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
-
-    def chain(
-        self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
-        start: int = 0, min_cache_tokens: int = 0,
-    ) -> list[ChainLink]:
-        """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers."""
-        servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
-        try:
-            return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
-                                self.load.factors(), min_cache_tokens)
-        except MissingBlocksError:
-            if not self.bans.current() - self.bans.distrusted():
-                raise
-            # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
-            # not strand a session when there are none (a server that was only slow under a burst of load)
-            return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
-                                self.load.factors(), min_cache_tokens)
-
-    def server_info(self, peer_id: str) -> dict:
-        return self.loop.run(call_info(self.node.p2p, peer_id))
-
-    def forward(self, chain: list[ChainLink], hidden: torch.Tensor) -> torch.Tensor:
-        """A whole sequence through the chain, with no cache left behind: (batch, length, hidden) in and out."""
-
-        async def run_chain():
-            output = hidden.to(self.wire_dtype)
-            for link in chain:
-                output = await call_forward(self.node.p2p, link.peer_id, output, link.start, link.end, self.timeout)
-            return output
-
-        return self.loop.run(run_chain()).to(hidden.dtype)
-
-    def open_session(
-        self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1
-    ) -> "RemoteSession":
-        return RemoteSession(self, Route(prefix, num_blocks, model_name), max_length, batch_size)
-
-    def shutdown(self) -> None:
-        self.loop.run(self.node.shutdown())
-
 
 STEP_SECONDS_PER_TOKEN = 0.02
 
@@ -252,8 +115,6 @@ class RemoteSession:
     def _fail_over(self, index: int, error: Exception, new_positions: int) -> tuple[torch.Tensor, int]:
         """Replace hop `index` by servers that hold its blocks, replaying its inputs; return the outputs for the
         newest positions and the index of the hop after the replacements."""
-        from swarm import metrics
-
         failed = self.hops[index]
         start, end, inputs = failed.link.start, failed.link.end, failed.inputs
         logger.warning("server %s failed (%s); re-routing blocks %d:%d", failed.link.peer_id, error, start, end)

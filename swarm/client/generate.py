@@ -1,6 +1,6 @@
-"""`python -m swarm.generate`: an operator's quick check that a swarm works; streams an answer as it comes.
+"""`python -m swarm.client.generate`: an operator's quick check that a swarm works; streams an answer as it comes.
 
-    python -m swarm.generate --initial-peers MADDR --model SmolLM2-135M-Instruct --prompt "Hi!" --chat
+    python -m swarm.client.generate --initial-peers MADDR --model SmolLM2-135M-Instruct --prompt "Hi!" --chat
 
 Greedy unless --temperature is given. The text goes to stdout; a one-line speed summary goes to stderr.
 """
@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from swarm.decoding import IncrementalDetokenizer, next_token
+from swarm.client.decoding import IncrementalDetokenizer, next_token
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -23,18 +23,11 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def stop_token_ids(model) -> set[int]:
-    eos = model.config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if model.tokenizer.eos_token_id is not None:
-        ids.add(model.tokenizer.eos_token_id)
-    return ids
-
-
 def generate(model, ids: list[int], max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[int]:
-    """Yield new token ids one by one until a stop token or max_new_tokens."""
+    """Yield new token ids one by one until a stop token (the model's stop_token_ids, as the gateway's engine
+    stops) or max_new_tokens."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    stops = stop_token_ids(model)
+    stops = model.stop_token_ids
     with model.session(max_length=len(ids) + max_new_tokens) as session:
         logits = session.step([ids])
         for _ in range(max_new_tokens):
@@ -46,10 +39,11 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature=0.0, top_k=
 
 
 def run(args) -> None:
-    from swarm.model import RemoteModel
+    from swarm.client.remote_model import RemoteModel
 
     model = RemoteModel.from_pretrained(args.model, args.initial_peers, args.cache_dir, args.dht_prefix,
-                                        wire_dtype=getattr(torch, args.wire_dtype))
+                                        wire_dtype=getattr(torch, args.wire_dtype),
+                                        allowed_servers=args.allowed_servers, spot_check_rate=args.spot_check_rate)
     try:
         ids = prompt_ids(model.tokenizer, args.prompt, args.chat)
         detokenizer = IncrementalDetokenizer(model.tokenizer)
@@ -70,7 +64,7 @@ def main(argv=None) -> None:
     from swarm.cli import ArgumentParser, multiaddr, run_main, settings_from_env, setup_logging
 
     settings = settings_from_env()
-    parser = ArgumentParser(prog="python -m swarm.generate", description="Generate text through a swarm.")
+    parser = ArgumentParser(prog="python -m swarm.client.generate", description="Generate text through a swarm.")
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(settings.initial_peers))
     parser.add_argument("--model", default=settings.model, help="a known model name or a Hugging Face folder")
     parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
@@ -92,6 +86,7 @@ def main(argv=None) -> None:
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         parser.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
     args.cache_dir = settings.cache_dir
+    args.allowed_servers, args.spot_check_rate = settings.allowed_servers, settings.spot_check_rate
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """Turning logits into text: next-token choice as pure functions, and a detokenizer that streams safely.
 
-The gateway's sampling builds on these; `python -m swarm.generate` uses them as they are.
+The gateway's sampling builds on these; `python -m swarm.client.generate` uses them as they are.
 """
 
 from __future__ import annotations

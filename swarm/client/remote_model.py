@@ -13,9 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from swarm.blocks import load_client
-from swarm.client import RemoteSession, SwarmClient
-from swarm.coalesce import Coalescer
+from swarm.client.coalesce import Coalescer
+from swarm.client.head import load_client
+from swarm.client.remote_session import RemoteSession
+from swarm.client.swarm_client import SwarmClient
 from swarm.protocol import dht_prefix
 from swarm.weights import load_config, load_tokenizer, resolve_model
 
@@ -32,20 +33,26 @@ class RemoteModel:
         self.client_modules = load_client(self.folder, self.config)  # are read, never any block's weights
         self.embed_tokens = self.client_modules.embed_tokens
         self.norm, self.lm_head = self.client_modules.norm, self.client_modules.lm_head
-        # sessions decoding at once in other threads share one pass through the LM head (see swarm/coalesce.py)
+        # sessions decoding at once in other threads share one pass through the LM head (see swarm/client/coalesce.py)
         self._head = Coalescer(self.client_modules.logits)
 
     @classmethod
     def from_pretrained(
         cls, name_or_path: str, initial_peers: Sequence[str], cache_dir: Path, prefix: Optional[str] = None,
-        name: Optional[str] = None, wire_dtype: torch.dtype = torch.float32,
+        name: Optional[str] = None, **client_settings,
     ) -> "RemoteModel":
         """`name` is what errors call the model (default: name_or_path); `prefix` its name in the DHT
-        (default: derived from name_or_path, as servers derive it); `wire_dtype` how hidden states travel."""
+        (default: derived from name_or_path, as servers derive it); `client_settings` go to SwarmClient
+        (wire_dtype, allowed_servers, spot_check_rate, ...)."""
+        return cls.on_client(SwarmClient(initial_peers, **client_settings), name_or_path, cache_dir, prefix, name)
+
+    @classmethod
+    def on_client(cls, client: SwarmClient, name_or_path: str, cache_dir: Path, prefix: Optional[str] = None,
+                  name: Optional[str] = None) -> "RemoteModel":
+        """A model served through an existing client (one DHT node for every model of a process); its prefix
+        defaults to the one servers derive from the same name_or_path."""
         folder = resolve_model(name_or_path, cache_dir)
-        model = cls(folder, SwarmClient(initial_peers, wire_dtype=wire_dtype), name_or_path, prefix)
-        model.name = name or name_or_path
-        return model
+        return cls(folder, client, name or name_or_path, prefix or dht_prefix(name_or_path))
 
     def embed(self, token_ids, position: int = 0) -> torch.Tensor:
         """Token ids (batch, length) at absolute positions position.. -> the first block's input."""
@@ -61,9 +68,19 @@ class RemoteModel:
             self._tokenizer = load_tokenizer(self.folder)
         return self._tokenizer
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end a generation: the config's end-of-sequence ids and the tokenizer's. Every
+        generation loop (the gateway's engine, `python -m swarm.client.generate`) stops on exactly these."""
+        eos = self.config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
     def session(self, max_length: int, batch_size: int = 1) -> "InferenceSession":
-        remote = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size)
-        return InferenceSession(self, remote)
+        blocks = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size)
+        return InferenceSession(self, blocks)
 
     @torch.inference_mode()
     def forward(self, token_ids) -> torch.Tensor:
@@ -89,27 +106,28 @@ class RemoteModel:
 class InferenceSession:
     """Token ids in, next-token logits out; the swarm's servers hold the attention cache between steps."""
 
-    def __init__(self, model: RemoteModel, remote: RemoteSession):
-        self.model, self.remote = model, remote
+    def __init__(self, model: RemoteModel, blocks: RemoteSession):
+        self.model = model
+        self.blocks = blocks  # the session on the servers of the chain, which hold its cache
 
     @property
     def position(self) -> int:
-        return self.remote.position
+        return self.blocks.position
 
     @property
     def max_length(self) -> int:
-        return self.remote.max_length
+        return self.blocks.max_length
 
     @torch.inference_mode()
     def step(self, token_ids, position: Optional[int] = None) -> torch.Tensor:
         """Feed new tokens (batch, length) and get the logits after the last one: (batch, vocab)."""
-        position = self.remote.position if position is None else position  # absolute position of the new tokens
+        position = self.blocks.position if position is None else position  # absolute position of the new tokens
         hidden = self.model.embed(token_ids, position)  # (batch, length, hidden)
-        hidden = self.remote.step(hidden, position)
+        hidden = self.blocks.step(hidden, position)
         return self.model.logits(hidden[:, -1])
 
     def close(self) -> None:
-        self.remote.close()
+        self.blocks.close()
 
     def __enter__(self):
         return self

@@ -1,0 +1,49 @@
+"""The swarm's client: a model whose blocks run on remote servers, and the connection that routes to them.
+
+In data-flow order:
+
+    swarm_client.py  SwarmClient: a client-mode DHT node; finds servers, opens sessions, and answers what the
+                     swarm looks like (catalogue, Coverage, SwarmHealth: dataclasses, so callers never touch the DHT)
+    routing.py       pure choices: the chain of servers that serves a session (fewest hops, then fastest)
+    peers.py         Bans (peers left out for a while) and PeerLoad (the client's own view of each server's load)
+    stubs.py         the client's end of the block servers' RPC (swarm/wire.py): info, forward, inference streams
+    remote_session.py  RemoteSession: hidden states through the chain; on a failure ban, re-route, replay
+    spot_check.py    now and then, other servers recompute a hop of a step; a liar is banned
+    head.py          the client's weights: embeddings, final norm, LM head (from the family's ClientSide)
+    coalesce.py      concurrent row-wise calls merged into one (the LM head of sessions decoding at once)
+    remote_model.py  RemoteModel: embeddings -> remote blocks -> norm -> LM head; session(max_length).step(ids)
+    decoding.py      logits -> token (greedy, temperature, top-k, top-p), and a streaming detokenizer
+    generate.py      `python -m swarm.client.generate`, an operator's quick check
+    catalogue.py     `python -m swarm.client.catalogue`, the models a swarm serves
+    metrics.py       Prometheus counters: retries, failovers, spot checks (in the default registry)
+
+The public API is what this module exports (__all__); the gateway imports nothing else of swarm but
+swarm.protocol's errors and records. It never imports swarm.server. Importing it loads no torch, hivemind or
+transformers: the names below load their modules when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from swarm.client import metrics  # noqa: F401  (the client's counters exist, at 0, before any client does)
+
+_EXPORTS = {
+    "SwarmClient": "swarm.client.swarm_client",
+    "Coverage": "swarm.client.swarm_client",
+    "SwarmHealth": "swarm.client.swarm_client",
+    "RemoteSession": "swarm.client.remote_session",
+    "RemoteModel": "swarm.client.remote_model",
+    "InferenceSession": "swarm.client.remote_model",
+    "IncrementalDetokenizer": "swarm.client.decoding",
+}
+_MODULES = {"decoding"}  # logits -> token, as the gateway's sampling builds on them
+__all__ = [*_EXPORTS, *_MODULES, "metrics"]
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"swarm.client.{name}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'swarm.client' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,75 @@
+"""The client's half of a model's weights: embeddings (and learned positions, an embedding norm), the final
+norm and the LM head, built from the family's ClientSide (swarm/families.py), from the client's tensors only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from swarm.families import Family, family_of
+from swarm.protocol import SessionLengthError
+from swarm.weights import load_config, load_tensors
+
+class ClientModules(nn.Module):
+    """The client's half of a model: token ids -> hidden states for the first block, and the last block's
+    output -> final norm -> logits. Built from the family's ClientSide, from the client's own tensors only."""
+
+    def __init__(self, config, family: Family, tensors: dict):
+        super().__init__()
+        client = family.client
+        self.config, self.family = config, family
+        self.loaded_names = sorted(tensors)  # proof that the client read no block's tensors
+        embed_weight = tensors[client.embed_key]
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.embed_positions = None
+        if client.position_embed_key is not None:
+            self.embed_positions = nn.Embedding.from_pretrained(tensors[client.position_embed_key], freeze=True)
+        self.embed_norm = None
+        if client.embed_norm_prefix is not None:
+            self.embed_norm = _load_norm(family, config, client.embed_norm_prefix, tensors)
+        self.norm = _load_norm(family, config, client.norm_prefix, tensors)
+        head_weight = tensors.get(client.lm_head_key)
+        if head_weight is None or getattr(config, "tie_word_embeddings", False):
+            head_weight = embed_weight
+        with torch.device("meta"):
+            self.lm_head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(head_weight, requires_grad=False)
+
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor, position: int = 0) -> torch.Tensor:
+        """Token ids (batch, length) at absolute positions position.. -> hidden states (batch, length, hidden)
+        as the first block expects them (transformers' hidden_states[0])."""
+        hidden = self.embed_tokens(token_ids)
+        if self.embed_positions is not None:
+            end = position + token_ids.shape[1]
+            if end > self.embed_positions.num_embeddings:
+                raise SessionLengthError(
+                    f"position {end - 1} is past this model's {self.embed_positions.num_embeddings} positions"
+                )
+            hidden = hidden + self.embed_positions(torch.arange(position, end, device=hidden.device))
+        if self.embed_norm is not None:
+            hidden = self.embed_norm(hidden)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> final norm -> LM head."""
+        return self.lm_head(self.norm(hidden))
+
+
+def _load_norm(family: Family, config, prefix: str, tensors: dict) -> nn.Module:
+    with torch.device("meta"):
+        norm = family.client.norm(family, config)
+    state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+    norm.load_state_dict(state, strict=True, assign=True)
+    return norm.eval()
+
+
+def load_client(folder: Path, config=None) -> ClientModules:
+    """The client's modules of a model folder, reading only their tensors (never any block's)."""
+    config = load_config(folder) if config is None else config
+    family = family_of(config)
+    keys = family.client.keys()
+    return ClientModules(config, family, load_tensors(folder, lambda name: name in keys))

@@ -1,0 +1,67 @@
+"""The client's own view of the servers: peers banned for a while, and the load it put on each."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+
+class Bans:
+    """Peers left out of routing for a while. A failure (dead, stalled, cut off) bans a peer for a time that
+    doubles on each repeat, and routing still falls back on it when no other server holds its blocks; a peer
+    caught answering wrong is distrusted: never routed to until its ban ends."""
+
+    def __init__(self, base_seconds: float = 30.0, max_seconds: float = 600.0):
+        self.base, self.max = base_seconds, max_seconds
+        self._until: dict[str, float] = {}
+        self._distrusted_until: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False) -> None:
+        """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened."""
+        with self._lock:
+            strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            seconds = min(self.base * 2 ** (strikes - 1), self.max) if seconds is None else seconds
+            for bans in (self._until, self._distrusted_until) if distrust else (self._until,):
+                bans[peer_id] = max(bans.get(peer_id, 0.0), time.monotonic() + seconds)
+
+    def current(self) -> set[str]:
+        return self._live(self._until)
+
+    def distrusted(self) -> set[str]:
+        return self._live(self._distrusted_until)
+
+    def _live(self, bans: dict[str, float]) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            return {peer for peer, until in bans.items() if until > now}
+
+
+class PeerLoad:
+    """The client's own view of each server's load: the sessions it has open there and its recent latency,
+    so that new sessions spread over replicas instead of piling onto the first."""
+
+    def __init__(self):
+        self.sessions: dict[str, int] = {}
+        self.latency: dict[str, float] = {}  # an exponential moving average of seconds per step
+        self._lock = threading.Lock()
+
+    def opened(self, peer_id: str, change: int = 1) -> None:
+        with self._lock:
+            self.sessions[peer_id] = max(self.sessions.get(peer_id, 0) + change, 0)
+
+    def observed(self, peer_id: str, seconds: float) -> None:
+        with self._lock:
+            previous = self.latency.get(peer_id, seconds)
+            self.latency[peer_id] = 0.8 * previous + 0.2 * seconds
+
+    def factors(self) -> dict[str, float]:
+        """Multipliers of each server's estimated time: more sessions and slower answers weigh more."""
+        with self._lock:
+            fastest = min(self.latency.values(), default=0.0)
+            return {
+                peer: (1.0 + self.sessions.get(peer, 0)) * (self.latency.get(peer, fastest) / fastest if fastest else 1.0)
+                for peer in set(self.sessions) | set(self.latency)
+            }

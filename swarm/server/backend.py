@@ -1,0 +1,135 @@
+"""The block server's backend: what the RPC handlers call. It checks every request against the span and the
+limits on one client, opens sessions within the cache budget, and queues work for the compute thread."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
+from swarm.server.batching import Scheduler
+from swarm.server.cache import CacheBudget
+from swarm.server.sessions import ServerSession, int_field
+from swarm.server.span import BlockSpan
+
+MAX_BATCH_SIZE = 64
+# what hidden states may travel as (config.WIRE_DTYPES); any other dtype is refused before it reaches a batch
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What any one client may ask of the server: every request comes from a peer nobody vetted."""
+
+    max_request_tokens: int = 8192  # rows x positions of one request: a step, a push, a cache-less forward
+    max_session_tokens: int = 8192  # max_length x batch_size of one session: the most cache it may grow to
+    max_sessions_per_peer: int = 256  # open at once from one peer (a gateway is one peer for all its users)
+    cache_wait: float = 3.0  # seconds a step waits for cache when it is full, before it is refused
+
+
+class Backend:
+    """What the RPC handlers call: validates requests against the span and the limits, queues them for the
+    compute thread (swarm/server/batching.py), and keeps the sessions' caches within the budget."""
+
+    def __init__(self, span: BlockSpan, budget: CacheBudget, limits: ServerLimits = ServerLimits(), **batching):
+        self.span, self.budget, self.limits = span, budget, limits
+        self.hidden_size = span.config.hidden_size
+        self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
+        self.scheduler = Scheduler(lambda: self.span, **batching)
+        self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
+        self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
+        self.sessions: set[ServerSession] = set()
+        self.sessions_by_id: dict[str, ServerSession] = {}  # those a previous server may push steps to
+        self.sessions_by_peer: Counter[str] = Counter()
+
+    def move_to(self, span: BlockSpan) -> None:
+        """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
+        for session in list(self.sessions):
+            session.evicted = True
+        self.span = span
+
+    def info(self) -> dict:
+        return {
+            "start": self.span.start,
+            "end": self.span.end,
+            "dtype": str(self.span.dtype).removeprefix("torch."),
+            "quantization": self.span.quantization,
+            "device": str(self.span.device),
+            "cache_tokens_free": self.budget.free,
+            "positions_served": self.positions_served,
+            "steps_pushed": self.steps_pushed,
+            "version": PROTOCOL_VERSION,
+            "loaded_names": self.span.loaded_names,
+        }
+
+    async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
+        start, end = self._block_range(metadata)
+        hidden = self.check_hidden_states(tensors)
+        if hidden.shape[1] > self.max_positions:
+            raise SessionLengthError(f"sequence of {hidden.shape[1]} tokens exceeds {self.max_positions} positions")
+        return await self.scheduler.run(hidden, 0, start, end)
+
+    async def open_session(self, metadata: dict, peer_id: str) -> ServerSession:
+        """A new session for peer `peer_id`, holding its first page of cache (refused with CacheFullError if
+        none frees up, or ServerLimitError past the limits on one client)."""
+        start, end = self._block_range(metadata)
+        max_length = int_field(metadata, "max_length", 1, self.max_positions)
+        batch_size = int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
+        session_id = metadata.get("session_id")
+        if session_id is not None and not (isinstance(session_id, str) and 16 <= len(session_id) <= 64):
+            raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
+        if session_id in self.sessions_by_id:
+            raise BadRequestError("field 'session_id' is already in use")
+        if max_length * batch_size > self.limits.max_session_tokens:
+            raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
+                                   f"server's limit of {self.limits.max_session_tokens} tokens per session")
+        if self.sessions_by_peer[peer_id] >= self.limits.max_sessions_per_peer:
+            raise ServerLimitError(f"peer {peer_id} has {self.sessions_by_peer[peer_id]} sessions open on this "
+                                   f"server already, its limit per peer")
+        session = ServerSession(self, start, end, max_length, batch_size, peer_id, session_id)
+        try:
+            await session.reserve(1)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def accept_push(self, tensors: list, metadata: dict) -> None:
+        """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
+        session_id = metadata.get("session_id")
+        session = self.sessions_by_id.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise BadRequestError("no open session has this 'session_id'")
+        session.pushed(tensors, metadata)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+
+    def _block_range(self, metadata: dict) -> tuple[int, int]:
+        start = int_field(metadata, "start", self.span.start, self.span.end - 1)
+        end = int_field(metadata, "end", start + 1, self.span.end)
+        return start, end
+
+    def check_hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
+        """The one tensor of hidden states a request carries, refused unless a span can run it as it is."""
+        if len(tensors) != 1:
+            raise BadRequestError(f"expected one tensor of hidden states, got {len(tensors)}")
+        hidden = tensors[0]
+        if hidden.ndim != 3 or hidden.shape[2] != self.hidden_size or hidden.shape[1] < 1 or hidden.shape[0] < 1:
+            raise BadRequestError(
+                f"hidden states must have shape (batch, length >= 1, {self.hidden_size}), got {tuple(hidden.shape)}"
+            )
+        if batch_size is not None and hidden.shape[0] != batch_size:
+            raise BadRequestError(f"this session has batch size {batch_size}, got {hidden.shape[0]}")
+        if hidden.dtype not in HIDDEN_DTYPES:
+            names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
+            raise BadRequestError(f"hidden states must be floating point ({names}), got {hidden.dtype}")
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if tokens > self.limits.max_request_tokens:
+            raise BadRequestError(f"a request of {hidden.shape[0]} x {hidden.shape[1]} tokens is over this server's "
+                                  f"limit of {self.limits.max_request_tokens} tokens per request")
+        if not torch.isfinite(hidden).all():  # it would poison the session's cache, and anything computed after
+            raise BadRequestError("hidden states must be finite (no NaN or infinity)")
+        return hidden.detach()  # a request may say requires_grad: nothing here needs a graph

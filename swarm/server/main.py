@@ -1,0 +1,205 @@
+"""A block server's process: join the swarm, take a span, load it, announce it, serve until stopped.
+
+    python -m swarm.server --model NAME_OR_PATH --blocks START:END --initial-peers MADDR [...]
+
+Compute runs on one dedicated thread (torch releases the GIL, so the event loop keeps answering the
+network meanwhile); everything else happens on the asyncio loop of the main thread. With --metrics-port,
+prometheus_client serves the server's metrics (swarm/server/metrics.py) from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from swarm import dht
+from swarm.protocol import BadRequestError, ModelRecord, ServerInfo, ServerState, dht_prefix
+from swarm.server import metrics, placement
+from swarm.server.backend import Backend
+from swarm.server.cache import CacheBudget
+from swarm.server.settings import ServerSettings, parse_settings
+from swarm.server.span import BlockSpan, load_span
+from swarm.server.throughput import cached_throughput
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(settings: ServerSettings) -> None:
+    from swarm.weights import load_config, resolve_model
+
+    folder = resolve_model(settings.model, settings.cache_dir)
+    num_blocks = load_config(folder).num_hidden_layers
+    if settings.blocks is not None and settings.blocks[1] > num_blocks:
+        start, end = settings.blocks
+        raise BadRequestError(f"--blocks {start}:{end} is out of range: {settings.model} has blocks 0:{num_blocks}")
+    # first, so that a port already taken fails in a second rather than after the weights load
+    metrics_server, metrics_address = _start_metrics(settings)
+    node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity)
+    try:
+        presence = await Presence.join(node, settings, folder, num_blocks)
+        print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
+              f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
+              f"cache {settings.cache_tokens} tokens" + (f", metrics at {metrics_address}" if metrics_address else ""),
+              flush=True)
+        await presence.serve_until_stopped()
+        await presence.withdraw()
+    finally:
+        await node.shutdown()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+class Presence:
+    """The server as the swarm sees it: its span, announced every period, and moved when the swarm is uneven."""
+
+    def __init__(self, node, settings: ServerSettings, folder: Path, num_blocks: int, span: BlockSpan,
+                 throughput: float):
+        self.node, self.settings, self.folder, self.num_blocks = node, settings, folder, num_blocks
+        self.prefix = settings.dht_prefix or dht_prefix(settings.model)
+        self.span, self.throughput = span, throughput
+        self.backend = Backend(span, CacheBudget(settings.cache_tokens), settings.limits,
+                               max_batch_tokens=settings.max_batch_tokens,
+                               prefill_chunk_tokens=settings.prefill_chunk_tokens)
+        self.expiration = 3 * settings.announce_period
+
+    @property
+    def start(self) -> int:
+        return self.span.start
+
+    @property
+    def end(self) -> int:
+        return self.span.end
+
+    @classmethod
+    async def join(cls, node, settings: ServerSettings, folder: Path, num_blocks: int) -> "Presence":
+        """Claim a span, load it (announced as joining meanwhile), take requests, and announce it online."""
+        from swarm.server.handler import BlockHandler
+
+        prefix = settings.dht_prefix or dht_prefix(settings.model)
+        if settings.blocks is not None:
+            start, end = settings.blocks
+        else:
+            start, end = await placement.claim_span(node, prefix, num_blocks, settings.num_blocks,
+                                                    settings.announce_period)
+        # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
+        joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens)
+        loaded = _load(settings, folder, start, end)
+        span, throughput = await _announced_while(node, prefix, joining, settings.announce_period, loaded)
+        presence = cls(node, settings, folder, num_blocks, span, throughput)
+        metrics.watch_cache(presence.backend.budget)
+        await BlockHandler(presence.backend, settings.allowed_peers).add_p2p_handlers(node.p2p)
+        await presence.announce_online()
+        return presence
+
+    def record(self, state: ServerState) -> ServerInfo:
+        return ServerInfo(state, self.start, self.end, self.throughput, self.backend.budget.free)
+
+    async def announce_online(self) -> None:
+        from swarm.weights import KNOWN_MODELS
+
+        model = self.settings.model
+        record = ModelRecord(model if model in KNOWN_MODELS else self.folder.name, self.prefix, self.num_blocks, model)
+        await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
+        await dht.announce_model(self.node, record, expiration=self.expiration)
+
+    async def serve_until_stopped(self) -> None:
+        """Announce every period, and consider moving every rebalance period, until SIGINT or SIGTERM."""
+        stop = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        period = self.settings.rebalance_period
+        next_check, advice = time.monotonic() + period, None
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.announce_period)
+                continue
+            except asyncio.TimeoutError:
+                await self.announce_online()
+            if not period or time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + period
+            target = await placement.advised_move(self.node, self.prefix, self.num_blocks,
+                                                  self.record(ServerState.ONLINE))
+            if target is not None and target == advice:  # move only on the same advice twice in a row
+                await self.move_to(*target)
+                target = None
+            advice = target
+
+    async def move_to(self, start: int, end: int) -> None:
+        old = self.record(ServerState.OFFLINE)
+        logger.info("moving from blocks %d:%d to %d:%d to even out the swarm", self.start, self.end, start, end)
+        settings = self.settings
+        self.span = await asyncio.to_thread(load_span, self.folder, start, end, device=settings.device,
+                                            dtype=settings.dtype, reuse=self.span, quantization=settings.quantization)
+        self.backend.move_to(self.span)
+        self.throughput = await asyncio.to_thread(cached_throughput, self.span, self.folder, settings.cache_dir)
+        await dht.announce(self.node, self.prefix, old, expiration=self.expiration)  # leave the old blocks
+        await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
+        print(f"moved: blocks {start}:{end} of {self.prefix}", flush=True)
+
+    async def withdraw(self) -> None:
+        """Announce OFFLINE at once: clients stop routing new sessions here. The DHT keeps whichever record
+        expires last, so the OFFLINE one must outlive the ONLINE one it replaces."""
+        withdrawal = dht.announce(self.node, self.prefix, self.record(ServerState.OFFLINE), self.expiration)
+        try:
+            await asyncio.wait_for(withdrawal, timeout=5)
+            logger.info("withdrew from the swarm; shutting down")
+        except asyncio.TimeoutError:
+            logger.warning("could not withdraw in time; the records will expire by themselves")
+
+
+async def _load(settings: ServerSettings, folder: Path, start: int, end: int) -> tuple[BlockSpan, float]:
+    """The span and its throughput, off the event loop, so that the DHT node keeps answering its peers."""
+    span = await asyncio.to_thread(load_span, folder, start, end, device=settings.device, dtype=settings.dtype,
+                                   quantization=settings.quantization)
+    return span, await asyncio.to_thread(cached_throughput, span, folder, settings.cache_dir)
+
+
+def _weights_description(span: BlockSpan) -> str:
+    dtype = str(span.dtype).removeprefix("torch.")
+    size = f"{span.weight_bytes() / 2**20:.0f} MiB of weights"
+    return f"{dtype} ({span.quantization} weights, {size})" if span.quantization else f"{dtype} ({size})"
+
+
+def _start_metrics(settings: ServerSettings):
+    """prometheus_client's HTTP server for --metrics-port (none for 0), and the address it serves."""
+    if not settings.metrics_port:
+        return None, None
+    try:
+        return metrics.start_server_metrics(settings.host, settings.metrics_port)
+    except OSError as error:
+        raise BadRequestError(f"--metrics-port {settings.metrics_port}: cannot listen on {settings.host}: "
+                              f"{error.strerror}") from None
+
+
+async def _announced_while(node, prefix: str, info: ServerInfo, period: float, work):
+    """Await `work`, keeping `info` announced until it is done; returns what `work` returns."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            await dht.announce(node, prefix, info, expiration=3 * period)
+            done, _ = await asyncio.wait({task}, timeout=period)
+            if done:
+                return task.result()
+    finally:
+        task.cancel()  # a no-op once done; otherwise an announce failed and the work is not wanted anymore
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from swarm.cli import run_main, setup_logging
+
+    settings = parse_settings(argv)
+    setup_logging()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    run_main(lambda: asyncio.run(serve(settings)))
+
+
+if __name__ == "__main__":
+    main()

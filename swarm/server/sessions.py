@@ -1,0 +1,150 @@
+"""A client's inference session on a block server: its attention cache, its steps, and steps pushed to it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from swarm.protocol import BadRequestError, ServerUnavailableError, SessionLengthError
+from swarm.server import metrics
+from swarm.server.cache import PAGE_TOKENS, pages_for
+
+if TYPE_CHECKING:
+    from swarm.server.backend import Backend
+
+@dataclass
+class EarlyStep:
+    """A step started from the previous server's push, before the client's own copy of its inputs came."""
+
+    step_id: int
+    tensors: list  # what the push carried
+    position: int
+    result: asyncio.Future
+
+    def ran(self, tensors: list, metadata: dict) -> bool:
+        """Whether it ran these inputs, successfully: then its result is the client's step's result."""
+        if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
+            return False
+        position = metadata.get("position")
+        if len(tensors) != 1 or len(self.tensors) != 1 or not is_int(position) or position != self.position:
+            return False
+        pushed, sent = self.tensors[0], tensors[0]
+        return pushed.dtype == sent.dtype and pushed.shape == sent.shape and torch.equal(pushed, sent)
+
+
+class ServerSession:
+    """One client's inference session on this server: its attention cache and how far it is filled.
+
+    A step's inputs come from the client, and may come earlier from the previous server of the client's
+    chain, which pushes its outputs here as soon as it has them (server-to-server push): the step then starts
+    at once, and the client's own copy of the inputs, arriving later, collects the result. Step ids
+    (increasing per session) tell which copy came first. The client's copy is what counts: a push only ever
+    continues the session where it is (never rewinds it), and a pushed step whose inputs differ from the
+    client's copy (a server that pushes other outputs than it returns to the client) runs again from the
+    client's copy. Steps of a session never overlap, whoever sends them.
+    """
+
+    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int, peer_id: str,
+                 session_id: Optional[str] = None):
+        self.backend, self.start, self.end = backend, start, end
+        self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
+        self.cache = backend.span.new_cache(start, end, batch_size)  # empty: it takes pages as it grows
+        self.length = 0  # positions filled in the cache
+        self._closed = False
+        self.evicted = False  # the server moved to other blocks: the client must go elsewhere
+        self._newest_step = -1  # the highest step id started
+        self._early: Optional[EarlyStep] = None
+        self._one_step_at_a_time = asyncio.Lock()
+        backend.sessions.add(self)
+        backend.sessions_by_peer[peer_id] += 1
+        if session_id is not None:
+            backend.sessions_by_id[session_id] = self
+        metrics.SESSIONS.inc()
+
+    async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        step_id = metadata.get("step_id")
+        if step_id is not None and not is_int(step_id):
+            raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        early, self._early = self._early, None
+        if early is not None:
+            await asyncio.wait([early.result])  # its result, or a stale push finished: steps never overlap
+            if early.step_id == step_id and early.ran(tensors, metadata):
+                return early.result.result()
+        if step_id is not None:
+            self._newest_step = max(self._newest_step, step_id)
+        return await self._run(tensors, metadata)
+
+    def pushed(self, tensors: list, metadata: dict) -> None:
+        step_id = metadata.get("step_id")
+        if not is_int(step_id):
+            raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        if step_id <= self._newest_step or self._early is not None or metadata.get("position") != self.length:
+            # the client's copy came first, or an earlier push awaits it, or the push would not continue the
+            # session where it is (an honest one only rewinds it when the client does): the client's copy will do
+            return
+        self._newest_step = step_id
+        self.backend.steps_pushed += 1
+        started = asyncio.ensure_future(self._run(tensors, metadata))
+        started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
+        self._early = EarlyStep(step_id, tensors, self.length, started)
+
+    async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
+        async with self._one_step_at_a_time:
+            if self.evicted:
+                raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
+            hidden = self.backend.check_hidden_states(tensors, self.batch_size)
+            # a position below the current length rewinds the session (regenerate, or a replay after failover)
+            position = int_field(metadata, "position", 0, self.length)
+            end = position + hidden.shape[1]
+            if end > self.max_length:
+                raise SessionLengthError(
+                    f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
+                )
+            await self.reserve(end)
+            output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache,
+                                                      self._wanted)
+            self.length = end
+            self.backend.positions_served += hidden.shape[1]
+            metrics.POSITIONS_SERVED.inc(hidden.shape[1])
+            return output
+
+    async def reserve(self, positions: int) -> None:
+        """Pages of the budget for `positions` positions of every row (waiting a bounded time for them)."""
+        if positions <= self.cache.reserved:
+            return
+        wanted = min(pages_for(positions) * PAGE_TOKENS, max(self.max_length, positions))
+        wait = self.backend.limits.cache_wait
+        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, wait)
+        if self._closed:  # closed while waiting: give the pages straight back
+            self.backend.budget.give_back((wanted - self.cache.reserved) * self.batch_size)
+            raise ServerUnavailableError("the session ended while waiting for cache")
+        self.cache.reserved = wanted
+
+    def _wanted(self) -> bool:
+        return not (self._closed or self.evicted)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._early is not None:
+                self._early.result.cancel()
+            self.backend.budget.give_back(self.cache.tokens)
+            self.backend.sessions.discard(self)
+            self.backend.sessions_by_peer -= Counter([self.peer_id])  # a peer with none left leaves the counter
+            self.backend.sessions_by_id.pop(self.id, None)
+            metrics.SESSIONS.dec()
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # msgpack's true is a Python int too
+
+
+def int_field(metadata: dict, name: str, low: int, high: int) -> int:
+    value = metadata.get(name)
+    if not is_int(value) or not low <= value <= high:
+        raise BadRequestError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
+    return value

@@ -1,0 +1,142 @@
+"""A block server's settings: one frozen dataclass, built once from the command line (and config's defaults).
+
+    python -m swarm.server --model NAME_OR_PATH --blocks START:END --initial-peers MADDR [...]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from swarm.server.backend import ServerLimits
+
+# (flag, type, help) of the limits on one client; their defaults are ServerLimits'
+LIMIT_FLAGS = (
+    ("--max-request-tokens", int, "most tokens (rows x positions) one request may carry"),
+    ("--max-session-tokens", int, "most cache one session may grow to, in tokens (max_length x batch_size)"),
+    ("--max-sessions-per-peer", int, "most sessions one client peer may have open here at once"),
+    ("--cache-wait", float, "seconds a step waits for cache when it is full, before it is refused"),
+)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str
+    blocks: Optional[tuple[int, int]]  # a fixed span, or None to choose `num_blocks` blocks the swarm lacks
+    num_blocks: Optional[int]
+    initial_peers: tuple[str, ...]
+    host: str
+    port: int
+    identity: Optional[str]
+    device: torch.device
+    dtype: torch.dtype
+    quantization: Optional[str]
+    cache_tokens: int
+    limits: ServerLimits
+    allowed_clients: tuple[str, ...]
+    allowed_servers: tuple[str, ...]
+    max_batch_tokens: int
+    prefill_chunk_tokens: int
+    dht_prefix: Optional[str]
+    announce_period: float
+    rebalance_period: float  # 0: never move
+    threads: Optional[int]
+    metrics_port: int
+    cache_dir: Path
+
+    @property
+    def allowed_peers(self) -> tuple[str, ...]:
+        """A private server takes requests from its clients, and pushes from the other servers of its swarm."""
+        return (*self.allowed_clients, *self.allowed_servers) if self.allowed_clients else ()
+
+
+def parse_settings(argv=None) -> ServerSettings:
+    """The settings of the command line `argv`; a wrong value exits with one line naming the flag."""
+    from swarm.cli import settings_from_env
+
+    defaults = settings_from_env()
+    parser = _parser(defaults)
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device (use cpu, cuda or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device} asked for, but CUDA is not available on this machine")
+    limits = ServerLimits(**{field.name: getattr(args, field.name) for field in fields(ServerLimits)})
+    rebalance = args.rebalance_period
+    if rebalance is None:
+        rebalance = 6 * args.announce_period if args.num_blocks else 0.0
+    return ServerSettings(
+        model=args.model, blocks=args.blocks, num_blocks=args.num_blocks, initial_peers=tuple(args.initial_peers),
+        host=args.host, port=args.port, identity=args.identity, device=device, dtype=getattr(torch, args.dtype),
+        quantization=args.quantize, cache_tokens=args.cache_tokens, limits=limits,
+        allowed_clients=tuple(args.allowed_clients), allowed_servers=tuple(defaults.allowed_servers),
+        max_batch_tokens=args.max_batch_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
+        threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
+    )
+
+
+def _parser(defaults):
+    from swarm.cli import ArgumentParser, multiaddr, parse_block_range
+    from swarm.server.quantize import QUANTIZATIONS
+
+    parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
+    parser.add_argument("--model", default=defaults.model, help="a known model name or a Hugging Face folder")
+    span = parser.add_mutually_exclusive_group(required=True)
+    span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
+    span.add_argument("--num-blocks", type=int, help="hold N blocks, choosing the span the swarm serves least")
+    parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(defaults.initial_peers))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="store the blocks' linear weights in 8 bits (int8) or 4 bits (nf4) with bitsandbytes")
+    parser.add_argument("--cache-tokens", type=int, default=defaults.cache_tokens,
+                        help="attention cache budget, in token slots (sessions take them a page at a time)")
+    for flag, kind, help_text in LIMIT_FLAGS:
+        parser.add_argument(flag, type=kind, default=getattr(ServerLimits, flag[2:].replace("-", "_")), help=help_text)
+    parser.add_argument("--allowed-clients", nargs="*", default=list(defaults.allowed_clients),
+                        help="peer ids of the only clients this server serves (default: anyone; ALLOWED_CLIENTS); "
+                             "the servers of ALLOWED_SERVERS may push steps to it too")
+    parser.add_argument("--max-batch-tokens", type=int, default=1024,
+                        help="most tokens in one batched forward (decode steps of all sessions + prefill chunks)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=128,
+                        help="most prompt tokens per forward: a long prompt runs in chunks between decode steps")
+    parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
+    parser.add_argument("--announce-period", type=float, default=defaults.announce_period)
+    parser.add_argument("--rebalance-period", type=float,
+                        help="every this many seconds, consider moving to a span the swarm serves less "
+                             "(default: 6 announce periods with --num-blocks, off with --blocks; 0: off)")
+    parser.add_argument("--threads", type=int, default=defaults.torch_threads,
+                        help="torch threads for compute (default: TORCH_THREADS, else torch's choice)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
+    return parser
+
+
+def _check(parser, args) -> None:
+    if args.num_blocks is not None and args.num_blocks < 1:
+        parser.error("--num-blocks must be at least 1")
+    for name in ("cache_tokens", "max_batch_tokens", "prefill_chunk_tokens", "max_request_tokens",
+                 "max_session_tokens", "max_sessions_per_peer"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_session_tokens > args.max_request_tokens:  # after a failover, a client replays a whole session
+        parser.error("--max-session-tokens must not exceed --max-request-tokens: a client replays a session's "
+                     "inputs in one request when it moves the session to this server")
+    if args.cache_wait < 0:
+        parser.error("--cache-wait must not be negative")
+    if (args.rebalance_period is not None and args.rebalance_period < 0) or args.announce_period <= 0:
+        parser.error("--announce-period must be positive and --rebalance-period not negative")
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be a TCP port (0 for off), got {args.metrics_port}")
+    if not args.initial_peers:
+        parser.error("--initial-peers is required (or set INITIAL_PEERS): start a bootstrap peer with python -m swarm.dht")

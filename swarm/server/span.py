@@ -1,0 +1,176 @@
+"""A span of decoder layers, run over packed batches of sessions: the block server's compute.
+
+A forward runs a packed batch: the new tokens of several sessions (decode steps, prefill chunks) side by side
+in one sequence, so that each weight is read once for all of them; only attention runs per session. The
+layers' parameters stay in transformers' own modules (projections, MLP, norms: stable for years); the
+attention itself is ours, so that the cache is written in place and attention goes through torch's
+scaled_dot_product_attention. How each family's layer runs is swarm/families.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.families import Family, family_of
+from swarm.protocol import BadRequestError
+from swarm.server.cache import LayerCache, SessionCache
+from swarm.server.quantize import quantize_linears
+from swarm.weights import load_config, load_tensors
+
+# ------------------------------------------------------------------------------------------- a batch
+
+
+@dataclass
+class Segment:
+    """One request's part of a packed batch: `rows` sequences of `length` new tokens each, from absolute
+    `position`. In the packed batch its tokens are consecutive, row after row."""
+
+    rows: int
+    length: int
+    position: int
+    cache: Optional[SessionCache]  # None: whole sequences, nothing kept
+    # attention window (None: full) -> what scaled_dot_product_attention gets as attn_mask: None when is_causal
+    # is enough, a boolean (length, position + length) mask, or an additive float bias (ALiBi, with the causal
+    # mask folded in as -inf) of shape (1, heads, length, position + length). Filled by the family.
+    masks: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+
+@dataclass
+class PackedBatch:
+    """The new tokens of several requests side by side in one sequence, hidden states (1, tokens, hidden):
+    projections and MLPs run once over all of them (one read of the weights), attention per segment.
+    Built once per forward by the family's `batch_inputs` and passed to every layer."""
+
+    segments: list[Segment]
+    cos: Optional[torch.Tensor] = None  # rotary families only: (1, tokens, head_dim)
+    sin: Optional[torch.Tensor] = None
+
+    def attend(self, index: int, queries, keys, values, window: Optional[int], scale: float) -> torch.Tensor:
+        """Packed (1, tokens, heads, head_dim) queries/keys/values of layer `index` of the forward's range ->
+        (1, tokens, heads * head_dim): each segment's keys/values go to its cache, its queries see its own past."""
+        outputs, offset = [], 0
+        for segment in self.segments:
+            rows, length = segment.rows, segment.length
+            # (tokens, heads, head_dim) -> (rows, heads, length, head_dim), as views
+            q, k, v = (t[0, offset : offset + segment.tokens].unflatten(0, (rows, length)).transpose(1, 2)
+                       for t in (queries, keys, values))
+            if segment.cache is not None:
+                k, v = segment.cache[index].write(segment.position, k, v)
+            attended = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=segment.masks[window],
+                is_causal=segment.masks[window] is None and length > 1,
+                scale=scale,
+                enable_gqa=True,
+            )
+            outputs.append(attended.transpose(1, 2).reshape(segment.tokens, -1))
+            offset += segment.tokens
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
+
+
+class BlockSpan(nn.Module):
+    """Blocks [start, end) of a model, run over the new positions of a session (or a whole sequence)."""
+
+    def __init__(self, config, start: int, end: int, layers: list, family: Family, loaded_names: list[str],
+                 dtype: torch.dtype = torch.float32, quantization: Optional[str] = None):
+        super().__init__()
+        self.config, self.start, self.end, self.family = config, start, end, family
+        self.dtype = dtype  # of the hidden states and the cache (quantized weights are stored in fewer bits)
+        self.quantization = quantization
+        self.layers = nn.ModuleList(layers)
+        self.position_state = family.position_state(family, config, self.device)  # rotary, ALiBi slopes, or None
+        self.loaded_names = loaded_names  # every checkpoint tensor this span read: proof it read no others
+        self.kv_heads, self.head_dim = family.cache_shape(config, layers[0])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.layers[0].parameters()).device
+
+    def weight_bytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in [*self.parameters(), *self.buffers()])
+
+    def new_cache(self, start: int, end: int, rows: int, capacity: int = 0) -> SessionCache:
+        """Empty caches for blocks [start, end) of a session of `rows` sequences (see SessionCache)."""
+        layers = [LayerCache(rows, self.kv_heads, self.head_dim, self.dtype, self.device) for _ in range(start, end)]
+        cache = SessionCache(layers, rows)
+        cache.reserved = capacity
+        cache.fit(0)
+        return cache
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (rows, new positions, hidden)
+        position: int = 0,
+        cache: Optional[SessionCache] = None,
+        start: Optional[int] = None,
+        end: Optional[int] = None,
+    ) -> torch.Tensor:
+        """One request's new positions through blocks [start, end) (default: the whole span)."""
+        segment = Segment(hidden.shape[0], hidden.shape[1], position, cache)
+        return self.forward_packed(hidden.reshape(1, -1, hidden.shape[-1]), [segment], start, end).view(hidden.shape)
+
+    @torch.inference_mode()
+    def forward_packed(
+        self, hidden: torch.Tensor, segments: list[Segment], start: Optional[int] = None, end: Optional[int] = None
+    ) -> torch.Tensor:
+        """Several requests at once: their new tokens packed as (1, tokens, hidden), segment after segment
+        (see PackedBatch); returns the outputs packed the same way."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        if not self.start <= start < end <= self.end:
+            raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
+        hidden = hidden.to(self.device, self.dtype)
+        layers = self.layers[start - self.start : end - self.start]
+        batch = PackedBatch(segments)
+        self.family.batch_inputs(self.position_state, hidden, batch, {layer.attention_window for layer in layers})
+        for index, layer in enumerate(layers):
+            hidden = self.family.layer_forward(layer, hidden, batch, index)
+        return hidden
+
+
+def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.float32,
+              reuse: Optional[BlockSpan] = None, quantization: Optional[str] = None) -> BlockSpan:
+    """Build blocks [start, end) from a Hugging Face folder, reading only their weights; the layers of
+    `reuse` (a span this server held) that fall in the new range are kept, not read again. `quantization`
+    ("int8" or "nf4") stores the layers' linear weights in 8 or 4 bits (see quantize_linears)."""
+    config = load_config(folder)
+    family = family_of(config)
+    num_blocks = config.num_hidden_layers
+    if not 0 <= start < end <= num_blocks:
+        raise BadRequestError(f"blocks {start}:{end} are out of range: this model has blocks 0:{num_blocks}")
+    kept = {} if reuse is None else dict(zip(range(reuse.start, reuse.end), reuse.layers))
+    prefixes = {index: family.layer_key.format(index) for index in range(start, end) if index not in kept}
+    tensors = load_tensors(folder, lambda name: name.startswith(tuple(prefixes.values())))
+
+    layers = []
+    for index in range(start, end):
+        if index in kept:
+            layers.append(kept[index])
+            continue
+        prefix = prefixes[index]
+        with torch.device("meta"):  # no throwaway random init: the checkpoint fills every parameter
+            layer = family.new_layer(config, index)
+        state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+        layer.load_state_dict(state, strict=True, assign=True)
+        layer.to(device=device, dtype=dtype)
+        if quantization is not None:
+            quantize_linears(layer, quantization, dtype)
+            layer.to(device)  # bitsandbytes quantizes the weights as they move to the device
+        layer.attention_window = family.sliding_window(config, index)
+        layers.append(layer.eval())
+    kept_prefixes = tuple(family.layer_key.format(index) for index in kept if start <= index < end)
+    kept_names = [name for name in (reuse.loaded_names if reuse else []) if name.startswith(kept_prefixes)] \
+        if kept_prefixes else []
+    return BlockSpan(config, start, end, layers, family, loaded_names=sorted([*tensors, *kept_names]), dtype=dtype,
+                     quantization=quantization)

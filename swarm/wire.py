@@ -1,0 +1,102 @@
+"""The block servers' wire: the RPC interface both sides speak, and tensors in messages.
+
+Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus msgpack metadata.
+
+    rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
+                         loaded_names}
+    rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less, whole sequences
+    rpc_inference  a stream: first {start, end, max_length, batch_size, session_id?} -> {ok}
+                   then per step [hidden] {position, step_id?, push_to?: {peer_id, session_id}} -> [hidden]
+                   closing the request stream ends the session and frees its cache
+    rpc_push       [hidden] {session_id, step_id, position} -> {}: a step's inputs, pushed by the previous
+                   server of the chain (named by the client in push_to) as soon as it has them, so that the
+                   next server starts before the client's copy of the same inputs arrives
+
+A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
+broken stream, so the client can raise the same SwarmError the server raised. The server implements
+BlockRPC (swarm/server/handler.py); clients call it through BlockRPC.get_stub (swarm/client/stubs.py).
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+
+from swarm.protocol import BadRequestError, error_from_wire
+
+# hivemind widens bfloat16 to float32 on the wire; its bits travel as int16 instead, named under this key
+BFLOAT16_KEY = "bfloat16_tensors"
+
+
+def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None, request: bool = True):
+    message = runtime_pb2.ExpertRequest() if request else runtime_pb2.ExpertResponse()
+    bfloat16 = [index for index, tensor in enumerate(tensors) if tensor.dtype == torch.bfloat16]
+    if bfloat16:
+        metadata = {**(metadata or {}), BFLOAT16_KEY: bfloat16}
+        tensors = tuple(tensor.view(torch.int16) if index in bfloat16 else tensor for index, tensor in enumerate(tensors))
+    message.tensors.extend(serialize_torch_tensor(tensor) for tensor in tensors)
+    message.metadata = MSGPackSerializer.dumps(metadata or {})
+    return message
+
+
+def unpack(message) -> tuple[list[torch.Tensor], dict]:
+    # peers send tensors as they are: hivemind's compressed formats would only widen what a stranger can reach
+    if any(tensor.compression != runtime_pb2.CompressionType.NONE for tensor in message.tensors):
+        raise BadRequestError("tensors must travel uncompressed")
+    try:
+        metadata = MSGPackSerializer.loads(message.metadata) if message.metadata else {}
+        tensors = [deserialize_torch_tensor(tensor) for tensor in message.tensors]
+    except Exception as error:  # any garbage in a stranger's message
+        raise BadRequestError(f"undecodable message: {error}") from None
+    if not isinstance(metadata, dict):
+        raise BadRequestError("message metadata must be a map")
+    named = metadata.pop(BFLOAT16_KEY, None) or []
+    for index in named if isinstance(named, list) else [named]:
+        if not isinstance(index, int) or not 0 <= index < len(tensors) or tensors[index].dtype != torch.int16:
+            raise BadRequestError(f"{BFLOAT16_KEY} must name int16 tensors of the message, got {index!r}")
+        tensors[index] = tensors[index].view(torch.bfloat16)
+    return tensors, metadata
+
+
+def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None):
+    return pack(tensors, metadata, request=False)
+
+
+
+class BlockRPC(ServicerBase):
+    """The block server's RPC interface: hivemind builds the clients' stubs from these signatures, and the
+    server's handler (a subclass) implements them."""
+
+    SERVICE = "BlockService"  # the handlers' name on the wire, whatever class implements them
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        name = f"{cls.SERVICE}.{method_name}"
+        return f"{namespace}::{name}" if namespace is not None else name
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # an async generator, as the server's is
+
+
+def raise_if_error(metadata: dict) -> None:
+    """The SwarmError a server answered with, raised on the client's side."""
+    error = error_from_wire(metadata)
+    if error is not None:
+        raise error
