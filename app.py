@@ -2,6 +2,7 @@
 
     gunicorn app:app --worker-class gthread --threads 100 --bind HOST:PORT
     python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
+                  [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16]
 
 With no initial peers configured (--initial-peers or INITIAL_PEERS), it starts an embedded local swarm:
 a bootstrap peer and two block servers per served model, as child processes stopped when it exits.
@@ -9,21 +10,54 @@ a bootstrap peer and two block servers per served model, as child processes stop
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 from config import Settings
 from gateway import create_app
 from gateway.request_ids import configure_logging
-from swarm.cli import settings_from_env
+from swarm.cli import fail, settings_from_env
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why this machine cannot run the gateway's half of the models on `device` (None: it can). torch is loaded
+    only for a GPU: a CPU gateway's master process stays light."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{device} asked for, but CUDA is not available on this machine"
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        return f"{device} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
+def gateway_device(text: str) -> str:
+    """A --device value, checked against this machine before anything starts."""
+    from config import GATEWAY_DEVICE_PATTERN
+
+    if not GATEWAY_DEVICE_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    problem = device_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
 
 _settings = settings_from_env(Settings.from_env)  # a malformed variable: one line, not a traceback
+_device_problem = device_problem(_settings.gateway.device)
+if _device_problem:  # one line now, rather than a 500 on the first request that needs a model
+    fail(f"bad environment: GATEWAY_DEVICE={_settings.gateway.device}: {_device_problem}", status=2)
 configure_logging(_settings.gateway.log_level)  # every log line with its request id
 app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request that needs it
 
 
-def main(argv=None) -> None:
-    from config import Limits
+def _parser():
+    from config import GATEWAY_DTYPES, Limits
     from swarm.cli import ArgumentParser, multiaddr
 
     parser = ArgumentParser(prog="python app.py", description=__doc__.split("\n\n")[0])
@@ -31,6 +65,10 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
     parser.add_argument("--model", help="the model to serve: a known name or a Hugging Face folder")
+    parser.add_argument("--device", type=gateway_device, help="where the gateway's embeddings, final norm and LM "
+                        "head run: cpu, cuda or cuda:N (GATEWAY_DEVICE; default: cpu)")
+    parser.add_argument("--dtype", choices=GATEWAY_DTYPES, help="their weights' dtype (GATEWAY_DTYPE; default: "
+                        "float32); logits reach sampling as float32 whatever it is")
     # MLC's server flags (and its older --allow-* spellings)
     parser.add_argument("--api-key", action="append", help="require this API key (repeatable)")
     parser.add_argument("--api-key-file", help="require one of the keys in this file (one per line)")
@@ -45,12 +83,20 @@ def main(argv=None) -> None:
     for name, field in Limits.__dataclass_fields__.items():
         limits.add_argument("--" + name.replace("_", "-"), type=type(field.default), metavar="N",
                             help=f"{name.upper()} (default: {field.default})")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    from config import Limits
+
+    args = _parser().parse_args(argv)
 
     # handed to gunicorn, which sets them before the master's hooks and the worker read config.py
     settings = {
         "INITIAL_PEERS": " ".join(args.initial_peers or []),
         "MODEL": args.model,
+        "GATEWAY_DEVICE": args.device,
+        "GATEWAY_DTYPE": args.dtype,
         "API_KEYS": ",".join(args.api_key or []),
         "API_KEY_FILE": args.api_key_file,
         "ALLOWED_ORIGINS": ",".join(args.allowed_origins or []),

@@ -13,11 +13,14 @@ Each command-line tool takes its defaults from here, so an operator can set them
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
     MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
-    REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES
+    REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT
                       the gateway's limits (see Limits)
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
     LOG_LEVEL         the gateway's log level (default INFO)
+    GATEWAY_DEVICE    where the gateway runs its half of each model (embeddings, final norm, LM head): cpu (default),
+                      cuda or cuda:N
+    GATEWAY_DTYPE     that half's weights: float32 (default, exact), bfloat16 or float16
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from typing import Mapping
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+GATEWAY_DTYPES = WIRE_DTYPES
+# a device named as torch names it; whether this machine has it is checked where torch is loaded (app.py)
+GATEWAY_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 def _split_list(value: str) -> tuple[str, ...]:
@@ -132,6 +138,10 @@ class Limits:
     requests_per_minute: int = 600  # per client: API requests and WebSocket messages (0: no limit)
     ws_ping_interval: float = 25.0  # keep-alive pings on WebSocket connections, seconds
     ws_max_message_bytes: int = 1 << 20  # a larger WebSocket message closes the connection (code 1009)
+    # stored replies of the Responses API (store: true), kept in this process's memory like sessions: a cap on their
+    # number (the least recently used goes first) and idle expiry
+    max_stored_responses: int = 1024
+    stored_response_idle_timeout: float = 3600.0  # seconds since it was created or last read
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "Limits":
@@ -177,6 +187,16 @@ class GatewaySettings:
     limits: Limits = field(default_factory=Limits)
     access: AccessSettings = field(default_factory=AccessSettings)
     log_level: str = "INFO"
+    # the gateway's half of each model (embeddings, final norm, LM head): a GPU takes the LM head's matmul, the
+    # client's largest, off the CPU; logits still come back as float32 on the CPU, where sampling runs
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if not GATEWAY_DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"GATEWAY_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in GATEWAY_DTYPES:
+            raise ValueError(f"GATEWAY_DTYPE must be one of {', '.join(GATEWAY_DTYPES)}, got {self.dtype!r}")
 
     @property
     def default_model(self) -> ModelConfig:
@@ -196,7 +216,8 @@ class GatewaySettings:
             name = environ.get("MODEL", DEFAULT_MODEL)
             models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name),)
         return cls(models=models, limits=Limits.from_env(environ), access=AccessSettings.from_env(environ),
-                   log_level=environ.get("LOG_LEVEL", "INFO").upper())
+                   log_level=environ.get("LOG_LEVEL", "INFO").upper(),
+                   device=environ.get("GATEWAY_DEVICE") or "cpu", dtype=environ.get("GATEWAY_DTYPE") or "float32")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""The benchmark suite, `python -m bench`: the default model served by two block servers (blocks 0:15 and
-15:30) beside transformers running the whole model in one process, in one run and with the same torch
-thread count in every process.
+"""The benchmark suite, `python -m bench`: the default model (or a named shape with random weights, --shape)
+served by two block servers (blocks 0:15 and 15:30 of the default model) beside transformers running the
+whole model in one process, in one run and with the same torch thread count in every process, on the CPU
+or on a GPU (--device cuda: servers, local baseline and the gateway's embeddings and LM head).
 
 It measures, as token arrival times turned into tokens/s, time to first token (TTFT) and inter-token
 latency (ITL):
@@ -8,20 +9,27 @@ latency (ITL):
     (swarm.client.RemoteModel + swarm.client.generate), and a real gunicorn gateway over its WebSocket API
     (/api/v2/generate) and its OpenAI-compatible API (/v1/chat/completions, streamed);
   - TTFT of a 512-token prompt through the gateway, against one local forward pass over it (prefill);
-  - 1, 4, 16 and 64 simultaneous WebSocket sessions: aggregate and per-session tok/s, TTFT and ITL p50/p95;
-  - each block server's resident memory against its blocks' weights plus its cache budget;
-and checks the ratios of issue 6 against their targets.
+  - 1, 4, 16 and 64 simultaneous WebSocket sessions (1, 8, 32, 64 on a GPU): aggregate and per-session
+    tok/s, TTFT and ITL p50/p95;
+  - each block server's resident memory (GPU memory on a GPU) against its blocks' weights plus its cache budget;
+  - one decode round of 1, 8, 32 and 64 sessions through the model's blocks alone (no RPC), on the tiny
+    test model's shape and on the benchmarked model: what each session adds to a server's round;
+and checks the ratios of issue 6 against their targets (and the decode rounds' 64 sessions vs 1).
 
 In data-flow order:
 
-    __main__.py  the command line: options, run, report
+    __main__.py  the command line: run, report
+    options.py   the flags of `python -m bench` and `python -m bench.span_round`, and their CPU and GPU defaults
+    shapes.py    models of named real shapes with random weights, built once into the cache
+    span_round.py  one decode round of a span alone (load_span, new_cache, forward_packed), per count of sessions
     suite.py     one run: per dtype, start the swarm and the gateway, alternate the measurements, sample memory
     workload.py  the prompts (text and token ids) and the session lengths they need
     local.py     the baseline: transformers generate and prefill in this process
     clients.py   one reply, timed token by token: Python client, WebSocket, OpenAI SSE
     load.py      many simultaneous WebSocket sessions
     gateway.py   a real gunicorn gateway in front of a given swarm, as a child process
-    memory.py    block servers' VmRSS/VmHWM (and their p2pd's), their weights and cache budget in bytes
+    memory.py    block servers' VmRSS/VmHWM (and their p2pd's; on a GPU, nvidia-smi's figure), their weights and
+                 cache budget in bytes
     stats.py     token arrival times -> TTFT, ITL, tok/s; percentiles and medians
     report.py    the targets, the table, JSON and the plot
 """

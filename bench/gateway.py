@@ -17,6 +17,7 @@ from typing import Sequence
 
 import requests
 
+from bench.workload import MODEL
 from swarm.local import ChildProcess, LocalSwarmError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,9 +26,11 @@ GUNICORN_THREADS = 100  # gunicorn.conf.py's: each WebSocket connection holds on
 
 
 class Gateway:
-    """`with Gateway(swarm.initial_peers, ...) as gateway: gateway.ws_url ...`"""
+    """`with Gateway(swarm.initial_peers, ...) as gateway: gateway.ws_url ...`; it serves `model` (a known name
+    or a folder) and runs its embeddings and LM head on `device` in `dtype`."""
 
-    def __init__(self, initial_peers: Sequence[str], max_sessions: int, torch_threads: int, log_dir: Path):
+    def __init__(self, initial_peers: Sequence[str], max_sessions: int, torch_threads: int, log_dir: Path,
+                 model: str = MODEL, device: str = "cpu", dtype: str = "float32"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
@@ -38,6 +41,9 @@ class Gateway:
             "MAX_SESSIONS_PER_CLIENT": str(max_sessions),  # every session of the benchmark comes from 127.0.0.1
             "REQUESTS_PER_MINUTE": "0",
             "TORCH_THREADS": str(torch_threads),
+            "MODEL": model,
+            "GATEWAY_DEVICE": device,
+            "GATEWAY_DTYPE": dtype,
         }
         self.threads = max(GUNICORN_THREADS, max_sessions + 8)  # + a few for /health and /metrics
         self.log_dir = log_dir

@@ -1,4 +1,4 @@
-"""The baseline: the whole model in this process, run by transformers itself.
+"""The baseline: the whole model in this process, run by transformers itself, on the run's device.
 
 Token arrival times come from a streamer that transformers' `generate` calls once per new token, so local
 figures are derived from the same kind of TokenStream as the remote ones.
@@ -23,6 +23,8 @@ class _ArrivalClock:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
+        if value.is_cuda:  # a token on the GPU is ready once the GPU has computed it, not when it was queued
+            torch.cuda.synchronize(value.device)
         self.stream.arrivals.append(time.perf_counter())
 
     def end(self) -> None:
@@ -30,16 +32,17 @@ class _ArrivalClock:
 
 
 class LocalModel:
-    def __init__(self, folder, dtype: torch.dtype):
+    def __init__(self, folder, dtype: torch.dtype, device: str = "cpu"):
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(self.device).eval()
 
     @torch.inference_mode()
     def generate(self, ids: list[int], max_new_tokens: int) -> TokenStream:
         """Greedy, up to max_new_tokens, stopping at end of sequence like the swarm does (so both do the same work)."""
         stream = TokenStream(sent=time.perf_counter())
-        self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        self.model.generate(torch.tensor([ids], device=self.device), max_new_tokens=max_new_tokens, do_sample=False,
                             streamer=_ArrivalClock(stream))
         return stream
 
@@ -48,7 +51,7 @@ class LocalModel:
         """One forward pass over the prompt and the first token picked from it: local time to first token.
         Logits for the last position only, as generate's prefill and the gateway both compute them."""
         stream = TokenStream(sent=time.perf_counter())
-        logits = self.model(torch.tensor([ids]), logits_to_keep=1).logits
-        int(logits[0, -1].argmax())
+        logits = self.model(torch.tensor([ids], device=self.device), logits_to_keep=1).logits
+        int(logits[0, -1].argmax())  # on a GPU, waits for the pass to finish
         stream.arrivals.append(time.perf_counter())
         return stream

@@ -6,10 +6,14 @@ files, is mostly safetensors weights mapped into memory; RssAnon the rest: cache
 runtime). Each server's libp2p daemon (hivemind's p2pd, a child process) is sampled on its own, since it
 holds none of the model. A server's peak while it loads its weights (a float32 checkpoint converted to
 bfloat16 is briefly held twice) is not its peak while it serves: peaks are reset once the servers are up.
+
+On a GPU a server's weights and cache live in GPU memory: each sample then also holds what nvidia-smi says the
+process uses there (its CUDA context, torch's allocator cache and the cache pool, which a GPU allocates whole).
 """
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -76,10 +80,28 @@ def libp2p_daemon(pid: int) -> Optional[int]:
     return None
 
 
-def sample_server(pid: int) -> dict:
-    """The server process's memory, and its p2pd's (None without one)."""
+def gpu_memory(pid: int) -> Optional[int]:
+    """Bytes of GPU memory the process holds now, as nvidia-smi reports them; None where it cannot say (no
+    nvidia-smi, or a container whose process ids it does not see)."""
+    try:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        listing = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in listing.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+            return int(fields[1]) * 1024 * 1024  # reported in MiB
+    return None
+
+
+def sample_server(pid: int, gpu: bool = False) -> dict:
+    """The server process's memory, and its p2pd's (None without one); with `gpu`, its GPU memory too."""
     daemon = libp2p_daemon(pid)
-    return {"server": asdict(process_memory(pid)), "p2pd": asdict(process_memory(daemon)) if daemon else None}
+    sample = {"server": asdict(process_memory(pid)), "p2pd": asdict(process_memory(daemon)) if daemon else None}
+    if gpu:
+        sample["gpu"] = gpu_memory(pid)
+    return sample
 
 
 def reset_peaks(pid: int) -> bool:

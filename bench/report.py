@@ -37,7 +37,7 @@ class Target:
 
 
 def targets(variant: dict) -> list[Target]:
-    """The issue's four targets, as ratios of figures of one dtype's run."""
+    """The issue's targets, as ratios of figures of one dtype's run, and the decode rounds' when it has them."""
     single, concurrency = variant["single_session"], variant["concurrency"]
     one, sixteen = concurrency.get("1"), concurrency.get("16")
     found = [
@@ -51,11 +51,32 @@ def targets(variant: dict) -> list[Target]:
                _ratio(single["gateway_websocket_long"]["ttft_s"], single["local_prefill_long"]["ttft_s"]),
                1.3, at_least=False),
     ]
-    for server in variant["memory"]:
-        peak = server["after_concurrency"]["server"]["peak"]
-        found.append(Target(f"block server {server['blocks']} peak RSS while serving vs its weights + cache budget",
-                            _ratio(peak, server["weights_bytes"] + server["cache_budget_bytes"]), 1.3, at_least=False))
+    found += [_memory_target(server, variant.get("device", "cpu")) for server in variant["memory"]]
+    if variant.get("decode_rounds"):
+        found.append(decode_round_target(variant["decode_rounds"], variant.get("device", "cpu")))
     return found
+
+
+def _memory_target(server: dict, device: str) -> Target:
+    """On a CPU a server's peak RSS; on a GPU its GPU memory (its weights and cache are there), against its
+    blocks' weights plus its cache budget."""
+    budget = server["weights_bytes"] + server["cache_budget_bytes"]
+    if device == "cpu":
+        used, what = server["after_concurrency"]["server"]["peak"], "peak RSS"
+    else:
+        used, what = server["after_concurrency"].get("gpu") or math.nan, "GPU memory"
+    return Target(f"block server {server['blocks']} {what} while serving vs its weights + cache budget",
+                  _ratio(used, budget), 1.3, at_least=False)
+
+
+ROUND_GOAL = 3.0  # a decode round of 64 sessions may cost at most 3x one of a single session (tiny model)
+
+
+def decode_round_target(rounds: dict, device: str) -> Target:
+    """One decode round of the tiny model's span alone: 64 sessions against 1."""
+    tiny = rounds.get("tiny", {}).get("ms_per_round", {})
+    return Target(f"one decode round of 64 sessions vs 1, the tiny model's span alone on {device}",
+                  _ratio(tiny.get("64", math.nan), tiny.get("1", math.nan)), ROUND_GOAL, at_least=False)
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -74,16 +95,33 @@ SINGLE_SESSION_NAMES = {
 
 
 def table(results: dict) -> str:
-    lines = [f"{results['model']}; prompt {results['prompt_tokens']['chat']} tokens; "
+    device = results.get("device", "cpu")
+    lines = [f"{results['model']} on {device}; prompt {results['prompt_tokens']['chat']} tokens; "
              f"{results['threads']['torch_threads_per_process']} torch thread(s) in every process "
              f"(gateway: {results['threads']['gateway']}); servers hold blocks {', '.join(results['spans'])}"]
     for dtype, variant in results["variants"].items():
-        lines += ["", f"== {dtype} (servers and local model; the gateway's embeddings and LM head stay float32)"]
+        lines += ["", f"== {dtype} on {device} (block servers, the local model, and the gateway's and the Python "
+                      "client's embeddings and LM head)"]
+        lines += decode_round_lines(variant.get("decode_rounds") or {})
         lines += _single_session_lines(variant, results["options"])
         lines += _concurrency_lines(variant, results["options"])
         lines += _memory_lines(variant)
         lines += ["", "targets:"] + ["  " + target.describe() for target in targets(variant)]
     return "\n".join(lines)
+
+
+def decode_round_lines(rounds: dict) -> list[str]:
+    """ms per decode round of each model's span alone, per count of sessions, and the most sessions vs 1."""
+    if not rounds:
+        return []
+    counts = sorted({int(count) for run in rounds.values() for count in run["ms_per_round"]})
+    lines = ["", "one decode round of the span alone (no RPC), ms per round, medians of `rounds` rounds each:",
+             f"  {'model':24s} {'blocks':>6s} {'rounds':>6s} " + " ".join(f"{f'{count} sess':>9s}" for count in counts)
+             + "  most/1"]
+    for name, run in rounds.items():
+        cells = " ".join(f"{run['ms_per_round'].get(str(count), math.nan):9.2f}" for count in counts)
+        lines.append(f"  {name:24s} {run['blocks']:>6s} {run['repeats']:6d} {cells}  {run['ratio_most_to_one']:5.2f}x")
+    return lines
 
 
 def _single_session_lines(variant: dict, options: dict) -> list[str]:
@@ -114,14 +152,16 @@ def _concurrency_lines(variant: dict, options: dict) -> list[str]:
 
 
 def _memory_lines(variant: dict) -> list[str]:
+    on_gpu = variant.get("device", "cpu") != "cpu"
     lines = ["", "block servers' memory, MiB (RSS now / peak; peaks start again once the servers are up):",
              f"  {'blocks':>6s} {'weights':>8s} {'cache budget':>12s} {'at start':>10s} {'after single sessions':>22s} "
-             f"{'after concurrency':>18s} {'its p2pd':>10s}"]
+             f"{'after concurrency':>18s} {'its p2pd':>10s}" + (f" {'GPU at end':>10s}" if on_gpu else "")]
     for server in variant["memory"]:
-        daemon = server["after_concurrency"]["p2pd"]
+        daemon, gpu = server["after_concurrency"]["p2pd"], server["after_concurrency"].get("gpu")
         lines.append(f"  {server['blocks']:>6s} {server['weights_bytes'] / MB:8.0f} {server['cache_budget_bytes'] / MB:12.0f} "
                      f"{_memory(server['at_start']['server']):>10s} {_memory(server['after_single_sessions']['server']):>22s} "
                      f"{_memory(server['after_concurrency']['server']):>18s} {_memory(daemon) if daemon else '-':>10s}"
+                     + (f" {gpu / MB if gpu else math.nan:10.0f}" if on_gpu else "")
                      + ("" if server["peaks_reset_after_start"] else "  (peaks include start-up: could not reset)"))
     return lines
 
@@ -156,7 +196,7 @@ def _nan_to_none(value):
 # one color per figure, one line style per quantile; per dtype, a marker and the local baseline's line style
 COLORS = {"aggregate": "tab:blue", "per_session": "tab:orange", "ttft": "tab:purple", "itl": "tab:green"}
 QUANTILE_STYLES = {"p50": "-", "p95": ":"}
-DTYPE_STYLES = {"float32": ("o", "--"), "bfloat16": ("^", "-.")}
+DTYPE_STYLES = {"float32": ("o", "--"), "bfloat16": ("^", "-."), "float16": ("s", ":")}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -202,7 +242,8 @@ def plot(results: dict, path: Path) -> None:
     latency.set_yscale("log")
     latency.yaxis.set_major_formatter(plain)
     latency.yaxis.set_minor_formatter(plain)
-    figure.suptitle(f"{results['model']}, two block servers, {results['threads']['torch_threads_per_process']} "
+    figure.suptitle(f"{results['model']}, two block servers on {results.get('device', 'cpu')}, "
+                    f"{results['threads']['torch_threads_per_process']} "
                     f"torch thread(s) per process ({results['started']})", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

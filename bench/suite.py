@@ -1,14 +1,21 @@
 """One run of the suite: per dtype, a swarm of two block servers and a gateway in front of it, then every
 measurement, then memory. Returns plain data (dicts and lists) for bench/report.py.
 
+Everything runs on the run's device (--device): the block servers, the local baseline and the gateway's (and
+the Python client's) embeddings and LM head. The model is the default one, or a shape with random weights
+(--shape, bench/shapes.py); its blocks are split in halves between the two servers.
+
 Order within a dtype's run, and why:
+  0. decode rounds of the tiny model's span and the benchmarked model's, alone in this process (no RPC), before
+     anything else is loaded: the machine (and the GPU's memory) to themselves;
   1. block-server memory once they are up, with their start-up peak; then their peaks start again from there,
      since loading weights is not serving;
   2. single sessions, alternating local / Python client / WebSocket / OpenAI SSE and local prefill / gateway
      time to first token for the long prompt, round after round (after one untimed warm-up round): noise that
      comes and goes on a shared machine then hits every measurement alike, and medians drop the outliers;
   3. block-server memory, with the single sessions done;
-  4. 1, 4, 16, 64 simultaneous WebSocket sessions, smallest first, each on caches left empty by the one before;
+  4. --concurrency's simultaneous WebSocket sessions (1, 4, 16, 64 on a CPU; 1, 8, 32, 64 on a GPU), smallest
+     first, each on caches left empty by the one before;
   5. block-server memory again: its peak now includes the largest run.
 """
 
@@ -26,28 +33,18 @@ from typing import Callable
 
 import torch
 
-from config import SwarmSettings
+from config import GatewaySettings, SwarmSettings
 
 from bench.clients import openai_reply, swarm_client_reply, websocket_reply
 from bench.gateway import Gateway
 from bench.load import concurrent_replies
 from bench.local import LocalModel
 from bench.memory import ServerBudget, reset_peaks, sample_server, server_budget
+from bench.options import Options
+from bench.shapes import SHAPES, model_folder
+from bench.span_round import decode_rounds
 from bench.stats import TokenStream, summarize_concurrent, summarize_runs
 from bench.workload import MODEL, Prompt, chat_prompt, long_prompt, session_length
-
-SPANS = [(0, 15), (15, 30)]  # two block servers, as in the first benchmark and the README's figures
-
-
-@dataclass(frozen=True)
-class Options:
-    tokens: int  # new tokens of each single-session reply
-    rounds: int  # timed rounds of the single-session measurements
-    concurrency: tuple[int, ...]  # simultaneous sessions, one run each
-    concurrency_tokens: int  # new tokens of each session in the concurrency runs
-    threads: int  # torch threads in every process: this one, each server, the gateway
-    dtypes: tuple[str, ...]  # float32 always; bfloat16 beside it when asked for
-    timeout: float  # seconds: the most any one reply or concurrency run may take
 
 
 @dataclass(frozen=True)
@@ -56,62 +53,83 @@ class Prompts:
     long: Prompt  # LONG_PROMPT_TOKENS of plain text, for time to first token
 
 
+@dataclass(frozen=True)
+class Benchmarked:
+    """The model of one dtype's run: how servers, the gateway and clients name it, and its folder."""
+
+    name: str  # in the results: the default model's name, or the shape's
+    source: str  # what servers, the gateway and the Python client are given: a known name or the folder
+    folder: Path
+    served_as: str  # the gateway's name for it (OpenAI's `model` field)
+    spans: list[tuple[int, int]]  # the two servers' blocks
+
+
 def run_suite(options: Options) -> dict:
-    from config import SwarmSettings
-    from swarm.weights import load_tokenizer, resolve_model
+    from swarm.weights import load_tokenizer
 
     torch.set_num_threads(options.threads)  # the local baseline and the Python client run in this process
     cache_dir = SwarmSettings.from_env().cache_dir
-    folder = resolve_model(MODEL, cache_dir)
-    tokenizer = load_tokenizer(folder)
-    prompts = Prompts(chat_prompt(tokenizer), long_prompt(tokenizer))
     results = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": MODEL,
-        "machine": machine(),
+        "model": options.shape or MODEL,
+        "shape": SHAPES[options.shape] if options.shape else None,
+        "device": options.device,
+        "machine": machine(options.device),
         "options": asdict(options),
         "threads": thread_settings(options.threads),
-        "prompt_tokens": {"chat": len(prompts.chat.ids), "long": len(prompts.long.ids)},
-        "spans": [f"{start}:{end}" for start, end in SPANS],
         "variants": {},
     }
     began = time.perf_counter()
     for dtype in options.dtypes:
-        log(f"== {dtype}")
-        results["variants"][dtype] = run_variant(options, folder, cache_dir, dtype, prompts)
+        log(f"== {dtype} on {options.device}")
+        model = benchmarked(options, dtype, cache_dir)
+        tokenizer = load_tokenizer(model.folder)
+        prompts = Prompts(chat_prompt(tokenizer), long_prompt(tokenizer))
+        results["prompt_tokens"] = {"chat": len(prompts.chat.ids), "long": len(prompts.long.ids)}
+        results["spans"] = [f"{start}:{end}" for start, end in model.spans]
+        results["variants"][dtype] = run_variant(options, model, cache_dir, dtype, prompts)
     results["duration_s"] = time.perf_counter() - began
     return results
 
 
-def run_variant(options: Options, folder: Path, cache_dir: Path, dtype: str, prompts: Prompts) -> dict:
-    from swarm.local import LocalSwarm
-    from swarm.client.remote_model import RemoteModel
+def benchmarked(options: Options, dtype: str, cache_dir: Path) -> Benchmarked:
+    from swarm.local import halves
+    from swarm.weights import load_config
 
+    name, folder = model_folder(options.shape, dtype, cache_dir, options.device)  # a shape is built on first use
+    source = MODEL if options.shape is None else str(folder)
+    served_as = GatewaySettings.from_env({"MODEL": source}).default_model.name  # as the gateway names it
+    return Benchmarked(name, source, folder, served_as, halves(load_config(folder).num_hidden_layers))
+
+
+def run_variant(options: Options, model: Benchmarked, cache_dir: Path, dtype: str, prompts: Prompts) -> dict:
+    from swarm.client.remote_model import RemoteModel
+    from swarm.local import LocalSwarm
+
+    rounds = decode_rounds(options, dtype, cache_dir)  # alone on the machine: before any model is loaded
     cache_tokens = cache_tokens_needed(options, prompts)
-    budgets = [server_budget(folder, start, end, cache_tokens, getattr(torch, dtype)) for start, end in SPANS]
-    local = LocalModel(folder, getattr(torch, dtype))
+    budgets = [server_budget(model.folder, start, end, cache_tokens, getattr(torch, dtype))
+               for start, end in model.spans]
+    local = LocalModel(model.folder, getattr(torch, dtype), options.device)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    server_args = ["--threads", str(options.threads), "--dtype", dtype, "--cache-tokens", str(cache_tokens)]
+    server_args = ["--threads", str(options.threads), "--device", options.device, "--dtype", dtype,
+                   "--cache-tokens", str(cache_tokens)]
     # the largest concurrency run, and a few single sessions that may still be closing when it starts
     max_sessions = max(options.concurrency) + 4
     with ExitStack() as running:  # stopped in reverse order on any exit, Ctrl-C included
-        log(f"starting block servers {', '.join(f'{start}:{end}' for start, end in SPANS)} and a gateway; "
+        log(f"starting block servers {', '.join(f'{start}:{end}' for start, end in model.spans)} and a gateway; "
             f"logs in {log_dir}")
-        swarm = running.enter_context(LocalSwarm(MODEL, SPANS, server_args=server_args, log_dir=log_dir))
-        gateway = running.enter_context(Gateway(swarm.initial_peers, max_sessions, options.threads, log_dir))
-        remote = RemoteModel.from_pretrained(MODEL, swarm.initial_peers, cache_dir)
+        swarm = running.enter_context(LocalSwarm(model.source, model.spans, server_args=server_args, log_dir=log_dir))
+        gateway = running.enter_context(Gateway(swarm.initial_peers, max_sessions, options.threads, log_dir,
+                                                model.source, options.device, dtype))
+        remote = RemoteModel.from_pretrained(model.source, swarm.initial_peers, cache_dir, device=options.device,
+                                             dtype=getattr(torch, dtype))
         running.callback(remote.close)
-        server_pids = [server.process.pid for server in swarm.servers]
-
-        memory = {"at_start": [sample_server(pid) for pid in server_pids]}
-        peaks_reset = [reset_peaks(pid) for pid in server_pids]
-        single = alternate(single_session_measurements(options, prompts, local, remote, gateway), options.rounds)
-        memory["after_single_sessions"] = [sample_server(pid) for pid in server_pids]
-        concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions)
-                       for sessions in options.concurrency}
-        memory["after_concurrency"] = [sample_server(pid) for pid in server_pids]
-
+        memory, peaks_reset, single, concurrency = measure_swarm(options, model, prompts, local, remote, gateway,
+                                                                [server.process.pid for server in swarm.servers])
     return {
+        "device": options.device,
+        "decode_rounds": rounds,
         "cache_tokens": cache_tokens,
         "single_session": {name: summarize_runs(runs) for name, runs in single.items()},
         "concurrency": concurrency,
@@ -120,7 +138,21 @@ def run_variant(options: Options, folder: Path, cache_dir: Path, dtype: str, pro
     }
 
 
-def single_session_measurements(options: Options, prompts: Prompts, local: LocalModel, remote,
+def measure_swarm(options: Options, model: Benchmarked, prompts: Prompts, local: LocalModel, remote,
+                  gateway: Gateway, server_pids: list[int]) -> tuple[dict, list[bool], dict, dict]:
+    """Memory samples, whether peaks could be reset, the single-session runs and the concurrency runs."""
+    gpu = options.device != "cpu"
+    memory = {"at_start": [sample_server(pid, gpu) for pid in server_pids]}
+    peaks_reset = [reset_peaks(pid) for pid in server_pids]
+    single = alternate(single_session_measurements(options, model, prompts, local, remote, gateway), options.rounds)
+    memory["after_single_sessions"] = [sample_server(pid, gpu) for pid in server_pids]
+    concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions)
+                   for sessions in options.concurrency}
+    memory["after_concurrency"] = [sample_server(pid, gpu) for pid in server_pids]
+    return memory, peaks_reset, single, concurrency
+
+
+def single_session_measurements(options: Options, model: Benchmarked, prompts: Prompts, local: LocalModel, remote,
                                 gateway: Gateway) -> dict[str, Callable[[], TokenStream]]:
     """Every single-session measurement, by the name the report uses, in the order they alternate."""
     chat, long, tokens = prompts.chat, prompts.long, options.tokens
@@ -132,7 +164,7 @@ def single_session_measurements(options: Options, prompts: Prompts, local: Local
         "local_generate": lambda: local.generate(chat.ids, tokens),
         "swarm_client": lambda: swarm_client_reply(remote, chat, tokens),
         "gateway_websocket": lambda: websocket_reply(gateway.ws_url, chat, tokens, deadline()),
-        "gateway_openai_sse": lambda: openai_reply(gateway.openai_url, MODEL, chat, tokens, deadline()),
+        "gateway_openai_sse": lambda: openai_reply(gateway.openai_url, model.served_as, chat, tokens, deadline()),
         "local_prefill_long": lambda: local.prefill(long.ids),
         "gateway_websocket_long": lambda: websocket_reply(gateway.ws_url, long, 1, deadline()),
     }
@@ -192,13 +224,14 @@ def thread_settings(threads: int) -> dict:
     }
 
 
-def machine() -> dict:
+def machine(device: str) -> dict:
     return {
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
     }
 
 

@@ -58,6 +58,7 @@ class Delta:
     token_count: int  # tokens generated for this piece of text
     finish_reason: Optional[str] = None  # "stop" (end of sequence or a stop sequence), "length", "cancelled"
     logprobs: tuple[TokenLogprob, ...] = ()
+    stop_sequence: Optional[str] = None  # which of the request's stop sequences ended the reply (Anthropic says)
 
 
 class ServedModel:
@@ -200,12 +201,20 @@ class Engine:
                 self._models[config.name] = ServedModel(config, self._connect(config))
             return self._models[config.name]
 
+    def loaded_models(self) -> list[ServedModel]:
+        """The models this process has connected (Ollama's /api/ps); no lock: a model still connecting is not one."""
+        return list(self._models.values())
+
     def _connect_to_swarm(self, config: ModelConfig):
+        import torch
+
         from swarm.client import RemoteModel
 
+        gateway = self.settings.gateway  # where this process runs the model's embeddings, final norm and LM head
         # errors name the model as clients do; its prefix is the one servers derive from their --model
         return RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
-                                     config.dht_prefix, name=config.name)
+                                     config.dht_prefix, name=config.name, device=gateway.device,
+                                     dtype=getattr(torch, gateway.dtype))
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it."""
@@ -292,7 +301,8 @@ class Engine:
                 constraint.accept(token)
             text, matched = stopper.push(detokenizer.push(token))
             if matched or (constraint and constraint.is_finished()):
-                yield Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs)
+                yield Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs,
+                            stop_sequence=matched)
                 return
             if count == budget:
                 yield Delta(text + _remaining_text(detokenizer, stopper), 1, "length", logprobs)

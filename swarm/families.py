@@ -3,12 +3,15 @@ parameters, where the weights sit in the checkpoint, how positions reach the lay
 ALiBi bias, or learned embeddings added at the client), how a layer runs over a packed batch, and what the
 client holds (embeddings, final norm, LM head). Variants are entries of functions, never ifs on names.
 
-A layer forward gets the batch of the block server's span (swarm/server/span.py: PackedBatch), and calls
-its `attend` for the attention over each session's cache; the family computes the positions and masks once
-per forward (`batch_inputs`) and passes them down.
+A layer forward gets the packed batch of the block server's round (PackedBatch, swarm/server/attention.py)
+and calls its `attend` for the attention over the sessions' caches; the family adds what its positions need
+once per forward (`batch_inputs`: rotary cos/sin, ALiBi slopes), and the masks follow from them.
 """
 
 from __future__ import annotations
+
+# PackedBatch (swarm/server/attention.py) appears in annotations only: with postponed evaluation they
+# are never resolved, and this shared module imports nothing of the server
 
 import importlib
 from dataclasses import dataclass
@@ -20,31 +23,7 @@ from torch import nn
 from swarm.protocol import UnknownModelError
 
 
-# ------------------------------------------------------------------------------------ positions and masks
-
-
-def _causal_mask(position: int, length: int, window: Optional[int], device) -> torch.Tensor:
-    """Which keys (absolute positions 0..position+length) each new query may see: (length, position + length)."""
-    queries = torch.arange(position, position + length, device=device)[:, None]
-    keys = torch.arange(position + length, device=device)[None, :]
-    mask = keys <= queries
-    if window is not None:
-        mask &= keys > queries - window
-    return mask
-
-
-def _attention_mask(position: int, length: int, window: Optional[int], device) -> Optional[torch.Tensor]:
-    if window is None and (length == 1 or position == 0):
-        return None  # a single query sees everything; a fresh prompt is plainly causal
-    if window is not None and position + length <= window:
-        return _attention_mask(position, length, None, device)  # the window reaches back to position 0
-    return _causal_mask(position, length, window, device)
-
-
-def _set_masks(batch: "PackedBatch", windows: set, device) -> None:
-    for segment in batch.segments:
-        segment.masks = {window: _attention_mask(segment.position, segment.length, window, device)
-                         for window in windows}
+# ------------------------------------------------------------------------------------------- positions
 
 
 def rotary_state(family: "Family", config, device):
@@ -53,14 +32,9 @@ def rotary_state(family: "Family", config, device):
     return rotary_class(config=config).to(device)
 
 
-def rotary_inputs(rotary, hidden: torch.Tensor, batch: "PackedBatch", windows: set) -> None:
-    device = hidden.device
-    position_ids = torch.cat([
-        torch.arange(segment.position, segment.position + segment.length, device=device).repeat(segment.rows)
-        for segment in batch.segments
-    ])[None, :]
-    batch.cos, batch.sin = rotary(hidden, position_ids)
-    _set_masks(batch, windows, device)
+def rotary_inputs(rotary, hidden: torch.Tensor, batch: PackedBatch) -> None:
+    """Rotary: cos/sin of every new token's absolute position, once for all the forward's layers."""
+    batch.cos, batch.sin = rotary(hidden, batch.positions[None, :])
 
 
 def alibi_state(family: "Family", config, device) -> torch.Tensor:
@@ -68,27 +42,18 @@ def alibi_state(family: "Family", config, device) -> torch.Tensor:
     return family.modeling()._get_alibi_slopes(config.num_attention_heads, torch.device(device))
 
 
-def alibi_inputs(slopes: torch.Tensor, hidden: torch.Tensor, batch: "PackedBatch", windows: set) -> None:
-    """ALiBi: a bias of slope * key position over the absolute key positions 0..position+length (softmax is
-    invariant to the per-query shift that the paper's relative form adds), so it holds with a cache."""
-    device = hidden.device
-    for segment in batch.segments:
-        position, length = segment.position, segment.length
-        alibi = slopes[:, None, None] * torch.arange(position + length, device=device)  # (heads, 1, keys), float32
-        alibi = alibi.to(hidden.dtype)  # transformers casts it before adding it to the scores
-        segment.masks = {
-            window: alibi.masked_fill(~_causal_mask(position, length, window, device), float("-inf"))[None]
-            for window in windows
-        }  # (1, heads, length, keys)
+def alibi_inputs(slopes: torch.Tensor, hidden: torch.Tensor, batch: PackedBatch) -> None:
+    """ALiBi: the attention masks become a bias of slope * absolute key position (softmax is invariant to the
+    per-query shift that the paper's relative form adds, so it holds with a cache)."""
+    batch.alibi_slopes = slopes
 
 
 def no_position_state(family: "Family", config, device) -> None:
     return None
 
 
-def causal_inputs(_state, hidden: torch.Tensor, batch: "PackedBatch", windows: set) -> None:
-    """Positions already in the hidden states (learned embeddings added at the client): only the masks."""
-    _set_masks(batch, windows, hidden.device)
+def causal_inputs(_state, hidden: torch.Tensor, batch: PackedBatch) -> None:
+    """Positions already in the hidden states (learned embeddings added at the client): only causal masks."""
 
 
 def _heads(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -99,7 +64,7 @@ def _heads(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
 # -------------------------------------------------------------------------------------- layer forwards
 
 
-def llama_layer_forward(layer, hidden: torch.Tensor, batch: "PackedBatch", index: int) -> torch.Tensor:
+def llama_layer_forward(layer, hidden: torch.Tensor, batch: PackedBatch, index: int) -> torch.Tensor:
     """Pre-norm decoder layer with rotary positions and grouped-query attention (Llama, Mistral, Qwen2)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -117,7 +82,7 @@ def llama_layer_forward(layer, hidden: torch.Tensor, batch: "PackedBatch", index
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def bloom_layer_forward(layer, hidden: torch.Tensor, batch: "PackedBatch", index: int) -> torch.Tensor:
+def bloom_layer_forward(layer, hidden: torch.Tensor, batch: PackedBatch, index: int) -> torch.Tensor:
     """BLOOM: LayerNorms, a fused query_key_value laid out head by head (q, k, v of head 0, then of head 1, ...),
     ALiBi in the attention bias, and optionally the residual taken after the norm."""
     attention = layer.self_attention
@@ -135,7 +100,7 @@ def bloom_layer_forward(layer, hidden: torch.Tensor, batch: "PackedBatch", index
     return layer.mlp(normed, normed if post_norm_residual else hidden)  # BloomMLP adds its residual itself
 
 
-def gpt2_layer_forward(layer, hidden: torch.Tensor, batch: "PackedBatch", index: int) -> torch.Tensor:
+def gpt2_layer_forward(layer, hidden: torch.Tensor, batch: PackedBatch, index: int) -> torch.Tensor:
     """GPT-2: LayerNorms ln_1/ln_2, Conv1D projections (c_attn fused as [q | k | v]), no positions in the layer."""
     attention = layer.attn
     head_dim = attention.head_dim
@@ -208,7 +173,7 @@ class Family:
     layer_key: str  # checkpoint prefix of block i's tensors: layer_key.format(i)
     layer_forward: Callable  # (layer, hidden, batch: PackedBatch, index in the forward's range) -> hidden
     position_state: Callable  # (family, config, device) -> what batch_inputs needs, built once per span
-    batch_inputs: Callable  # (state, hidden, batch: PackedBatch, windows: set): positions and masks, per forward
+    batch_inputs: Callable  # (state, hidden, batch: PackedBatch): positions for the masks and layers, per forward
     cache_shape: Callable  # (config, layer) -> (kv heads, head_dim) of the layer's cache
     client: ClientSide
     sliding_window: Callable = _no_window  # (config, layer_index) -> int | None

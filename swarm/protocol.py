@@ -29,10 +29,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-PROTOCOL_VERSION = "0.2.0"  # 0.2: signed records under owner subkeys
-# servers grow a session's attention cache a page of this many positions at a time: a new session needs room
-# for one page (what the client asks of the servers it routes to), not for its whole max_length
-PAGE_TOKENS = 128
+PROTOCOL_VERSION = "0.3.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages
+# servers keep attention caches in pages of this many positions, and grow a session's cache a page at a time:
+# a new session needs room for one page (what the client asks of the servers it routes to), not its max_length
+PAGE_TOKENS = 16
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -3,14 +3,25 @@
 Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus msgpack metadata.
 
     rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
-                         loaded_names}
+                         loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed}
     rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less, whole sequences
     rpc_inference  a stream: first {start, end, max_length, batch_size, session_id?} -> {ok}
                    then per step [hidden] {position, step_id?, push_to?: {peer_id, session_id}} -> [hidden]
                    closing the request stream ends the session and frees its cache
+    rpc_steps      a stream, one per (client, server), that steps the client's open sessions (opened by
+                   rpc_inference): each request carries the steps of several sessions, each reply answers one
+                   request (replies may come out of order: message_id pairs them)
+                     request  [hidden_0 .. hidden_n-1] {message_id, steps: [{session_id, position, step_id?,
+                              push_to?: {peer_id, session_id}}, ... n]}
+                     reply    [the outputs of the steps that succeeded, in order] {message_id, results: [{} or
+                              {error}, ... n]}; a request that is no list of steps: {message_id?, error}
+                   a session is stepped only by the peer that opened it, one step at a time (else the step
+                   is refused); one step's error leaves the others of its message as they were
     rpc_push       [hidden] {session_id, step_id, position} -> {}: a step's inputs, pushed by the previous
                    server of the chain (named by the client in push_to) as soon as it has them, so that the
-                   next server starts before the client's copy of the same inputs arrives
+                   next server starts before the client's copy of the same inputs arrives;
+                   or [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} ->
+                   {results: [{} or {error}, ... n]}: the outputs of several steps, to one server at once
 
 A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
 broken stream, so the client can raise the same SwarmError the server raised. The server implements
@@ -67,7 +78,6 @@ def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = Non
     return pack(tensors, metadata, request=False)
 
 
-
 class BlockRPC(ServicerBase):
     """The block server's RPC interface: hivemind builds the clients' stubs from these signatures, and the
     server's handler (a subclass) implements them."""
@@ -87,6 +97,12 @@ class BlockRPC(ServicerBase):
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         raise NotImplementedError
+
+    async def rpc_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # an async generator, as the server's is
 
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

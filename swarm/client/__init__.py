@@ -6,7 +6,8 @@ In data-flow order:
                      swarm looks like (catalogue, Coverage, SwarmHealth: dataclasses, so callers never touch the DHT)
     routing.py       pure choices: the chain of servers that serves a session (fewest hops, then fastest)
     peers.py         Bans (peers left out for a while) and PeerLoad (the client's own view of each server's load)
-    stubs.py         the client's end of the block servers' RPC (swarm/wire.py): info, forward, inference streams
+    stubs.py         the client's end of the block servers' RPC (swarm/wire.py): info, forward, inference streams,
+                     and the per-server step channels that carry all sessions' steps to a server as one message
     remote_session.py  RemoteSession: hidden states through the chain; on a failure ban, re-route, replay
     spot_check.py    now and then, other servers recompute a hop of a step; a liar is banned
     head.py          the client's weights: embeddings, final norm, LM head (from the family's ClientSide)

@@ -2,8 +2,9 @@
 
 The client's LM head is the case in point: with 16 sessions decoding at once, 16 threads each need
 (1, hidden) @ (hidden, vocab). Each call reads the whole head matrix (a fifth of a small model's weights);
-one call on 16 rows reads it once. Callers that arrive while a merged call runs wait for it to finish, then
-the first of them runs everything that queued meanwhile: no timer, no added latency for a lone caller.
+one call on 16 rows reads it once (and, with the head on a GPU, moves rows and logits across once each way).
+Callers that arrive while a merged call runs wait for it to finish, then the first of them runs everything
+that queued meanwhile: no timer, no added latency for a lone caller.
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """The client's half of a model's weights: embeddings (and learned positions, an embedding norm), the final
-norm and the LM head, built from the family's ClientSide (swarm/families.py), from the client's tensors only."""
+norm and the LM head, built from the family's ClientSide (swarm/families.py), from the client's tensors only.
+
+They run on a device and in a dtype of their own (a GPU and bfloat16 take the LM head, the client's largest
+matmul, off the CPU), but what they exchange with the rest of the client is always float32 on the CPU:
+hidden states for the remote session (which casts them to the wire dtype) and logits for sampling. On the CPU
+in float32 every conversion is a no-op, and outputs are bit for bit what they were.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +18,21 @@ from swarm.families import Family, family_of
 from swarm.protocol import SessionLengthError
 from swarm.weights import load_config, load_tensors
 
+HOST = torch.device("cpu")
+
+
 class ClientModules(nn.Module):
     """The client's half of a model: token ids -> hidden states for the first block, and the last block's
     output -> final norm -> logits. Built from the family's ClientSide, from the client's own tensors only."""
 
-    def __init__(self, config, family: Family, tensors: dict):
+    def __init__(self, config, family: Family, tensors: dict, device="cpu", dtype: torch.dtype = torch.float32):
         super().__init__()
         client = family.client
         self.config, self.family = config, family
+        self.device, self.dtype = torch.device(device), dtype
         self.loaded_names = sorted(tensors)  # proof that the client read no block's tensors
+        # converted before the modules are built, so that a head tied to the embeddings stays one tensor there
+        tensors = {name: tensor.to(self.device, dtype) for name, tensor in tensors.items()}
         embed_weight = tensors[client.embed_key]
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
         self.embed_positions = None
@@ -40,8 +52,8 @@ class ClientModules(nn.Module):
     @torch.inference_mode()
     def embed(self, token_ids: torch.Tensor, position: int = 0) -> torch.Tensor:
         """Token ids (batch, length) at absolute positions position.. -> hidden states (batch, length, hidden)
-        as the first block expects them (transformers' hidden_states[0])."""
-        hidden = self.embed_tokens(token_ids)
+        as the first block expects them (transformers' hidden_states[0]), float32 on the CPU."""
+        hidden = self.embed_tokens(token_ids.to(self.device))
         if self.embed_positions is not None:
             end = position + token_ids.shape[1]
             if end > self.embed_positions.num_embeddings:
@@ -51,12 +63,18 @@ class ClientModules(nn.Module):
             hidden = hidden + self.embed_positions(torch.arange(position, end, device=hidden.device))
         if self.embed_norm is not None:
             hidden = self.embed_norm(hidden)
-        return hidden
+        return hidden.to(HOST, torch.float32)
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> final norm (transformers' last hidden_states), float32 on the CPU."""
+        return self.norm(hidden.to(self.device, self.dtype)).to(HOST, torch.float32)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last block's output -> final norm -> LM head."""
-        return self.lm_head(self.norm(hidden))
+        """The last block's output -> final norm -> LM head, float32 on the CPU: the gateway's sampler (penalties,
+        grammar masks, seeded generators) works on CPU tensors, and a row of logits is only vocab * 4 bytes."""
+        return self.lm_head(self.norm(hidden.to(self.device, self.dtype))).to(HOST, torch.float32)
 
 
 def _load_norm(family: Family, config, prefix: str, tensors: dict) -> nn.Module:
@@ -67,9 +85,10 @@ def _load_norm(family: Family, config, prefix: str, tensors: dict) -> nn.Module:
     return norm.eval()
 
 
-def load_client(folder: Path, config=None) -> ClientModules:
-    """The client's modules of a model folder, reading only their tensors (never any block's)."""
+def load_client(folder: Path, config=None, device="cpu", dtype: torch.dtype = torch.float32) -> ClientModules:
+    """The client's modules of a model folder, reading only their tensors (never any block's), on `device`
+    in `dtype`."""
     config = load_config(folder) if config is None else config
     family = family_of(config)
     keys = family.client.keys()
-    return ClientModules(config, family, load_tensors(folder, lambda name: name in keys))
+    return ClientModules(config, family, load_tensors(folder, lambda name: name in keys), device, dtype)

@@ -4,6 +4,10 @@
     with model.session(max_length=512) as session:
         logits = session.step(prompt_ids)        # (batch, vocab) for the last new position
         logits = session.step([[next_token]])    # only the new token travels; servers keep the cache
+
+The embeddings, final norm and LM head run in this process, on the CPU in float32 unless given a device and a
+dtype (RemoteModel.from_pretrained(..., device="cuda", dtype=torch.bfloat16)); logits come back as float32 on
+the CPU either way.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from swarm.weights import load_config, load_tokenizer, resolve_model
 
 
 class RemoteModel:
-    def __init__(self, folder: Path, client: SwarmClient, name: str, prefix: Optional[str] = None):
+    def __init__(self, folder: Path, client: SwarmClient, name: str, prefix: Optional[str] = None,
+                 device="cpu", dtype: torch.dtype = torch.float32):
+        """`device` and `dtype`: where this process runs its half of the model (embeddings, final norm, LM
+        head); hidden states and logits still leave it as float32 on the CPU (see swarm/client/head.py)."""
         self.folder, self.client, self.name = Path(folder), client, name
         self.prefix = prefix or dht_prefix(name)
         self.config = load_config(self.folder)
@@ -30,36 +37,36 @@ class RemoteModel:
         self._tokenizer = None
 
         # the family says how token ids become hidden states and hidden states logits; only the client's tensors
-        self.client_modules = load_client(self.folder, self.config)  # are read, never any block's weights
-        self.embed_tokens = self.client_modules.embed_tokens
-        self.norm, self.lm_head = self.client_modules.norm, self.client_modules.lm_head
+        # are read, never any block's weights
+        self.client_modules = load_client(self.folder, self.config, device, dtype)
         # sessions decoding at once in other threads share one pass through the LM head (see swarm/client/coalesce.py)
         self._head = Coalescer(self.client_modules.logits)
 
     @classmethod
     def from_pretrained(
         cls, name_or_path: str, initial_peers: Sequence[str], cache_dir: Path, prefix: Optional[str] = None,
-        name: Optional[str] = None, **client_settings,
+        name: Optional[str] = None, device="cpu", dtype: torch.dtype = torch.float32, **client_settings,
     ) -> "RemoteModel":
         """`name` is what errors call the model (default: name_or_path); `prefix` its name in the DHT
-        (default: derived from name_or_path, as servers derive it); `client_settings` go to SwarmClient
-        (wire_dtype, allowed_servers, spot_check_rate, ...)."""
-        return cls.on_client(SwarmClient(initial_peers, **client_settings), name_or_path, cache_dir, prefix, name)
+        (default: derived from name_or_path, as servers derive it); `device` and `dtype` where its embeddings and
+        LM head run; `client_settings` go to SwarmClient (wire_dtype, allowed_servers, spot_check_rate, ...)."""
+        client = SwarmClient(initial_peers, **client_settings)
+        return cls.on_client(client, name_or_path, cache_dir, prefix, name, device=device, dtype=dtype)
 
     @classmethod
     def on_client(cls, client: SwarmClient, name_or_path: str, cache_dir: Path, prefix: Optional[str] = None,
-                  name: Optional[str] = None) -> "RemoteModel":
+                  name: Optional[str] = None, device="cpu", dtype: torch.dtype = torch.float32) -> "RemoteModel":
         """A model served through an existing client (one DHT node for every model of a process); its prefix
         defaults to the one servers derive from the same name_or_path."""
         folder = resolve_model(name_or_path, cache_dir)
-        return cls(folder, client, name or name_or_path, prefix or dht_prefix(name_or_path))
+        return cls(folder, client, name or name_or_path, prefix or dht_prefix(name_or_path), device, dtype)
 
     def embed(self, token_ids, position: int = 0) -> torch.Tensor:
         """Token ids (batch, length) at absolute positions position.. -> the first block's input."""
         return self.client_modules.embed(_as_batch(token_ids), position)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last block's output (rows, hidden) -> final norm -> LM head -> (rows, vocab)."""
+        """The last block's output (rows, hidden) -> final norm -> LM head -> (rows, vocab), float32 on the CPU."""
         return self._head(hidden)
 
     @property
@@ -85,7 +92,7 @@ class RemoteModel:
     @torch.inference_mode()
     def forward(self, token_ids) -> torch.Tensor:
         """Logits of every position of whole sequences, with no session: (batch, length, vocab)."""
-        return self.lm_head(self.hidden_states(token_ids))  # hidden_states applies the final norm
+        return self.client_modules.logits(self._blocks_output(token_ids, self.num_blocks))
 
     @torch.inference_mode()
     def hidden_states(self, token_ids, layer: Optional[int] = None) -> torch.Tensor:
@@ -93,11 +100,15 @@ class RemoteModel:
         0 is the embeddings, num_blocks (the default) the last block's output after the final norm.
         Only the blocks up to `layer` run on the swarm."""
         layer = self.num_blocks if layer is None else layer
+        hidden = self._blocks_output(token_ids, layer)
+        return self.client_modules.final_norm(hidden) if layer == self.num_blocks else hidden
+
+    def _blocks_output(self, token_ids, layer: int) -> torch.Tensor:
         hidden = self.embed(token_ids, position=0)  # (batch, length, hidden)
         if layer > 0:
             chain = self.client.chain(self.prefix, self.num_blocks, self.name, end=layer)
             hidden = self.client.forward(chain, hidden)
-        return self.norm(hidden) if layer == self.num_blocks else hidden
+        return hidden
 
     def close(self) -> None:
         self.client.shutdown()

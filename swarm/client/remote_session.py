@@ -176,7 +176,8 @@ class RemoteSession:
             hops: list[Hop] = []
             try:
                 for link in chain:
-                    stream = InferenceStream(client.node.p2p, link.peer_id, link.start, link.end, client.timeout)
+                    stream = InferenceStream(client.node.p2p, link.peer_id, link.start, link.end, client.timeout,
+                                             client.step_channels)
                     hops.append(Hop(link, stream))
                     client.load.opened(link.peer_id)
                     client.loop.run(stream.open(self.max_length, self.batch_size))

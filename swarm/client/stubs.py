@@ -1,16 +1,30 @@
-"""The client's end of the block servers' RPC (swarm/wire.py): info, cache-less forwards, inference streams."""
+"""The client's end of the block servers' RPC (swarm/wire.py): info, cache-less forwards, inference streams,
+and the step channels that carry the steps of all of a client's sessions on one server together.
+
+A session opens and closes on each server through its own inference stream (InferenceStream), but its steps
+go through the client's StepChannel to that server (one per server, shared by every session): a step handed
+to an idle channel is sent at once; steps handed to it while a message is in flight wait, and leave together
+as the next message when its reply comes. So N sessions stepping at once cost about one message per server,
+not N, and a lone step waits for nothing. A step of many positions (a prompt, a replay) travels alone, at
+once, so that it never holds up the short steps queued behind it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.protocol import ServerUnavailableError
+from swarm.protocol import ServerUnavailableError, SwarmError, error_from_wire
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
+
+MULTIPLEX_MAX_POSITIONS = 8  # a step of more positions travels alone (it would hold up the others' reply)
+EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
 
 
 async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
@@ -34,10 +48,14 @@ async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end:
 
 
 class InferenceStream:
-    """The client's end of one server's inference session: push a step, await its reply."""
+    """The client's end of one server's inference session: its stream opens the session and, closed, ends it;
+    its steps go through the client's step channel to that server (with no channels given, through the stream,
+    one message each)."""
 
-    def __init__(self, p2p, peer_id: str, start: int, end: int, timeout: float):
+    def __init__(self, p2p, peer_id: str, start: int, end: int, timeout: float,
+                 channels: Optional["StepChannels"] = None):
         self.p2p, self.peer_id, self.start, self.end, self.timeout = p2p, peer_id, start, end, timeout
+        self.channels = channels  # the client's step channels; without them, steps go through this stream
         self.session_id = secrets.token_hex(16)  # what the previous server of the chain pushes steps to
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses = None
@@ -54,12 +72,17 @@ class InferenceStream:
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None, step_id: int = 0,
                    push_to: Optional["InferenceStream"] = None) -> torch.Tensor:
-        """The outputs for these positions; a server silent for `timeout` seconds counts as failed (after
-        a timeout the stream is out of step and must not be used again). With `push_to`, the server also
-        pushes the outputs to that stream's server, which starts step `step_id` before the client sends it."""
+        """The outputs for these positions; a server silent for `timeout` seconds counts as failed (after a
+        timeout the session must not be stepped here again: the server may have run the step, or may yet).
+        With `push_to`, the server also pushes the outputs to that stream's server, which starts step `step_id`
+        before the client sends it."""
         metadata = {"position": position, "step_id": step_id}
         if push_to is not None:
             metadata["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
+        if self.channels is not None:
+            channel = self.channels.get(self.peer_id)
+            return await channel.step(hidden, {"session_id": self.session_id, **metadata}, timeout or self.timeout,
+                                      f"blocks {self.start}:{self.end}")
         tensors, _ = await self._exchange(pack((hidden,), metadata), timeout or self.timeout)
         return tensors[0]
 
@@ -80,3 +103,201 @@ class InferenceStream:
     async def _iterate_requests(self):
         while (request := await self._requests.get()) is not None:
             yield request
+
+
+@dataclass
+class _Step:
+    hidden: torch.Tensor  # (batch, positions, hidden)
+    entry: dict  # its line of the message's steps: {session_id, position, step_id, push_to?}
+    timeout: float
+    blocks: str  # named in errors
+    result: asyncio.Future
+
+
+@dataclass
+class _Message:
+    stream: "_StepStream"
+    steps: list[_Step]
+    expiry: asyncio.TimerHandle
+    batched: bool  # the channel's message of short steps (while it is in flight, short steps wait)
+
+
+class _StepStream:
+    """One rpc_steps stream to a server: messages queue at once (and go as soon as it is connected); each reply
+    goes to the channel."""
+
+    def __init__(self, channel: "StepChannel"):
+        self.channel = channel
+        self.closed = False
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._reader = asyncio.ensure_future(self._read())
+
+    def send(self, message) -> None:
+        self._requests.put_nowait(message)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._requests.put_nowait(None)  # ends the request stream
+            self._reader.cancel()  # and hangs up, abandoning what is in flight
+
+    async def _read(self) -> None:
+        channel = self.channel
+        try:
+            stub = BlockRPC.get_stub(channel.p2p, PeerID.from_base58(channel.peer_id))
+            responses = await asyncio.wait_for(stub.rpc_steps(self._iterate_requests()), channel.connect_timeout)
+            async for response in responses:
+                channel.answered(self, response)
+            reason = "closed the step stream"
+        except asyncio.CancelledError:
+            raise  # closed by the channel, which has failed its steps already
+        except Exception as error:  # timeouts, a refused connection, any failure of the transport
+            reason = f"failed: {error!r}"
+        channel.broken(self, reason)
+
+    async def _iterate_requests(self):
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+
+class StepChannel:
+    """The client's multiplexed steps to one server (see the module's docstring). It lives on the client's
+    event loop: every method runs there. If its stream fails, or a message stays unanswered past its steps'
+    timeouts, the steps in flight fail with ServerUnavailableError (each session then fails over on its own)
+    and later steps open a new stream."""
+
+    def __init__(self, p2p, peer_id: str, connect_timeout: float):
+        self.p2p, self.peer_id, self.connect_timeout = p2p, peer_id, connect_timeout
+        self.messages_sent = self.steps_sent = 0
+        self._stream: Optional[_StepStream] = None
+        self._queue: list[_Step] = []  # short steps waiting for the batched message's reply
+        self._messages: dict[int, _Message] = {}  # in flight, by message id
+        self._batching = False  # the message of short steps is in flight
+        self._ids = itertools.count()
+
+    async def step(self, hidden: torch.Tensor, entry: dict, timeout: float, blocks: str) -> torch.Tensor:
+        step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future())
+        if hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
+            self._send([step], batched=False)
+        else:
+            self._queue.append(step)
+            if not self._batching:
+                self._send_queued()
+        try:
+            return await asyncio.wait_for(step.result, timeout)  # on a timeout, a queued step is dropped
+        except asyncio.TimeoutError:
+            raise ServerUnavailableError(f"server {self.peer_id} did not answer in time ({blocks})") from None
+
+    def answered(self, stream: _StepStream, response) -> None:
+        """A reply came: its steps' results, then the steps that waited for it go."""
+        try:
+            tensors, metadata = unpack(response)
+        except SwarmError as error:
+            return self.broken(stream, f"sent an undecodable reply ({error})")
+        message_id = metadata.get("message_id")
+        message = self._messages.get(message_id) if isinstance(message_id, int) else None
+        if message is None or message.stream is not stream:
+            refusal = error_from_wire(metadata)
+            if refusal is not None and message_id is None:  # the whole stream was refused
+                self.broken(stream, f"refused the step stream: {refusal}", type(refusal))
+            return  # else a late reply to a message given up on
+        self._forget(message_id)
+        _deliver(message.steps, tensors, metadata, self.peer_id)
+        if message.batched:
+            self._batching = False
+            self._send_queued()
+
+    def broken(self, stream: _StepStream, reason: str, error_type: type = ServerUnavailableError) -> None:
+        """Fail every step in flight on `stream`; the steps that come later go on a new one."""
+        if stream is self._stream:
+            self._stream = None
+        stream.close()
+        for message_id, message in list(self._messages.items()):
+            if message.stream is stream:
+                self._forget(message_id)
+                for step in message.steps:
+                    _fail(step, error_type(f"server {self.peer_id} {reason} ({step.blocks})"))
+                self._batching = self._batching and not message.batched
+        if not self._batching:
+            self._send_queued()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self.broken(self._stream, "is no longer used: the client closed")
+        for step in self._queue:
+            _fail(step, ServerUnavailableError("the client closed"))
+        self._queue = []
+
+    def _send_queued(self) -> None:
+        waiting, self._queue = [step for step in self._queue if not step.result.done()], []
+        if waiting:
+            self._send(waiting, batched=True)
+
+    def _send(self, steps: list[_Step], batched: bool) -> None:
+        if self._stream is None:
+            self._stream = _StepStream(self)
+        message_id = next(self._ids)
+        metadata = {"message_id": message_id, "steps": [step.entry for step in steps]}
+        self._stream.send(pack(tuple(step.hidden for step in steps), metadata))
+        deadline = max(step.timeout for step in steps) + EXPIRY_SLACK
+        expiry = asyncio.get_running_loop().call_later(deadline, self._expired, message_id)
+        self._messages[message_id] = _Message(self._stream, steps, expiry, batched)
+        self._batching = self._batching or batched
+        self.messages_sent += 1
+        self.steps_sent += len(steps)
+
+    def _expired(self, message_id: int) -> None:
+        message = self._messages.get(message_id)
+        if message is not None:  # the server is stalled, or the stream lost: nothing more will come on it
+            self.broken(message.stream, "did not answer in time")
+
+    def _forget(self, message_id: int) -> None:
+        self._messages.pop(message_id).expiry.cancel()
+
+
+class StepChannels:
+    """A client's step channels, one per server, made on first use (on the client's event loop)."""
+
+    def __init__(self, p2p, connect_timeout: float):
+        self.p2p, self.connect_timeout = p2p, connect_timeout
+        self._channels: dict[str, StepChannel] = {}
+
+    def get(self, peer_id: str) -> StepChannel:
+        if peer_id not in self._channels:
+            self._channels[peer_id] = StepChannel(self.p2p, peer_id, self.connect_timeout)
+        return self._channels[peer_id]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
+def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, peer_id: str) -> None:
+    """A reply's outputs and errors to its steps, in order."""
+    outputs = iter(tensors)
+    for step, error in zip(steps, _step_errors(metadata, len(steps), len(tensors), peer_id)):
+        if error is not None:
+            _fail(step, error)
+        else:
+            output = next(outputs)
+            if not step.result.done():  # else its session gave up waiting
+                step.result.set_result(output)
+
+
+def _step_errors(metadata: dict, steps: int, outputs: int, peer_id: str) -> list[Optional[SwarmError]]:
+    """Each step's error (None: it succeeded), one exception each (each is raised in its own session); a
+    reply that does not add up fails every step."""
+    refusal = error_from_wire(metadata)
+    if refusal is not None:  # the whole message was refused
+        return [type(refusal)(str(refusal)) for _ in range(steps)]
+    results = metadata.get("results")
+    well_formed = isinstance(results, list) and len(results) == steps and all(isinstance(r, dict) for r in results)
+    errors = [error_from_wire(result) for result in results] if well_formed else []
+    if not well_formed or errors.count(None) != outputs:
+        return [ServerUnavailableError(f"server {peer_id} sent a malformed reply") for _ in range(steps)]
+    return errors
+
+
+def _fail(step: _Step, error: Exception) -> None:
+    if not step.result.done():
+        step.result.set_exception(error)

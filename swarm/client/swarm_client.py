@@ -18,7 +18,7 @@ from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink, choose_chain
 from swarm.client.remote_session import RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
-from swarm.client.stubs import call_forward, call_info
+from swarm.client.stubs import StepChannels, call_forward, call_info
 from swarm.protocol import (
     MissingBlocksError,
     ModelRecord,
@@ -90,6 +90,8 @@ class SwarmClient:
         self.step_timeout, self.max_retries = step_timeout, max_retries
         self.bans, self.load = Bans(), PeerLoad()
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
+        # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
+        self.step_channels = StepChannels(self.node.p2p, timeout)
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
         """The online servers of a model that this client may route to."""
@@ -147,4 +149,5 @@ class SwarmClient:
         return RemoteSession(self, Route(prefix, num_blocks, model_name), max_length, batch_size)
 
     def shutdown(self) -> None:
+        self.loop.run(self.step_channels.close())
         self.loop.run(self.node.shutdown())

@@ -11,7 +11,9 @@ In data-flow order, from the command line to the compute thread:
     sessions.py    ServerSession: one client's session, its cache and steps (and steps pushed to it early)
     batching.py    the compute thread: continuous batching of decode steps, chunked prefill
     span.py        BlockSpan: the span's layers over a packed batch of sessions (families.py says how each runs)
-    cache.py       a session's attention cache, growing a page at a time, and the server's budget of token slots
+    attention.py   a round's attention over the page pool: a fixed number of calls per layer, whatever the sessions
+    graphs.py      on CUDA, decode rounds captured once per shape bucket as CUDA graphs and replayed
+    cache.py       the page pool (KVPool), a session's page tables, and the server's budget of token slots
     quantize.py    int8 / nf4 weights with bitsandbytes
     metrics.py     Prometheus metrics of the server's load, in a registry of its own (--metrics-port)
 

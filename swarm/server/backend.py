@@ -35,6 +35,7 @@ class Backend:
 
     def __init__(self, span: BlockSpan, budget: CacheBudget, limits: ServerLimits = ServerLimits(), **batching):
         self.span, self.budget, self.limits = span, budget, limits
+        span.new_pool(budget.total)  # the pages the budget's slots stand for
         self.hidden_size = span.config.hidden_size
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self.scheduler = Scheduler(lambda: self.span, **batching)
@@ -48,6 +49,7 @@ class Backend:
         """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
         for session in list(self.sessions):
             session.evicted = True
+        span.new_pool(self.budget.total)  # the evicted sessions give their pages back to the old span's pool
         self.span = span
 
     def info(self) -> dict:

@@ -2,7 +2,7 @@
 
 Requests arrive on the event loop (one step per session at a time, plus cache-less forwards) and queue here.
 The compute thread takes, in each round, every waiting decode step of one block range and as much of the
-waiting prefills as the round's token budget leaves, packs their tokens side by side (swarm/server/span.py: PackedBatch)
+waiting prefills as the round's token budget leaves, packs their tokens side by side (swarm/server/attention.py)
 and runs them through the span at once: the weights are read once for all of them. A long prompt goes
 through in chunks of at most `prefill_chunk_tokens`, round after round, so the sessions that are decoding
 meanwhile wait for one chunk at most, never for the whole prompt. The chunks of one prompt run in order
@@ -20,8 +20,9 @@ from typing import Callable, Optional
 import torch
 
 from swarm.server import metrics
-from swarm.server.span import BlockSpan, Segment
+from swarm.server.attention import Segment
 from swarm.server.cache import SessionCache
+from swarm.server.span import BlockSpan
 from swarm.protocol import ServerUnavailableError
 
 
@@ -138,8 +139,6 @@ class Scheduler:
         try:
             segments, pieces = [], []
             for work, positions in round_:
-                if work.cache is not None:
-                    work.cache.fit(kept=work.position + work.done)
                 segments.append(Segment(work.rows, positions, work.position + work.done, work.cache))
                 pieces.append(work.hidden[:, work.done : work.done + positions].reshape(-1, work.hidden.shape[-1]))
             packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]

@@ -1,4 +1,5 @@
-"""A block server's attention cache: per-session key/value buffers that grow page by page, under a budget.
+"""A block server's attention cache: one pool of fixed-size pages per span, and the budget that sessions
+take pages from.
 
 The budget is counted in token slots (one slot holds one position of one sequence across every block of a
 session's range), so operators size it without knowing the model's head layout. A session takes slots as it
@@ -6,9 +7,11 @@ grows, a page (PAGE_TOKENS positions) at a time, never its whole max_length up f
 slots when none are free waits a bounded time for others to close, then is refused with CacheFullError,
 which the client routes around.
 
-Each layer's keys and values stay contiguous, so attention reads them with one scaled_dot_product_attention
-call and each step writes only its new positions in place. Growing by a page moves the cache once into a
-bigger buffer: every PAGE_TOKENS positions, never per token.
+The pool (KVPool) holds every layer's keys and values of every session in one tensor per kind, in pages of
+PAGE_TOKENS slots; each sequence of a session has a page table (SessionCache.tables). Nothing is ever
+copied as a session grows: it gets another page, and attention gathers its keys through the table
+(swarm/server/attention.py). Two more pages: one that stays zero (padding keys point at it) and one
+that padding sequences of a captured CUDA graph write to (swarm/server/graphs.py).
 """
 
 from __future__ import annotations
@@ -66,39 +69,62 @@ class CacheBudget:
             self._released = None
 
 
-class LayerCache:
-    """One layer's keys and values of one session: (rows, kv_heads, capacity, head_dim), written in place."""
+class KVPool:
+    """Keys and values of every layer of a span, for `tokens` slots: (layers, slots, kv_heads, head_dim) each,
+    in pages of PAGE_TOKENS slots, handed out and taken back on the server's event loop."""
 
-    def __init__(self, rows: int, kv_heads: int, head_dim: int, dtype, device):
-        self.keys = torch.empty((rows, kv_heads, 0, head_dim), dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype, device):
+        pages = max(tokens // PAGE_TOKENS, 1)
+        shape = (layers, (pages + 2) * PAGE_TOKENS, kv_heads, head_dim)  # + the zero page and a scratch page
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # untouched pages cost no memory on a CPU
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.zero_page = pages
+        self.zero_slot = pages * PAGE_TOKENS
+        self.scratch_slot = (pages + 1) * PAGE_TOKENS  # where padding sequences of a captured round write
+        for tensor in (self.keys, self.values):
+            tensor[:, self.zero_slot : self.scratch_slot].zero_()  # padding reads it: finite (0 x NaN is NaN)
+        self._free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
 
     @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
+    def free_pages(self) -> int:
+        return len(self._free)
 
-    def grow(self, capacity: int, kept: int) -> None:
-        """Move the first `kept` positions into buffers of `capacity` positions."""
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
-            new[:, :, :kept] = old[:, :, :kept]
-            setattr(self, name, new)
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values, (slots, kv_heads, head_dim) each."""
+        return self.keys[index], self.values[index]
 
-    def write(self, position: int, keys: torch.Tensor, values: torch.Tensor):
-        """Store the new positions' keys/values; return views over everything cached so far."""
-        end = position + keys.shape[2]
-        self.keys[:, :, position:end] = keys
-        self.values[:, :, position:end] = values
-        return self.keys[:, :, :end], self.values[:, :, :end]
+    def page_table(self, tables: list[list[int]], pages: int) -> torch.Tensor:
+        """(sequences, pages): each table's first `pages` pages, padded with the zero page."""
+        return torch.tensor([table[:pages] + [self.zero_page] * (pages - len(table)) for table in tables])
+
+    def take_page(self) -> int:
+        if not self._free:  # the budget keeps this from happening; a bug must not corrupt another session
+            raise CacheFullError("the server's cache pool has no free page")
+        page = self._free.pop()
+        # attention reads whole pages, masking the positions past a sequence's length: those must hold finite
+        # values (a masked 0 x NaN is still NaN), and memory never written may hold anything
+        for tensor in (self.keys, self.values):
+            tensor[:, page * PAGE_TOKENS : (page + 1) * PAGE_TOKENS].zero_()
+        return page
+
+    def give_back(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def slot_map(self, tables: list[list[int]], positions: int) -> torch.Tensor:
+        """(sequences, positions): the pool slot of each position 0..positions-1 of each page table (past a
+        table's end: the zero page)."""
+        padded = self.page_table(tables, pages_for(positions))
+        offsets = torch.arange(positions)
+        return padded[:, offsets // PAGE_TOKENS] * PAGE_TOKENS + offsets % PAGE_TOKENS
 
 
 class SessionCache:
-    """A session's caches for each block of its range. `reserved` positions are paid for in the budget;
-    the buffers catch up (`fit`) on the compute thread, right before a step that needs them."""
+    """A session's pages of the pool: one page table per sequence (row). `reserved` positions per row are
+    paid for in the budget; `fit` takes the pages that cover them."""
 
-    def __init__(self, layers: list[LayerCache], rows: int):
-        self.layers, self.rows = layers, rows
+    def __init__(self, pool: KVPool, rows: int):
+        self.pool, self.rows = pool, rows
+        self.tables: list[list[int]] = [[] for _ in range(rows)]
         self.reserved = 0  # positions per row
 
     @property
@@ -106,10 +132,21 @@ class SessionCache:
         """Budget slots this session holds."""
         return self.reserved * self.rows
 
-    def fit(self, kept: int) -> None:
-        if self.layers and self.layers[0].capacity < self.reserved:
-            for layer in self.layers:
-                layer.grow(self.reserved, kept)
+    def fit(self, positions: Optional[int] = None) -> None:
+        """Pages for `positions` positions of every row (default: the reserved ones)."""
+        needed = pages_for(self.reserved if positions is None else positions)
+        for table in self.tables:
+            while len(table) < needed:
+                table.append(self.pool.take_page())
 
-    def __getitem__(self, index: int) -> LayerCache:
-        return self.layers[index]
+    def read(self, layer: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..positions-1 of every row in pool layer `layer`, each
+        (rows, positions, kv_heads, head_dim): what attention sees of this session."""
+        slots = self.pool.slot_map(self.tables, positions)
+        keys, values = self.pool.layer(layer)
+        return keys[slots], values[slots]
+
+    def release(self) -> None:
+        for table in self.tables:
+            self.pool.give_back(table)
+        self.tables = [[] for _ in range(self.rows)]

@@ -1,6 +1,10 @@
 """The block server's RPC handlers: decode requests, hand them to the backend, encode replies.
 
 The messages are swarm/wire.py's; what a request may ask is checked by the backend (swarm/server/backend.py).
+A client's sessions open one by one (rpc_inference) but step together: one rpc_steps message carries the steps
+of all the sessions it has here at that moment, which run concurrently (so that they land in the same compute
+round, see batching.py) and are answered by one message. Their outputs go on to the next servers of the
+clients' chains likewise: one rpc_push message per next server, whatever the number of sessions.
 """
 
 from __future__ import annotations
@@ -8,39 +12,60 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import defaultdict
 from typing import AsyncIterator, Collection, Optional
 
 import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm.protocol import BadRequestError, NotAllowedError, SwarmError, error_to_wire
+from swarm.protocol import (
+    BadRequestError,
+    NotAllowedError,
+    ServerUnavailableError,
+    SwarmError,
+    error_from_wire,
+    error_to_wire,
+)
+from swarm.server import metrics
+from swarm.server.sessions import is_int
 from swarm.wire import BlockRPC, pack, reply, unpack
 
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT = 10.0
 REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
+WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
+# what rpc_info adds to the backend's answer: shows how many sessions' steps share a message
+COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed")
 
 
-def error_reply(error: Exception):
+def wire_error(error: BaseException) -> dict:
+    """A request's error as it travels: a SwarmError as it is, anything else as an internal error."""
     if not isinstance(error, SwarmError):
-        logger.exception("request failed", exc_info=error)
+        logger.error("request failed", exc_info=error)
         error = SwarmError("internal server error")  # details stay in the server's log
-    return reply(metadata=error_to_wire(error))
+    return error_to_wire(error)
+
+
+def error_reply(error: Exception, extra: Optional[dict] = None):
+    return reply(metadata={**(extra or {}), **wire_error(error)})
 
 
 class BlockHandler(BlockRPC):
     """Decodes requests, hands them to the server's backend (see swarm/server/backend.py), encodes replies.
 
     Every request may come from anyone: the backend checks what it carries; here, who sends it (a private
-    server takes requests only from `allowed_peers`, if given) and that a stream steps only its own session."""
+    server takes requests only from `allowed_peers`, if given) and that a peer steps only its own sessions."""
 
     def __init__(self, backend, allowed_peers: Collection[str] = ()):
         self.backend = backend
         self.allowed_peers = frozenset(allowed_peers)
         self.p2p = None  # set by add_p2p_handlers: pushes go out through it
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self._pushes: set[asyncio.Task] = set()
+        self._stepping: set = set()  # sessions with a multiplexed step running: one at a time each
+        self._warned_peers: set[str] = set()
 
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         self.p2p = p2p
@@ -49,7 +74,7 @@ class BlockHandler(BlockRPC):
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
             self._check_caller(context)
-            return reply(metadata=self.backend.info())
+            return reply(metadata={**self.backend.info(), **self.counters})
         except Exception as error:
             return error_reply(error)
 
@@ -62,15 +87,30 @@ class BlockHandler(BlockRPC):
             return error_reply(error)
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """A session's step, pushed by the previous server of its client's chain: it may name the session only
+        """Sessions' steps, pushed by the previous server of their clients' chains: it may name a session only
         by its random id, which the client gave only to that server."""
         try:
             self._check_caller(context)
             tensors, metadata = unpack(request)
-            self.backend.accept_push(tensors, metadata)
-            return reply()
+            pushes = metadata.get("pushes")
+            if pushes is None:  # one step
+                self.backend.accept_push(tensors, metadata)
+                return reply()
+            if not isinstance(pushes, list) or len(pushes) != len(tensors):
+                raise BadRequestError("field 'pushes' must be a list of maps, one per tensor")
+            return reply(metadata={"results": [self._accept_one_push(entry, tensor)
+                                               for entry, tensor in zip(pushes, tensors)]})
         except Exception as error:
             return error_reply(error)
+
+    def _accept_one_push(self, entry, tensor: torch.Tensor) -> dict:
+        try:
+            if not isinstance(entry, dict):
+                raise BadRequestError("each of 'pushes' must be a map")
+            self.backend.accept_push([tensor], entry)
+            return {}
+        except Exception as error:
+            return wire_error(error)
 
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -84,50 +124,187 @@ class BlockHandler(BlockRPC):
             return
         except Exception as error:
             yield error_reply(error)
-            # then wait for the client to end its side (a bounded time): a stream that the server closes at once
-            # sometimes loses the reply on its way through the libp2p daemons, and the client waits in vain
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_drain(requests), REFUSAL_LINGER)
+            await _linger(requests)
             return
         try:
             yield reply(metadata={"ok": True})
-            async for request in requests:
+            async for request in requests:  # steps of old clients; new ones step through rpc_steps
                 try:
                     tensors, metadata = unpack(request)
                     push_to = _push_target(metadata)  # checked first: a step must not run, then be refused
                     output = await session.step(tensors, metadata)
                     if push_to is not None:
-                        self._push(push_to, metadata, output)
+                        self._push([_push_of(push_to, metadata, output)])
                     yield reply((output,))
                 except Exception as error:  # a refused step leaves the session as it was
                     yield error_reply(error)
         finally:
             session.close()
 
+    async def rpc_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Messages of steps of the caller's sessions; each is answered when all its steps are done, and the
+        next ones are read meanwhile (a message of long steps does not hold up a message of short ones)."""
+        try:
+            self._check_caller(context)
+        except Exception as error:
+            yield error_reply(error)
+            await _linger(requests)
+            return
+        replies: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(self._answer_step_messages(requests, context.remote_id.to_base58(), replies))
+        try:
+            while (response := await replies.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()  # the client hung up: the steps still running stop (their sessions stay open)
+
+    async def _answer_step_messages(self, requests: AsyncIterator, peer_id: str, replies: asyncio.Queue) -> None:
+        running: set[asyncio.Task] = set()
+
+        async def answer(request):
+            try:
+                replies.put_nowait(await self._run_step_message(request, peer_id))
+            except Exception as error:  # a bug here must cost one message, never the stream
+                replies.put_nowait(error_reply(error))
+
+        try:
+            async for request in requests:
+                task = asyncio.ensure_future(answer(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
+            replies.put_nowait(None)
+
+    async def _run_step_message(self, request, peer_id: str):
+        """One message's steps, run at once; the reply, and the outputs pushed on to the next servers."""
+        message_id = None
+        try:
+            tensors, metadata = unpack(request)
+            message_id = metadata.get("message_id") if is_int(metadata.get("message_id")) else None
+            entries = self._step_entries(metadata)
+        except Exception as error:
+            return error_reply(error, {"message_id": message_id})
+        self.counters["step_messages"] += 1
+        self.counters["steps_received"] += len(entries)
+        if len(tensors) != len(entries):  # which tensor is whose is unknown: none may run
+            mismatch = BadRequestError(f"a message of {len(entries)} steps carries {len(tensors)} tensors")
+            results = [mismatch] * len(entries)
+        else:
+            results = await asyncio.gather(*(self._step_one(entry, tensor, peer_id)
+                                             for entry, tensor in zip(entries, tensors)), return_exceptions=True)
+        pushes = [_push_of(result[1], entry, result[0]) for entry, result in zip(entries, results)
+                  if not isinstance(result, BaseException) and result[1] is not None]
+        self._push(pushes)
+        outputs = tuple(result[0] for result in results if not isinstance(result, BaseException))
+        answers = [wire_error(result) if isinstance(result, BaseException) else {} for result in results]
+        return reply(outputs, {"message_id": message_id, "results": answers})
+
+    def _step_entries(self, metadata: dict) -> list:
+        entries = metadata.get("steps")
+        if not isinstance(entries, list):
+            raise BadRequestError("field 'steps' must be a list of maps, one per tensor")
+        if len(entries) > self.backend.limits.max_sessions_per_peer:  # one step per session
+            raise BadRequestError(f"a message of {len(entries)} steps is over this server's limit of "
+                                  f"{self.backend.limits.max_sessions_per_peer} sessions per peer")
+        return entries
+
+    async def _step_one(self, entry, tensor: torch.Tensor, peer_id: str):
+        """(outputs, push target) of one step of a multiplexed message."""
+        session = self._own_session(entry, peer_id)
+        push_to = _push_target(entry)  # checked first: a step must not run, then be refused
+        if session in self._stepping:
+            raise BadRequestError("this session has a step running already: a session steps one at a time")
+        self._stepping.add(session)
+        try:
+            return await session.step([tensor], entry), push_to
+        finally:
+            self._stepping.discard(session)
+
+    def _own_session(self, entry, peer_id: str):
+        if not isinstance(entry, dict) or not isinstance(entry.get("session_id"), str):
+            raise BadRequestError("each step must be a map with a 'session_id'")
+        session = self.backend.sessions_by_id.get(entry["session_id"])
+        if session is None or session.peer_id != peer_id:  # another peer's session reads as no session at all
+            raise ServerUnavailableError("this server holds no session of yours with this 'session_id' (it ended)")
+        return session
+
     def _check_caller(self, context: P2PContext) -> None:
         if self.allowed_peers and context.remote_id.to_base58() not in self.allowed_peers:
             raise NotAllowedError(f"peer {context.remote_id.to_base58()} is not on this server's list of clients")
 
-    def _push(self, target: tuple[PeerID, str], metadata: dict, output: torch.Tensor) -> None:
-        """Send a step's outputs to the next server of the client's chain, beside the reply to the client."""
-        peer, session_id = target
-        pushed = pack((output,), {"session_id": session_id, "step_id": metadata.get("step_id"),
-                                  "position": metadata.get("position")})
+    def _push(self, pushes: list[tuple[PeerID, dict, torch.Tensor]]) -> None:
+        """Send steps' outputs to the next servers of their clients' chains, beside the replies to the clients:
+        one message per server."""
+        by_peer: dict[PeerID, list[tuple[dict, torch.Tensor]]] = defaultdict(list)
+        for peer, entry, output in pushes:
+            by_peer[peer].append((entry, output))
+        for peer, items in by_peer.items():
+            task = asyncio.ensure_future(self._send_pushes(peer, items))
+            self._pushes.add(task)  # a reference, so that the task is not collected while it runs
+            task.add_done_callback(self._pushes.discard)
 
-        async def push():
-            try:
-                await BlockRPC.get_stub(self.p2p, peer).rpc_push(pushed, timeout=PUSH_TIMEOUT)
-            except Exception as error:  # the client's own copy of the inputs follows anyway
-                logger.debug("push to %s failed: %r", peer, error)
+    async def _send_pushes(self, peer: PeerID, items: list[tuple[dict, torch.Tensor]]) -> None:
+        entries, outputs = [entry for entry, _ in items], tuple(output for _, output in items)
+        # one step travels in the single form, which servers of every version take
+        message = pack(outputs, entries[0] if len(items) == 1 else {"pushes": entries})
+        self.counters["push_messages"] += 1
+        self.counters["pushes_sent"] += len(items)
+        try:
+            response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
+            _, metadata = unpack(response)
+        except Exception as error:  # the clients' own copies of the inputs follow anyway
+            self._push_failed(peer, len(items), "unreachable", repr(error))
+            return
+        results = metadata.get("results") if len(items) > 1 else [metadata]
+        if not isinstance(results, list):
+            results = [metadata] * len(items)
+        refusals = [error for error in map(_error_of, results) if error is not None]
+        if refusals:
+            self._push_failed(peer, len(refusals), "refused", str(refusals[0]))
 
-        task = asyncio.ensure_future(push())
-        self._pushes.add(task)  # a reference, so that the task is not collected while it runs
-        task.add_done_callback(self._pushes.discard)
+    def _push_failed(self, peer: PeerID, count: int, reason: str, detail: str) -> None:
+        """Count pushes the next server did not take; say so once per server (then only at DEBUG)."""
+        metrics.PUSHES_FAILED.labels(reason).inc(count)
+        self.counters["pushes_failed"] += count
+        name = peer.to_base58()
+        first = name not in self._warned_peers
+        if len(self._warned_peers) >= WARNED_PEERS_KEPT:
+            self._warned_peers.clear()
+        self._warned_peers.add(name)
+        if first:
+            logger.warning("%d step(s) pushed to %s: %s (%s); its next failed pushes are logged at DEBUG",
+                           count, name, reason, detail)
+        else:
+            logger.debug("%d step(s) pushed to %s: %s (%s)", count, name, reason, detail)
 
 
-async def _drain(requests: AsyncIterator) -> None:
-    async for _ in requests:
-        pass
+async def _linger(requests: AsyncIterator) -> None:
+    """After a refusal, wait for the client to end its side (a bounded time): a stream that the server closes
+    at once sometimes loses the reply on its way through the libp2p daemons, and the client waits in vain."""
+
+    async def drain():
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(drain(), REFUSAL_LINGER)
+
+
+def _push_of(target: tuple[PeerID, str], metadata: dict, output: torch.Tensor) -> tuple[PeerID, dict, torch.Tensor]:
+    """(server, entry, outputs) of a push: the entry tells the next server its session, and which step of it
+    these inputs are."""
+    peer, session_id = target
+    entry = {"session_id": session_id, "step_id": metadata.get("step_id"), "position": metadata.get("position")}
+    return peer, entry, output
+
+
+def _error_of(result) -> Optional[SwarmError]:
+    return error_from_wire(result) if isinstance(result, dict) else SwarmError("malformed reply")
 
 
 def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
@@ -141,6 +318,3 @@ def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
         return PeerID.from_base58(target["peer_id"]), target["session_id"]
     except Exception:
         raise BadRequestError(f"push_to: {target['peer_id']!r} is not a peer id") from None
-
-
-# ------------------------------------------------------------------------------------------- client side

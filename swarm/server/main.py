@@ -134,11 +134,8 @@ class Presence:
     async def move_to(self, start: int, end: int) -> None:
         old = self.record(ServerState.OFFLINE)
         logger.info("moving from blocks %d:%d to %d:%d to even out the swarm", self.start, self.end, start, end)
-        settings = self.settings
-        self.span = await asyncio.to_thread(load_span, self.folder, start, end, device=settings.device,
-                                            dtype=settings.dtype, reuse=self.span, quantization=settings.quantization)
+        self.span, self.throughput = await _load(self.settings, self.folder, start, end, reuse=self.span)
         self.backend.move_to(self.span)
-        self.throughput = await asyncio.to_thread(cached_throughput, self.span, self.folder, settings.cache_dir)
         await dht.announce(self.node, self.prefix, old, expiration=self.expiration)  # leave the old blocks
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         print(f"moved: blocks {start}:{end} of {self.prefix}", flush=True)
@@ -154,10 +151,13 @@ class Presence:
             logger.warning("could not withdraw in time; the records will expire by themselves")
 
 
-async def _load(settings: ServerSettings, folder: Path, start: int, end: int) -> tuple[BlockSpan, float]:
+async def _load(settings: ServerSettings, folder: Path, start: int, end: int,
+                reuse: Optional[BlockSpan] = None) -> tuple[BlockSpan, float]:
     """The span and its throughput, off the event loop, so that the DHT node keeps answering its peers."""
     span = await asyncio.to_thread(load_span, folder, start, end, device=settings.device, dtype=settings.dtype,
-                                   quantization=settings.quantization)
+                                   reuse=reuse, quantization=settings.quantization)
+    if settings.cuda_graphs and span.device.type == "cuda" and not span.quantization:
+        span.use_graphs()  # bitsandbytes' kernels sync with the host: quantized spans stay eager
     return span, await asyncio.to_thread(cached_throughput, span, folder, settings.cache_dir)
 
 

@@ -28,6 +28,10 @@ STEP_SECONDS = Histogram(
 )
 POSITIONS_SERVED = Counter("swarm_server_positions_served_total",
                            "Positions run through inference sessions (re-sent ones included)", registry=SERVER_REGISTRY)
+PUSHES_FAILED = Counter("swarm_server_pushes_failed_total",
+                        "Steps' outputs pushed to the next server of a chain that it did not take, by reason "
+                        "(unreachable: the push failed; refused: the server answered with an error)", ["reason"],
+                        registry=SERVER_REGISTRY)
 
 
 def watch_cache(budget) -> None:

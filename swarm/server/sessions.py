@@ -52,7 +52,7 @@ class ServerSession:
                  session_id: Optional[str] = None):
         self.backend, self.start, self.end = backend, start, end
         self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
-        self.cache = backend.span.new_cache(start, end, batch_size)  # empty: it takes pages as it grows
+        self.cache = backend.span.new_cache(batch_size)  # empty: it takes pages as it grows
         self.length = 0  # positions filled in the cache
         self._closed = False
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
@@ -116,13 +116,14 @@ class ServerSession:
         """Pages of the budget for `positions` positions of every row (waiting a bounded time for them)."""
         if positions <= self.cache.reserved:
             return
-        wanted = min(pages_for(positions) * PAGE_TOKENS, max(self.max_length, positions))
+        wanted = pages_for(positions) * PAGE_TOKENS  # whole pages of the pool: what a sequence physically takes
         wait = self.backend.limits.cache_wait
         await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, wait)
         if self._closed:  # closed while waiting: give the pages straight back
             self.backend.budget.give_back((wanted - self.cache.reserved) * self.batch_size)
             raise ServerUnavailableError("the session ended while waiting for cache")
         self.cache.reserved = wanted
+        self.cache.fit()
 
     def _wanted(self) -> bool:
         return not (self._closed or self.evicted)
@@ -133,6 +134,7 @@ class ServerSession:
             if self._early is not None:
                 self._early.result.cancel()
             self.backend.budget.give_back(self.cache.tokens)
+            self.cache.release()  # a round already running may still write these pages: only later rounds reuse them
             self.backend.sessions.discard(self)
             self.backend.sessions_by_peer -= Counter([self.peer_id])  # a peer with none left leaves the counter
             self.backend.sessions_by_id.pop(self.id, None)

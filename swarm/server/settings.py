@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -34,6 +35,7 @@ class ServerSettings:
     device: torch.device
     dtype: torch.dtype
     quantization: Optional[str]
+    cuda_graphs: bool  # decode rounds replay captured CUDA graphs (on a CUDA device, unquantized)
     cache_tokens: int
     limits: ServerLimits
     allowed_clients: tuple[str, ...]
@@ -74,7 +76,7 @@ def parse_settings(argv=None) -> ServerSettings:
     return ServerSettings(
         model=args.model, blocks=args.blocks, num_blocks=args.num_blocks, initial_peers=tuple(args.initial_peers),
         host=args.host, port=args.port, identity=args.identity, device=device, dtype=getattr(torch, args.dtype),
-        quantization=args.quantize, cache_tokens=args.cache_tokens, limits=limits,
+        quantization=args.quantize, cuda_graphs=args.cuda_graphs, cache_tokens=args.cache_tokens, limits=limits,
         allowed_clients=tuple(args.allowed_clients), allowed_servers=tuple(defaults.allowed_servers),
         max_batch_tokens=args.max_batch_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens,
         dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
@@ -99,6 +101,8 @@ def _parser(defaults):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="store the blocks' linear weights in 8 bits (int8) or 4 bits (nf4) with bitsandbytes")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a CUDA device, replay decode rounds as captured CUDA graphs (default: on)")
     parser.add_argument("--cache-tokens", type=int, default=defaults.cache_tokens,
                         help="attention cache budget, in token slots (sessions take them a page at a time)")
     for flag, kind, help_text in LIMIT_FLAGS:

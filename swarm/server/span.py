@@ -1,81 +1,30 @@
 """A span of decoder layers, run over packed batches of sessions: the block server's compute.
 
 A forward runs a packed batch: the new tokens of several sessions (decode steps, prefill chunks) side by side
-in one sequence, so that each weight is read once for all of them; only attention runs per session. The
-layers' parameters stay in transformers' own modules (projections, MLP, norms: stable for years); the
-attention itself is ours, so that the cache is written in place and attention goes through torch's
-scaled_dot_product_attention. How each family's layer runs is swarm/families.py's.
+in one sequence, so that each weight is read once for all of them, and attention runs per group of sequences
+over the span's page pool (swarm/server/attention.py). The layers' parameters stay in transformers' own
+modules (projections, MLP, norms: stable for years); the attention itself is ours, so that the cache is
+written in place and attention goes through torch's scaled_dot_product_attention. How each family's layer
+runs is swarm/families.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from swarm.families import Family, family_of
 from swarm.protocol import BadRequestError
-from swarm.server.cache import LayerCache, SessionCache
+from swarm.server.attention import PackedBatch, Segment
+from swarm.server.cache import KVPool, SessionCache
+from swarm.server.graphs import DecodeGraphs
 from swarm.server.quantize import quantize_linears
 from swarm.weights import load_config, load_tensors
 
-# ------------------------------------------------------------------------------------------- a batch
-
-
-@dataclass
-class Segment:
-    """One request's part of a packed batch: `rows` sequences of `length` new tokens each, from absolute
-    `position`. In the packed batch its tokens are consecutive, row after row."""
-
-    rows: int
-    length: int
-    position: int
-    cache: Optional[SessionCache]  # None: whole sequences, nothing kept
-    # attention window (None: full) -> what scaled_dot_product_attention gets as attn_mask: None when is_causal
-    # is enough, a boolean (length, position + length) mask, or an additive float bias (ALiBi, with the causal
-    # mask folded in as -inf) of shape (1, heads, length, position + length). Filled by the family.
-    masks: dict = field(default_factory=dict)
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.length
-
-
-@dataclass
-class PackedBatch:
-    """The new tokens of several requests side by side in one sequence, hidden states (1, tokens, hidden):
-    projections and MLPs run once over all of them (one read of the weights), attention per segment.
-    Built once per forward by the family's `batch_inputs` and passed to every layer."""
-
-    segments: list[Segment]
-    cos: Optional[torch.Tensor] = None  # rotary families only: (1, tokens, head_dim)
-    sin: Optional[torch.Tensor] = None
-
-    def attend(self, index: int, queries, keys, values, window: Optional[int], scale: float) -> torch.Tensor:
-        """Packed (1, tokens, heads, head_dim) queries/keys/values of layer `index` of the forward's range ->
-        (1, tokens, heads * head_dim): each segment's keys/values go to its cache, its queries see its own past."""
-        outputs, offset = [], 0
-        for segment in self.segments:
-            rows, length = segment.rows, segment.length
-            # (tokens, heads, head_dim) -> (rows, heads, length, head_dim), as views
-            q, k, v = (t[0, offset : offset + segment.tokens].unflatten(0, (rows, length)).transpose(1, 2)
-                       for t in (queries, keys, values))
-            if segment.cache is not None:
-                k, v = segment.cache[index].write(segment.position, k, v)
-            attended = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=segment.masks[window],
-                is_causal=segment.masks[window] is None and length > 1,
-                scale=scale,
-                enable_gqa=True,
-            )
-            outputs.append(attended.transpose(1, 2).reshape(segment.tokens, -1))
-            offset += segment.tokens
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
+DEFAULT_POOL_TOKENS = 16384  # a span's pool when no backend sized it (tests, the throughput measurement)
 
 
 class BlockSpan(nn.Module):
@@ -91,6 +40,8 @@ class BlockSpan(nn.Module):
         self.position_state = family.position_state(family, config, self.device)  # rotary, ALiBi slopes, or None
         self.loaded_names = loaded_names  # every checkpoint tensor this span read: proof it read no others
         self.kv_heads, self.head_dim = family.cache_shape(config, layers[0])
+        self.pool: Optional[KVPool] = None  # every session's keys and values (see new_pool)
+        self.graphs: Optional[DecodeGraphs] = None  # captured decode rounds (see use_graphs)
 
     @property
     def device(self) -> torch.device:
@@ -99,12 +50,26 @@ class BlockSpan(nn.Module):
     def weight_bytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in [*self.parameters(), *self.buffers()])
 
-    def new_cache(self, start: int, end: int, rows: int, capacity: int = 0) -> SessionCache:
-        """Empty caches for blocks [start, end) of a session of `rows` sequences (see SessionCache)."""
-        layers = [LayerCache(rows, self.kv_heads, self.head_dim, self.dtype, self.device) for _ in range(start, end)]
-        cache = SessionCache(layers, rows)
+    def new_pool(self, tokens: int) -> KVPool:
+        """The page pool of this span's sessions, for `tokens` slots of every layer (the server's budget)."""
+        self.pool = KVPool(len(self.layers), self.kv_heads, self.head_dim, tokens, self.dtype, self.device)
+        if self.graphs is not None:
+            self.use_graphs(self.graphs.capture)  # captured rounds hold the old pool's addresses
+        return self.pool
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run decode rounds through DecodeGraphs: captured CUDA graphs (capture=True, on a CUDA device), or the
+        same padded rounds run eagerly (capture=False: how a CPU checks that path)."""
+        self.graphs = DecodeGraphs(self, capture)
+
+    def new_cache(self, rows: int, capacity: int = 0) -> SessionCache:
+        """A session's cache of `rows` sequences in the pool, with pages for `capacity` positions (it takes
+        more as it grows: see SessionCache)."""
+        if self.pool is None:
+            self.new_pool(DEFAULT_POOL_TOKENS)
+        cache = SessionCache(self.pool, rows)
         cache.reserved = capacity
-        cache.fit(0)
+        cache.fit()
         return cache
 
     @torch.inference_mode()
@@ -132,8 +97,14 @@ class BlockSpan(nn.Module):
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
         hidden = hidden.to(self.device, self.dtype)
         layers = self.layers[start - self.start : end - self.start]
-        batch = PackedBatch(segments)
-        self.family.batch_inputs(self.position_state, hidden, batch, {layer.attention_window for layer in layers})
+        for segment in segments:
+            if segment.cache is not None:
+                segment.cache.fit(segment.position + segment.length)  # a no-op where the session reserved them
+        if self.graphs is not None and (output := self.graphs.run(hidden, segments, start, end)) is not None:
+            return output
+        batch = PackedBatch.of(segments, self.pool, start - self.start, self.device)
+        self.family.batch_inputs(self.position_state, hidden, batch)
+        batch.build_masks({layer.attention_window for layer in layers}, self.dtype)
         for index, layer in enumerate(layers):
             hidden = self.family.layer_forward(layer, hidden, batch, index)
         return hidden

@@ -31,36 +31,40 @@ def test_missing_blocks_are_named(tiny_swarm, remote_for):
 
 
 def test_a_full_cache_says_so_and_is_routed_around(tiny_swarm, remote_for):
-    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", "16", "--cache-wait", "0.5"])
+    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", str(PAGE_TOKENS // 2)])
     model = remote_for("tiny-small")
     with pytest.raises(CacheFullError, match="full cache"):
-        model.session(max_length=32)  # its first page (32 positions) is more than the whole cache
-    with model.session(max_length=16) as session:  # fits
-        with pytest.raises(CacheFullError):  # the one server is now full, and stays full while it waits
+        model.session(max_length=32)  # its first page is more than the whole cache
+    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", str(PAGE_TOKENS),
+                           "--cache-wait", "0.5"])
+    with model.session(max_length=16) as session:  # fits: one page
+        with pytest.raises(CacheFullError):  # every server is now full, and stays full while it waits
             model.session(max_length=1)
         session.step([[1, 2, 3]])
     with model.session(max_length=16):  # the closed session's cache comes back (a new one waits for it)
         pass
 
-    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", "64"])
-    with model.session(max_length=32) as session:  # the full server is routed around
+    tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-small", "--cache-tokens", str(4 * PAGE_TOKENS)])
+    with model.session(max_length=32) as session:  # the full servers are routed around
         assert session.step([[1, 2, 3]]).shape == (1, model.config.vocab_size)
 
 
 def test_a_session_takes_cache_as_it_grows_and_is_refused_when_none_frees(tiny_swarm, remote_for):
-    server = tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-growing", "--cache-tokens", "200",
+    budget = 3 * PAGE_TOKENS + PAGE_TOKENS // 2  # three pages and a half
+    server = tiny_swarm.add_server(["--blocks", "0:4", "--dht-prefix", "tiny-growing", "--cache-tokens", str(budget),
                                     "--cache-wait", "0.5"])
     model = remote_for("tiny-growing")
-    ids = torch.randint(0, model.config.vocab_size, (1, 140))
+    prompt = 2 * PAGE_TOKENS + 4  # ends early in the third page
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + PAGE_TOKENS))
     with model.session(max_length=256) as session:
-        assert model.client.server_info(server.peer_id)["cache_tokens_free"] == 200 - PAGE_TOKENS  # one page
-        session.step(ids[:, :100])
+        assert model.client.server_info(server.peer_id)["cache_tokens_free"] == budget - PAGE_TOKENS  # one page
+        session.step(ids[:, :prompt])
         with pytest.raises(CacheFullError, match="full cache"):
-            session.step(ids[:, 100:])  # a second page does not fit, and no other server has one
-        session.step(ids[:, 100:110])  # still within the first page: the session goes on
+            session.step(ids[:, prompt:])  # a fourth page does not fit, and no other server has one
+        session.step(ids[:, prompt : prompt + 5])  # still within the third page: the session goes on
     with model.session(max_length=256):  # closing gave every page back
         pass
-    assert model.client.server_info(server.peer_id)["cache_tokens_free"] == 200
+    assert model.client.server_info(server.peer_id)["cache_tokens_free"] == budget
 
 
 def test_exceeding_max_length_says_so(tiny_remote):

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port
 from swarm.local import LocalSwarmError
+from swarm.protocol import PAGE_TOKENS
 from swarm.client.remote_model import RemoteModel
 
 PREFIX = "tiny-metrics"
@@ -68,8 +69,9 @@ def test_server_metrics_follow_a_session(metered, model):
             pair.step([[1, 2], [3, 4]])
             busy = scrape(metered)
             assert value(busy, "swarm_server_open_sessions") == 2
-            assert value(busy, "swarm_server_cache_tokens_used") == 64 + 32 * 2
-            assert value(busy, "swarm_server_cache_tokens_free") == CACHE_TOKENS - 128
+            # a page per sequence: one for the first session, one for each row of the pair
+            assert value(busy, "swarm_server_cache_tokens_used") == PAGE_TOKENS + PAGE_TOKENS * 2
+            assert value(busy, "swarm_server_cache_tokens_free") == CACHE_TOKENS - 3 * PAGE_TOKENS
 
     assert value(busy, "swarm_server_batch_size_count") == 3  # one per forward pass
     assert value(busy, "swarm_server_batch_size_bucket", le="1.0") == 2

@@ -9,7 +9,8 @@ import torch
 
 from swarm.server import metrics
 from swarm.server.batching import Scheduler, Work
-from swarm.server.span import Segment, load_span
+from swarm.server.attention import Segment
+from swarm.server.span import load_span
 from swarm.server.cache import PAGE_TOKENS, CacheBudget
 from swarm.protocol import CacheFullError
 from swarm.server.backend import Backend, ServerLimits
@@ -60,7 +61,7 @@ def test_packed_segments_equal_each_run_alone(family_span):
     alone_caches, packed_caches, segments, inputs, expected = [], [], [], [], []
     for rows, past, new, cached in requests:
         prefix, hidden = batch_hidden(span, rows, past), batch_hidden(span, rows, new)
-        caches = [span.new_cache(0, 3, rows, capacity=16) if cached else None for _ in range(2)]
+        caches = [span.new_cache(rows, capacity=16) if cached else None for _ in range(2)]
         if past:
             for cache in caches:
                 span(prefix, 0, cache)
@@ -77,15 +78,16 @@ def test_packed_segments_equal_each_run_alone(family_span):
         offset += segment.tokens
     for alone, packed, (_, past, new, cached) in zip(alone_caches, packed_caches, requests):
         if cached:
-            for layer_alone, layer_packed in zip(alone.layers, packed.layers):
-                torch.testing.assert_close(layer_packed.keys[:, :, : past + new], layer_alone.keys[:, :, : past + new])
+            for layer in range(3):
+                for packed_part, alone_part in zip(packed.read(layer, past + new), alone.read(layer, past + new)):
+                    torch.testing.assert_close(packed_part, alone_part)
 
 
 # ------------------------------------------------------------------------------------------- the scheduler
 
 
 async def run_session(scheduler, span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    cache = span.new_cache(0, 3, prompt.shape[0], capacity=64)
+    cache = span.new_cache(prompt.shape[0], capacity=64)
     outputs = [await scheduler.run(prompt, 0, 0, 3, cache)]
     for position, step in enumerate(steps, start=prompt.shape[1]):
         outputs.append(await scheduler.run(step, position, 0, 3, cache))
@@ -93,7 +95,7 @@ async def run_session(scheduler, span, prompt: torch.Tensor, steps: list[torch.T
 
 
 def run_alone(span, prompt, steps) -> list[torch.Tensor]:
-    cache = span.new_cache(0, 3, prompt.shape[0], capacity=64)
+    cache = span.new_cache(prompt.shape[0], capacity=64)
     outputs = [span(prompt, 0, cache)]
     for position, step in enumerate(steps, start=prompt.shape[1]):
         outputs.append(span(step, position, cache))
@@ -150,7 +152,7 @@ def test_a_round_takes_every_decode_step_first_then_one_chunk_of_a_prompt(llama_
     scheduler.stop()  # its thread picks no round: this test picks them
 
     def work(length: int, position: int = 0) -> Work:
-        return Work(batch_hidden(span, 1, length), position, 0, 3, span.new_cache(0, 3, 1, 64), loop,
+        return Work(batch_hidden(span, 1, length), position, 0, 3, span.new_cache(1, 64), loop,
                     loop.create_future())
 
     prompt, steps = work(37), [work(1, position=9) for _ in range(3)]
@@ -209,3 +211,102 @@ def test_sessions_take_pages_as_they_grow_and_give_all_back(llama_span):
             backend.close()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------------------- structure
+
+
+def count_torch_ops(function) -> int:
+    """The number of aten operators `function` runs (every kernel it issues goes through one of them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            Counter.calls += 1
+            return op(*args, **(kwargs or {}))
+
+    with Counter():
+        function()
+    return Counter.calls
+
+
+@pytest.mark.parametrize("sessions", [8, 64])
+def test_a_decode_round_issues_as_many_torch_ops_for_many_sessions_as_for_one(family_span, sessions):
+    """Attention runs per group of sequences over the page pool, never per session: a round's op count does
+    not grow with the number of sessions (what a GPU needs, so that its CPU is not the bottleneck)."""
+    span = family_span
+    span.new_pool(64 * 64 * 2)
+
+    def decode_round(count: int) -> int:
+        segments = []
+        for index in range(count):
+            cache = span.new_cache(1, capacity=64)
+            past = 3 + (index * 7) % 40  # sessions at different lengths, some across page boundaries
+            span(batch_hidden(span, 1, past), 0, cache)
+            segments.append(Segment(1, 1, past, cache))
+        hidden = batch_hidden(span, count, 1).reshape(1, count, -1)
+        try:
+            return count_torch_ops(lambda: span.forward_packed(hidden, segments))
+        finally:
+            for segment in segments:
+                segment.cache.release()
+
+    assert decode_round(sessions) == decode_round(1)
+
+
+# ------------------------------------------------------------------------------------------- decode graphs
+
+
+@pytest.mark.parametrize("sessions", [1, 3, 6])
+def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
+    """The CUDA decode path's rounds (padded to a bucket of sequences and keys, over static tensors), run
+    eagerly on the CPU: the same outputs and caches as unpadded eager rounds, round after round, with padding
+    that never touches the zero page."""
+    from swarm.server.graphs import DecodeGraphs
+
+    span = family_span
+    pasts = [3 + 9 * index for index in range(sessions)]  # different lengths, across page boundaries
+    eager_caches, graph_caches = [span.new_cache(1, 96) for _ in pasts], [span.new_cache(1, 96) for _ in pasts]
+    for past, eager, graphed in zip(pasts, eager_caches, graph_caches):
+        prompt = batch_hidden(span, 1, past)
+        span(prompt, 0, eager)
+        span(prompt, 0, graphed)
+    graphs = DecodeGraphs(span, capture=False)
+    try:
+        for step in range(PAGE_TOKENS + 2):  # some sessions cross into a new page on the way
+            hidden = batch_hidden(span, sessions, 1).reshape(1, sessions, -1)
+            positions = [past + step for past in pasts]
+            eager = span.forward_packed(hidden, [Segment(1, 1, p, c) for p, c in zip(positions, eager_caches)])
+            graphed = graphs.run(hidden, [Segment(1, 1, p, c) for p, c in zip(positions, graph_caches)], 0, 3)
+            torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=0)
+        assert len(graphs.rounds) <= 2  # one bucket of sequences, at most two of keys
+        for eager, graphed, past in zip(eager_caches, graph_caches, pasts):
+            for layer in range(3):
+                for graphed_part, eager_part in zip(graphed.read(layer, past + PAGE_TOKENS + 2),
+                                                    eager.read(layer, past + PAGE_TOKENS + 2)):
+                    torch.testing.assert_close(graphed_part, eager_part, atol=ATOL, rtol=0)
+        zero_page = span.pool.keys[:, span.pool.zero_slot : span.pool.scratch_slot]
+        assert not zero_page.any()
+    finally:
+        for cache in eager_caches + graph_caches:
+            cache.release()
+
+
+def test_rounds_a_graph_cannot_serve_run_eagerly(llama_span):
+    from swarm.server.graphs import DecodeGraphs
+
+    span = llama_span
+    span.new_pool(1024)  # the tests above leave their caches' pages taken
+    graphs = DecodeGraphs(span, capture=False)
+    cache = span.new_cache(1, 64)
+    try:
+        prefill = [Segment(1, 4, 0, cache)]
+        assert graphs.run(batch_hidden(span, 1, 4).reshape(1, 4, -1), prefill, 0, 3) is None
+        assert graphs.run(batch_hidden(span, 1, 4).reshape(1, 4, -1), [Segment(1, 4, 0, None)], 0, 3) is None
+        too_many = [Segment(1, 1, 0, cache)] * 65
+        assert graphs.run(batch_hidden(span, 65, 1).reshape(1, 65, -1), too_many, 0, 3) is None
+        assert not graphs.rounds
+    finally:
+        cache.release()

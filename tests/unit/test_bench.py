@@ -1,18 +1,25 @@
 """The benchmark suite's arithmetic and report (bench/): token timings -> figures -> targets, table, JSON, plot,
-and a block server's memory budget. No process is started: the suite itself is `python -m bench`."""
+a block server's memory budget, the command line, models of named shapes and the decode rounds of a span
+alone. No process is started: the suite itself is `python -m bench`."""
 
 import json
 import math
 import os
+import subprocess
 
 import pytest
 import torch
 
+from bench import memory as bench_memory
 from bench.memory import process_memory, reset_peaks, server_budget
+from bench.options import parse_options, parse_round_options
 from bench.report import plot, table, targets, write_json
+from bench.shapes import SHAPES, shape_folder, shrink_bpe
+from bench.span_round import measure_decode_rounds, prefill_lengths
 from bench.stats import TokenStream, percentile, summarize_concurrent, summarize_runs
 from swarm.server.span import load_span
-from tiny_model import build_tiny_model
+from swarm.weights import load_config, load_tensors, load_tokenizer
+from tiny_model import build_tiny_model, build_tokenizer
 
 
 def stream(sent: float, *arrivals: float, **fields) -> TokenStream:
@@ -114,3 +121,148 @@ def test_a_peak_starts_again_from_the_present():
     assert reset_peaks(os.getpid())
     after = process_memory(os.getpid())
     assert after.peak < before.peak and after.rss <= after.peak
+
+
+# --------------------------------------------------------------------------------- GPU runs, shapes, decode rounds
+
+
+def with_decode_rounds(results: dict, tiny_ms: dict, device: str = "cpu") -> dict:
+    variant = results["variants"]["float32"]
+    variant["device"] = device
+    variant["decode_rounds"] = {name: {"blocks": "0:4", "repeats": 5, "ms_per_round": ms,
+                                       "ratio_most_to_one": ms["64"] / ms["1"]}
+                                for name, ms in (("tiny", tiny_ms), ("tinyllama-1.1b", {"1": 40.0, "64": 400.0}))}
+    return results
+
+
+def test_the_decode_round_target_is_the_tiny_model_64_sessions_against_1(tmp_path):
+    results = with_decode_rounds(results_with(20.0, 25.0, True), {"1": 2.0, "8": 2.5, "32": 4.0, "64": 5.0})
+    found = targets(results["variants"]["float32"])
+    assert found[-1].name.startswith("one decode round of 64 sessions vs 1, the tiny model's span alone")
+    assert found[-1].ratio == pytest.approx(2.5) and found[-1].verdict == "PASS"  # the shape's 10x is no target
+    results["variants"]["float32"]["decode_rounds"]["tiny"]["ms_per_round"]["64"] = 7.0
+    assert targets(results["variants"]["float32"])[-1].verdict == "FAIL"
+    text = table(results)
+    assert "one decode round of the span alone" in text and "tinyllama-1.1b" in text and "10.00x" in text
+    assert "PASS  one decode round" not in text and "FAIL  one decode round of 64 sessions" in text
+    del results["variants"]["float32"]["decode_rounds"]["tiny"]["ms_per_round"]["64"]
+    assert targets(results["variants"]["float32"])[-1].verdict == "n/a"  # 64 sessions not measured
+
+
+def test_on_a_gpu_a_server_is_judged_by_its_gpu_memory(tmp_path):
+    results = with_decode_rounds(results_with(20.0, 25.0, True), {"1": 2.0, "64": 5.0}, device="cuda")
+    variant = results["variants"]["float32"]
+    variant["memory"][0]["after_concurrency"] = {**variant["memory"][0]["after_concurrency"], "gpu": 1200}
+    memory_target = next(target for target in targets(variant) if "block server" in target.name)
+    assert "GPU memory" in memory_target.name and memory_target.ratio == pytest.approx(1.5)  # 1200 / (700 + 100)
+    assert memory_target.verdict == "FAIL"
+    results["device"] = "cuda"
+    results["variants"]["float16"] = results["variants"]["float32"]
+    assert "on cuda" in table(results)
+    plot(results, tmp_path / "gpu.png")  # float16 has a style of its own
+    assert (tmp_path / "gpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_memory_is_nvidia_smi_s_figure_for_the_process(monkeypatch):
+    listing = "4242, 1536\n77, 10\n"
+    monkeypatch.setattr(bench_memory.subprocess, "run",
+                        lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, stdout=listing))
+    assert bench_memory.gpu_memory(4242) == 1536 * 1024 * 1024
+    assert bench_memory.gpu_memory(1) is None
+
+    def no_nvidia_smi(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench_memory.subprocess, "run", no_nvidia_smi)
+    assert bench_memory.gpu_memory(4242) is None
+
+
+def test_the_command_line_defaults_per_device(monkeypatch):
+    options, _ = parse_options(["--quick"])
+    assert (options.device, options.dtypes, options.concurrency) == ("cpu", ("float32",), (1, 4))
+    assert options.round_sessions == (1, 8, 32, 64) and options.shape is None
+    options, _ = parse_options(["--bfloat16", "--shape", "tinyllama-1.1b", "--concurrency", "8,1,8"])
+    assert options.dtypes == ("float32", "bfloat16") and options.shape == "tinyllama-1.1b"
+    assert options.concurrency == (1, 8) and options.tokens == 128
+    assert parse_options(["--dtype", "float16,bfloat16"])[0].dtypes == ("float16", "bfloat16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine answers
+    options, _ = parse_options(["--device", "cuda"])
+    assert (options.dtypes, options.concurrency) == (("bfloat16",), (1, 8, 32, 64))
+    assert parse_options(["--device", "cuda", "--quick"])[0].concurrency == (1, 8)
+    rounds = parse_round_options(["--device", "cuda", "--shape", "llama-3-8b", "--round-sessions", "1,64"])
+    assert (rounds.dtypes, rounds.shape, rounds.round_sessions) == (("bfloat16",), "llama-3-8b", (1, 64))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "float8"], "--dtype: expected some of float32, bfloat16, float16"),
+    (["--shape", "gpt-5"], "--shape: invalid choice"),
+    (["--round-sessions", "1,128"], "at most 64 sessions per round"),
+    (["--concurrency", "0,4"], "every count of sessions must be at least 1"),
+])
+def test_a_bad_flag_is_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_options(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_options(["--device", "cuda"])
+    assert "cuda asked for, but CUDA is not available on this machine" in capsys.readouterr().err
+
+
+def test_a_tokenizer_cut_down_to_a_smaller_vocabulary_still_encodes_everything(tmp_path):
+    build_tokenizer().save_pretrained(tmp_path)  # a few hundred tokens, byte-level BPE
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps(shrink_bpe(spec, 300)))
+    tokenizer = load_tokenizer(tmp_path)
+    assert len(tokenizer) == 300
+    text = "A swarm of block servers answers every step. Привет! 🙂"
+    ids = tokenizer(text)["input_ids"]
+    assert max(ids) < 300 and tokenizer.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def tokenizer_source(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer().save_pretrained(folder)  # stands in for the default model's (a few hundred tokens)
+    return folder
+
+
+def test_a_shape_is_built_once_with_random_weights_and_a_fitting_tokenizer(tmp_path, tokenizer_source, monkeypatch):
+    monkeypatch.setitem(SHAPES, "tiny-wide", {**SHAPES["tiny"], "vocab_size": 600, "rope_theta": 500000.0})
+    folder = shape_folder("tiny-wide", "bfloat16", tmp_path, tokenizer_source=tokenizer_source)
+    assert folder == tmp_path / "bench-shapes" / "tiny-wide-bfloat16"
+    config, tokenizer = load_config(folder), load_tokenizer(folder)
+    shape = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, config.vocab_size)
+    assert shape == (4, 64, 2, 600)
+    assert config.rope_parameters["rope_theta"] == 500000.0 and not config.tie_word_embeddings
+    head = load_tensors(folder, lambda name: name == "lm_head.weight")["lm_head.weight"]
+    words = len(tokenizer)  # under 600: the tokenizer is kept as it is
+    assert head.dtype == torch.bfloat16 and head[:words].abs().sum() > 0
+    # past the tokenizer's tokens, and the end of sequence: never the likeliest, so never picked
+    assert head[words:].abs().sum() == 0 and head[tokenizer.eos_token_id].abs().sum() == 0
+    built = (folder / "model.safetensors").stat().st_mtime_ns
+    assert shape_folder("tiny-wide", "bfloat16", tmp_path) == folder  # the second time: nothing is rebuilt
+    assert (folder / "model.safetensors").stat().st_mtime_ns == built
+
+    small = shape_folder("tiny", "float32", tmp_path, tokenizer_source=tokenizer_source)  # vocab 512: as is
+    assert len(load_tokenizer(small)) == words
+
+
+def test_decode_rounds_of_a_span_alone(tmp_path, tokenizer_source):
+    lengths = prefill_lengths(64)
+    assert len(set(lengths)) == 64 and min(lengths) == 8
+    assert abs(sum(lengths[:8]) / 8 - sum(lengths) / 64) < 8  # any first N sessions: about the mean length
+    folder = shape_folder("tiny", "float32", tmp_path, tokenizer_source=tokenizer_source)
+    rounds = measure_decode_rounds(folder, sessions=(1, 8), repeats=2, warmup=1, min_seconds=0.0)
+    assert rounds["blocks"] == "0:4" and rounds["most_sessions"] == 8
+    assert set(rounds["ms_per_round"]) == {"1", "8"}
+    assert all(len(runs) == 2 for runs in rounds["ms_per_round_runs"].values())
+    assert rounds["ratio_most_to_one"] == pytest.approx(rounds["ms_per_round"]["8"] / rounds["ms_per_round"]["1"])
+    # cheap rounds go on until enough time was measured
+    longer = measure_decode_rounds(folder, sessions=(1,), repeats=1, warmup=0, min_seconds=0.3)
+    assert sum(longer["ms_per_round_runs"]["1"]) >= 300 and longer["repeats"] == len(longer["ms_per_round_runs"]["1"])

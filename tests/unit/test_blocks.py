@@ -44,7 +44,7 @@ def test_cached_steps_match_a_whole_forward(family_model):
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     states = hidden_states(model, ids)
     span = load_span(folder, 0, 3)  # hidden_states[3] would include the final norm
-    caches = span.new_cache(0, 3, rows=2, capacity=16)
+    caches = span.new_cache(rows=2, capacity=16)
     outputs, position = [], 0
     for length in (5, 1, 1, 3, 1, 1):  # a prompt, decode steps, and a chunk in the middle
         outputs.append(span(states[0][:, position : position + length], position, caches))

@@ -1,0 +1,209 @@
+"""Attention for a packed batch of sessions over the server's page pool, in a fixed number of calls per layer.
+
+A round packs the new tokens of several requests side by side (segments: decode steps, prefill chunks,
+cache-less forwards), hidden states (1, tokens, hidden). Projections and MLPs run once over all of them;
+attention runs per *group* of sequences, never per session:
+
+    decode   sequences with one new query each, keys gathered from the pool    (n, heads, 1, keys)
+    prefill  sequences with a chunk of queries, keys gathered from the pool    (n, heads, chunk, keys)
+    whole    cache-less sequences, keys from the round's own new tokens        (n, heads, length, length)
+
+Everything a group needs (which packed token each query is, which pool slot each key is, the masks) is
+computed once per round, as tensors, and shared by every layer. Per layer and group: a gather of the
+queries, two of keys and values, one scaled_dot_product_attention, one scatter of the outputs; plus, per
+layer, two writes of the new keys and values into the pool. So a layer issues the same number of torch
+calls for 1 session as for 64, and the shapes of a decode round depend only on the number of sequences
+and the longest of them (what CUDA graphs need).
+
+Padding keys point at the pool's zero page and are masked out; padding queries are computed and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from swarm.protocol import PAGE_TOKENS
+from swarm.server.cache import KVPool, SessionCache, pages_for
+
+
+@dataclass
+class Segment:
+    """One request's part of a packed batch: `rows` sequences of `length` new tokens each, from absolute
+    `position`. In the packed batch its tokens are consecutive, row after row."""
+
+    rows: int
+    length: int
+    position: int
+    cache: Optional[SessionCache]  # None: whole sequences, nothing kept (position is then 0)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+
+@dataclass
+class Group:
+    """Sequences attended in one call: their queries padded to one length, their keys to another."""
+
+    from_pool: bool  # keys in the pool (cached sessions), or among the round's new tokens (cache-less)
+    query_tokens: torch.Tensor  # (n, queries) packed token of each query (padding: token 0)
+    key_index: torch.Tensor  # pool groups: (n, pages) page table (padding: the zero page); else (n, keys) tokens
+    query_positions: torch.Tensor  # (n, queries) absolute positions
+    key_positions: torch.Tensor  # (keys,) absolute positions 0..keys-1
+    key_valid: torch.Tensor  # (n, keys) bool: a real key of the sequence
+    real_queries: Optional[torch.Tensor]  # (real queries,) flat indices of the unpadded ones; None: all real
+    destination: torch.Tensor  # (real queries,) the packed tokens they answer for
+    write_slots: Optional[torch.Tensor]  # (real queries,) pool slots their keys/values go to (pool groups)
+    whole_round: bool = False  # one query per sequence, token i for sequence i, and nothing else in the round
+    masks: dict = field(default_factory=dict)  # window -> what scaled_dot_product_attention gets as attn_mask
+
+
+class PackedBatch:
+    """The new tokens of several requests side by side in one sequence, hidden states (1, tokens, hidden).
+    Built once per forward, with its groups' indices; families add positions (rotary cos/sin, ALiBi slopes)
+    and the masks are built once for every attention window of the forward's layers."""
+
+    def __init__(self, positions: torch.Tensor, groups: list[Group], pool: Optional[KVPool], first_layer: int):
+        self.positions = positions  # (tokens,) absolute position of each new token
+        self.groups, self.pool, self.first_layer = groups, pool, first_layer  # pool layer of the range's first block
+        self.cos: Optional[torch.Tensor] = None  # rotary families: (1, tokens, head_dim)
+        self.sin: Optional[torch.Tensor] = None
+        self.alibi_slopes: Optional[torch.Tensor] = None  # ALiBi families: (heads,) float32
+
+    @classmethod
+    def of(cls, segments: list[Segment], pool: Optional[KVPool], first_layer: int, device) -> "PackedBatch":
+        return cls(token_positions(segments, device), group_sequences(segments, pool, device), pool, first_layer)
+
+    def build_masks(self, windows: set, dtype: torch.dtype) -> None:
+        for group in self.groups:
+            group.masks = {window: _mask(group, window, self.alibi_slopes, dtype) for window in windows}
+
+    def attend(self, index: int, queries, keys, values, window: Optional[int], scale: float) -> torch.Tensor:
+        """Packed (1, tokens, heads, head_dim) queries/keys/values of layer `index` of the forward's range ->
+        (1, tokens, heads * head_dim): the new keys/values go to the pool, each query sees its own past."""
+        queries, keys, values = queries[0], keys[0], values[0]
+        pool_keys, pool_values = self.pool.layer(self.first_layer + index) if self.pool is not None else (None, None)
+        if len(self.groups) == 1 and self.groups[0].whole_round:  # a decode round: no reordering to do
+            return self._attend_group(self.groups[0], queries, keys, values, pool_keys, pool_values, window,
+                                      scale)[None]
+        output = queries.new_empty(queries.shape[0], queries.shape[1] * queries.shape[2])  # (tokens, heads*dim)
+        for group in self.groups:
+            attended = self._attend_group(group, queries, keys, values, pool_keys, pool_values, window, scale)
+            output.index_copy_(0, group.destination, attended)
+        return output[None]
+
+    @staticmethod
+    def _attend_group(group: Group, queries, keys, values, pool_keys, pool_values, window, scale) -> torch.Tensor:
+        """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination."""
+        if group.from_pool:
+            new_keys, new_values = (keys, values) if group.whole_round else \
+                (keys.index_select(0, group.destination), values.index_select(0, group.destination))
+            pool_keys.index_copy_(0, group.write_slots, new_keys)
+            pool_values.index_copy_(0, group.write_slots, new_values)
+        key_source, value_source = (pool_keys, pool_values) if group.from_pool else (keys, values)
+        attended = F.scaled_dot_product_attention(
+            queries[:, None].transpose(1, 2) if group.whole_round else _gather(queries, group.query_tokens),
+            _gather(key_source, group.key_index, group.from_pool),  # (n, kv_heads, keys, head_dim)
+            _gather(value_source, group.key_index, group.from_pool),  # queries: (n, heads, queries, head_dim)
+            attn_mask=group.masks[window],
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2).flatten(2).flatten(0, 1)  # (n * queries, heads * head_dim)
+        return attended if group.real_queries is None else attended.index_select(0, group.real_queries)
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor, pages: bool = False) -> torch.Tensor:
+    """rows (tokens or slots, heads, head_dim) picked by index (n, length) -> (n, heads, length, head_dim); with
+    `pages`, the index picks whole pages of PAGE_TOKENS slots: (n, pages) -> (n, heads, pages * PAGE_TOKENS,
+    head_dim), a few long copies rather than many short ones. index_select, not advanced indexing: on a CPU it
+    is several times faster for these shapes."""
+    if pages:
+        rows = rows.unflatten(0, (-1, PAGE_TOKENS))  # (pages, PAGE_TOKENS, heads, head_dim)
+    picked = rows.index_select(0, index.flatten()).unflatten(0, index.shape)
+    return (picked.flatten(1, 2) if pages else picked).transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------- built once per round
+
+
+def token_positions(segments: list[Segment], device) -> torch.Tensor:
+    positions = [position for segment in segments for _ in range(segment.rows)
+                 for position in range(segment.position, segment.position + segment.length)]
+    return torch.tensor(positions, device=device)  # one tensor op whatever the number of sessions
+
+
+def _sequences(segments: list[Segment]):
+    """(segment, row, first packed token) of every sequence of the round."""
+    offset = 0
+    for segment in segments:
+        for row in range(segment.rows):
+            yield segment, row, offset + row * segment.length
+        offset += segment.tokens
+
+
+def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> list[Group]:
+    kinds = {"decode": [], "prefill": [], "whole": []}
+    for sequence in _sequences(segments):
+        segment = sequence[0]
+        kinds["whole" if segment.cache is None else "decode" if segment.length == 1 else "prefill"].append(sequence)
+    groups = [_group(sequences, kind != "whole", pool, device) for kind, sequences in kinds.items() if sequences]
+    if len(groups) == 1 and kinds["decode"]:  # a decode round: sequence i is packed token i
+        groups[0].whole_round = True
+    return groups
+
+
+def _group(sequences: list, from_pool: bool, pool: Optional[KVPool], device) -> Group:
+    lengths = torch.tensor([segment.length for segment, _, _ in sequences])
+    starts = torch.tensor([segment.position for segment, _, _ in sequences])
+    firsts = torch.tensor([first for _, _, first in sequences])
+    max_queries, max_keys = int(lengths.max()), int((starts + lengths).max())
+    if from_pool:  # keys come a whole page at a time
+        max_keys = pages_for(max_keys) * PAGE_TOKENS
+    offsets = torch.arange(max_queries)
+    query_valid = offsets[None, :] < lengths[:, None]  # (n, queries)
+    query_tokens = torch.where(query_valid, firsts[:, None] + offsets, 0)
+    query_positions = starts[:, None] + offsets
+    key_positions = torch.arange(max_keys)
+    key_valid = key_positions[None, :] < (starts + lengths)[:, None]  # (n, keys)
+    flat_valid = query_valid.flatten()
+    write_slots = None
+    if from_pool:
+        # every sequence's page table (its pages past its length: the zero page); positions past a sequence's
+        # length within its last page are masked, and hold zeros or an earlier session's finite values
+        tables = [segment.cache.tables[row][: pages_for(segment.position + segment.length)]
+                  for segment, row, _ in sequences]
+        key_index = pool.page_table(tables, max_keys // PAGE_TOKENS)  # (n, pages)
+        written = key_index.gather(1, query_positions.clamp(max=max_keys - 1) // PAGE_TOKENS) * PAGE_TOKENS \
+            + query_positions % PAGE_TOKENS  # (n, queries): the slot each new token's keys/values go to
+        write_slots = written.flatten()[flat_valid].to(device)
+    else:  # a cache-less sequence starts at position 0: its keys are its own new tokens
+        key_index = torch.where(key_valid, firsts[:, None] + key_positions, 0)
+    return Group(
+        from_pool=from_pool,
+        query_tokens=query_tokens.to(device),
+        key_index=key_index.to(device),
+        query_positions=query_positions.to(device),
+        key_positions=key_positions.to(device),
+        key_valid=key_valid.to(device),
+        real_queries=None if bool(flat_valid.all()) else flat_valid.nonzero().flatten().to(device),
+        destination=query_tokens.flatten()[flat_valid].to(device),
+        write_slots=write_slots,
+    )
+
+
+def _mask(group: Group, window: Optional[int], slopes: Optional[torch.Tensor], dtype) -> torch.Tensor:
+    """(n, 1, queries, keys) bool: which keys each query may see (its own past, within the window, not
+    padding); or, for ALiBi, the float bias slope * key position with the rest at -inf: (n, heads, queries, keys).
+    Always a mask, even where one sequence sees all its keys: the same kernels for 1 session as for 64."""
+    queries, keys = group.query_positions[:, :, None], group.key_positions[None, None, :]
+    visible = group.key_valid[:, None, :] & (keys <= queries)
+    if window is not None:
+        visible &= keys > queries - window
+    if slopes is not None:
+        bias = (slopes[:, None, None] * group.key_positions.to(slopes.dtype)).to(dtype)  # (heads, 1, keys)
+        return bias[None].masked_fill(~visible[:, None], float("-inf"))
+    return visible[:, None]
