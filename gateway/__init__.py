@@ -6,12 +6,15 @@ terms by its API, runs in the engine, and leaves in its API's wire format.
     request_ids.py     a request id per request: taken from or put in X-Request-ID, and on every log line
     access.py          API keys, CORS and the WebSocket Origin check; who a caller is (its key, else its address)
     limits.py          body size, requests per minute per client, token and context-length checks the APIs share
-    schemas.py         every request and reply shape (pydantic); a bad field is a 400 that names it
+    schemas/           every request and reply shape (pydantic), a module per API; a bad field is a 400 naming it
     http_api.py        /api/v1/generate, open/close_inference_session, /api/v1/models, /health, /api/v1/swarm
     ws_api.py          /api/v2/generate: a session per WebSocket connection, streamed replies, a stop message
     petals_params.py   Petals-style generation fields (HTTP and WebSocket) -> GenerationRequest, defaults filled in
     openai_api.py      the OpenAI-compatible API under /v1, /api/oai and /api/oai/v1; /tokenize, /stats, ...
     openai_params.py   OpenAI-style fields -> SamplingParams, token budget, stops, grammar
+    structured_outputs.py  which structured output a request asks for: response_format, grammar, vLLM's
+                       structured_outputs and guided_* (JSON schema, regex, choice, grammar), one at most
+    json_bodies.py     a JSON body read into its schema for the OpenAI-style APIs, unknown fields ignored
     prompts.py         chat messages -> prompt (the model's chat template, tools); tool calls out of a reply
     openai_choices.py  n choices per prompt: lengths checked, a GenerationRequest per choice, one session rewound
     current_engine.py  the app's one Engine: installed by create_app, read by every route with get_engine()
@@ -22,6 +25,16 @@ terms by its API, runs in the engine, and leaves in its API's wire format.
     text.py            stop sequences matched across token boundaries, never shown half
     stats.py           prefill and decode speeds of recent requests
     openai_format.py   OpenAI's wire format: completions, chunks, logprobs, usage, the error envelope
+    responses_api.py   OpenAI's Responses API under the OpenAI prefixes: /responses (create, stream, background),
+                       get, delete and cancel a stored one; a request is translated into a chat completion's
+    responses_format.py  the Responses API's wire format: the response object, output items, numbered stream events
+    responses_store.py   stored responses (store: true): a cap, idle expiry; what previous_response_id continues
+    anthropic_api.py   Anthropic's Messages API: /v1/messages (tools, streamed events), /v1/messages/count_tokens
+    anthropic_format.py  Anthropic's wire format: messages, content blocks, stream events, the error envelope
+    ollama_api.py      Ollama's API under /api: chat, generate (NDJSON streams), embed, tags, show, ps, version
+    ollama_params.py   Ollama's options, format and messages -> the OpenAI API's SamplingFields and ChatMessages
+    ollama_format.py   Ollama's wire format: reply lines, durations in nanoseconds, models, the error shape
+    ndjson.py          newline-delimited JSON streams: an error as the last line, cancel when the client leaves
     sse.py             server-sent events: keep-alives, errors as a last event, cancel when the client leaves
     errors.py          the APIError tree, and how any exception becomes a clean reply
     metrics.py         Prometheus metrics (requests, sessions, time to first token, inter-token latency) at /metrics
@@ -93,6 +106,18 @@ def _register_apis(app) -> None:
     for prefix in OPENAI_PREFIXES:
         app.register_blueprint(openai_blueprint, url_prefix=prefix, name="openai" + prefix.replace("/", "_"))
     app.register_blueprint(openai_extras)
+    from gateway.responses_api import blueprint as responses_blueprint
+
+    for prefix in OPENAI_PREFIXES:  # OpenAI's Responses API, where its chat completions are
+        app.register_blueprint(responses_blueprint, url_prefix=prefix,
+                               name="openai_responses" + prefix.replace("/", "_"))
+    from gateway.anthropic_api import PREFIX as ANTHROPIC_PREFIX
+    from gateway.anthropic_api import blueprint as anthropic_blueprint
+
+    app.register_blueprint(anthropic_blueprint, url_prefix=ANTHROPIC_PREFIX)
+    from gateway.ollama_api import blueprint as ollama_blueprint
+
+    app.register_blueprint(ollama_blueprint)  # under /api, beside Petals' /api/v1 and /api/v2
     app.register_blueprint(docs.blueprint)
     sock.init_app(app)
 
@@ -115,11 +140,22 @@ def _register_error_handler(app) -> None:
     from gateway import openai_format
     from gateway.errors import APIError, error_body, from_exception
     from gateway.openai_api import speaks_openai
+    from gateway.anthropic_api import speaks_anthropic
+    from gateway import anthropic_format
+    from gateway import ollama_format
+    from gateway.ollama_api import speaks_ollama
+
+    # (does the request speak this API?, its error envelope), first match wins; else the Petals shape
+    shapes = [
+        (speaks_anthropic, anthropic_format.error_body),  # before OpenAI's, which claims every /v1 path
+        (speaks_openai, openai_format.error_body),
+        (speaks_ollama, ollama_format.error_body),
+    ]
 
     @app.errorhandler(Exception)
     def api_error(error: Exception):
         """Every error of every route and hook, Flask's own 404s and 405s included: a clean message in the
         shape of the request's API, never a traceback (from_exception logs the unexpected ones)."""
         api_error: APIError = from_exception(error)
-        body = openai_format.error_body(api_error) if speaks_openai() else error_body(api_error)
-        return jsonify(body), api_error.status, api_error.headers()
+        shape = next((body for speaks, body in shapes if speaks()), error_body)
+        return jsonify(shape(api_error)), api_error.status, api_error.headers()

@@ -1,9 +1,9 @@
 """Who may call, and who a caller is.
 
 - API keys, when any are configured, guard every API: the Petals HTTP API, the WebSocket, the OpenAI API and
-  /metrics. A key comes as `Authorization: Bearer KEY` (the openai clients), `X-API-Key: KEY`, or `?api_key=KEY`
-  (what a browser's WebSocket can send: it cannot set headers). The pages, their assets, /health and the API docs
-  stay open.
+  /metrics. A key comes as `Authorization: Bearer KEY` (the openai clients), `X-API-Key: KEY` (the anthropic
+  clients), or `?api_key=KEY` (what a browser's WebSocket can send: it cannot set headers). The pages, their
+  assets, /health, Ollama's /api/version and the API docs stay open.
 - CORS follows the allowlists (MLC's server flags). Browsers apply no CORS to WebSockets, so a WebSocket
   handshake from a page must come from an allowed origin, or from the gateway's own pages; clients that send no
   Origin (not browsers) are let through, and the keys guard them.
@@ -22,7 +22,8 @@ from flask import Flask, g, request
 from config import AccessSettings
 from gateway.errors import Forbidden, Unauthorized
 
-OPEN_PREFIXES = ("/health", "/static/", "/docs", "/api-docs", "/openapi.json")
+# /api/version: Ollama's clients ask it first to find the server (with no key), and it tells nothing else
+OPEN_PREFIXES = ("/health", "/static/", "/docs", "/api-docs", "/openapi.json", "/api/version")
 OPEN_PAGES = ("/", "/swarm")
 
 
@@ -57,7 +58,7 @@ def install(app: Flask, access: AccessSettings) -> None:
 def check_key(keys: list[bytes]) -> str:
     given = _presented_key()
     if not given:
-        raise Unauthorized("an API key is required: send it as 'Authorization: Bearer <key>'")
+        raise Unauthorized("an API key is required: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
     # compare_digest against every key: how long a refusal takes tells nothing about how close a guess was
     if not any(hmac.compare_digest(given.encode(), key) for key in keys):
         raise Unauthorized("the API key is not valid")

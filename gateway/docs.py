@@ -5,6 +5,7 @@ page at /docs (and Ai00's /api-docs/) whose assets come from the swagger-ui-bund
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 from flask import Blueprint, Response, jsonify, send_from_directory
@@ -12,7 +13,11 @@ from pydantic.json_schema import models_json_schema
 
 from config import Limits, ModelConfig
 from gateway import schemas
+from gateway.access import is_open
 from gateway.current_engine import get_engine
+from gateway.schemas import ollama as ollama_schemas
+from gateway.schemas.anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from gateway.schemas.responses import ResponseCreateRequest
 
 blueprint = Blueprint("docs", __name__)
 
@@ -22,6 +27,12 @@ ROUTES = [
     ("/v1/completions", "post", schemas.CompletionRequest, "Text completion (stream with SSE)"),
     ("/v1/embeddings", "post", schemas.EmbeddingRequest, "Embeddings: mean-pooled hidden states of the model"),
     ("/v1/chooses", "post", schemas.ChooseRequest, "Ai00: rank choices by perplexity, best first"),
+    ("/v1/responses", "post", ResponseCreateRequest, "Responses: a reply (stream: typed SSE events), tools, store"),
+    ("/v1/responses/{response_id}", "get", None, "Responses: a stored response, as it stands"),
+    ("/v1/responses/{response_id}", "delete", None, "Responses: delete a stored response"),
+    ("/v1/responses/{response_id}/cancel", "post", None, "Responses: stop a response that is still generating"),
+    ("/v1/messages", "post", AnthropicMessagesRequest, "Anthropic Messages: a reply (stream: SSE events), tools"),
+    ("/v1/messages/count_tokens", "post", AnthropicCountTokensRequest, "Anthropic: the input tokens of a request"),
     ("/v1/models", "get", None, "Served models"),
     ("/tokenize", "post", schemas.TokenizeRequest, "Text or messages to token ids"),
     ("/detokenize", "post", schemas.DetokenizeRequest, "Token ids to text"),
@@ -32,6 +43,14 @@ ROUTES = [
     ("/api/v1/close_inference_session", "post", schemas.CloseSession, "Petals Chat: close an inference session"),
     ("/api/v1/models", "get", None, "Served models and their block coverage"),
     ("/health", "get", None, "200 when the default model can be served now, else 503"),
+    ("/api/chat", "post", ollama_schemas.OllamaChatRequest, "Ollama: chat, tools (NDJSON lines unless stream: false)"),
+    ("/api/generate", "post", ollama_schemas.OllamaGenerateRequest, "Ollama: generate from a prompt (NDJSON lines)"),
+    ("/api/embed", "post", ollama_schemas.OllamaEmbedRequest, "Ollama: normalized embeddings of one or more inputs"),
+    ("/api/embeddings", "post", ollama_schemas.OllamaEmbeddingsRequest, "Ollama (older): the embedding of a prompt"),
+    ("/api/show", "post", ollama_schemas.OllamaShowRequest, "Ollama: a model's details, parameters and template"),
+    ("/api/tags", "get", None, "Ollama: served models"),
+    ("/api/ps", "get", None, "Ollama: the models this gateway has loaded"),
+    ("/api/version", "get", None, "Ollama: the Ollama API version this gateway speaks (open without a key)"),
 ]
 
 # Every error reply, in the shape of its API (errors.py, openai_format.py); the fuzz test checks replies against them.
@@ -39,6 +58,11 @@ ERROR_SCHEMAS = {
     "PetalsError": {"type": "object", "required": ["ok", "error", "code", "traceback"], "properties": {
         "ok": {"const": False}, "error": {"type": "string"}, "code": {"type": "string"},
         "field": {"type": "string"}, "traceback": {"type": "string", "description": "the same clean message"}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "request_id": {"type": "string"}, "error": {
+            "type": "object", "required": ["type", "message"], "properties": {
+                "type": {"type": "string"}, "message": {"type": "string"}}}}},
+    "OllamaError": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
     "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
             "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
@@ -57,6 +81,8 @@ ERROR_STATUSES = {
 
 def _responses(path: str) -> dict:
     shape = "PetalsError" if path.startswith(("/api/v1/", "/health")) else "OpenAIError"
+    shape = "AnthropicError" if path.startswith("/v1/messages") else shape
+    shape = "OllamaError" if path.startswith("/api/") and not path.startswith("/api/v1/") else shape
     error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
     return {"200": {"description": "OK"}, **{status: {"description": text, **error}
                                               for status, text in ERROR_STATUSES.items()}}
@@ -65,7 +91,7 @@ def _responses(path: str) -> dict:
 def _apply_limits(schemas: dict, limits: Limits, max_session_length: int) -> None:
     """Write this gateway's bounds into the request schemas, so that the document says what a valid request is."""
     caps = {name: limits.max_new_tokens for name in ("max_new_tokens", "max_tokens", "max_completion_tokens",
-                                                     "max_gen_len")}
+                                                     "max_gen_len", "num_predict", "max_output_tokens")}
     caps["max_length"] = max_session_length
     for schema in schemas.values():
         for name, field in schema.get("properties", {}).items():
@@ -110,7 +136,10 @@ def openapi_document(limits: Limits = Limits(), max_session_length: int = ModelC
     paths: dict = {}
     for path, method, schema, summary in ROUTES:
         operation = {"summary": summary, "responses": _responses(path)}
-        if path == "/health":
+        if "{" in path:  # /v1/responses/{response_id}: each name in braces is a path parameter
+            operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for name in re.findall(r"{(\w+)}", path)]
+        if is_open(path):
             operation["security"] = []  # open even when the gateway has keys
         if schema is not None:
             body_schema = refs[(schema, "validation")]
@@ -121,7 +150,7 @@ def openapi_document(limits: Limits = Limits(), max_session_length: int = ModelC
         "info": {"title": "Swarm inference gateway", "version": "0.1.0",
                  "description": "Petals Chat's HTTP API and an OpenAI-compatible API over a swarm of block servers. "
                                 "WebSocket: /api/v2/generate. The OpenAI routes also live under /api/oai and "
-                                "/api/oai/v1."},
+                                "/api/oai/v1. Ollama's API lives under /api (its streams are NDJSON)."},
         "paths": paths,
         "security": [{}, {"bearer": []}],  # a key only when the gateway is configured with keys
         "components": {"schemas": {**definitions.get("$defs", {}), **ERROR_SCHEMAS},

@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics, and GET /metrics (Prometheus text format).
 
     gateway_open_sessions                       gauge      HTTP and WebSocket sessions open now
-    gateway_requests_total{api, status}         counter    api: petals_http, petals_ws, openai; status: HTTP code
+    gateway_requests_total{api, status}         counter    api: petals_http, petals_ws, openai, anthropic, ollama;
+                                                           status: HTTP code
     gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
     gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
     gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
@@ -48,13 +49,15 @@ def install(app) -> None:
         return response
 
 
+API_BLUEPRINTS = ("openai", "anthropic", "ollama")  # the API label of the blueprints whose names start with it
+
+
 def api_of(blueprint_name) -> str | None:
     """The API label of a blueprint; None for the routes not counted (docs, static files, pages, /metrics)."""
     if blueprint_name in ("petals_http", "petals_ws"):
         return blueprint_name
-    if blueprint_name and blueprint_name.startswith("openai"):  # once per prefix (openai_v1, ...), and extras
-        return "openai"
-    return None
+    # a blueprint per API (and per prefix: openai_v1, openai_api_oai, ...): named by what it starts with
+    return next((api for api in API_BLUEPRINTS if blueprint_name and blueprint_name.startswith(api)), None)
 
 
 def count_ws_message(status: int) -> None:

@@ -8,7 +8,6 @@ come from create_app's one error handler, which asks `speaks_openai` which shape
 from __future__ import annotations
 
 import base64
-import logging
 import struct
 from typing import Iterator, Optional
 
@@ -18,8 +17,9 @@ from gateway import openai_format as wire
 from gateway.current_engine import get_engine
 from gateway.engine import Engine, ServedModel
 from gateway.errors import BadRequest
+from gateway.json_bodies import json_body
 from gateway.limits import check_context_length
-from gateway.openai_choices import collect, plan_generation
+from gateway.openai_choices import collect, plan_chat, plan_generation
 from gateway.prompts import parse_tool_calls, render_chat
 from gateway.schemas import (
     ChatCompletionRequest,
@@ -28,17 +28,12 @@ from gateway.schemas import (
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
-    load_json,
-    parse,
 )
 from gateway.sse import event_stream
 
-logger = logging.getLogger(__name__)
 blueprint = Blueprint("openai", __name__)
 extras = Blueprint("openai_extras", __name__)
 PREFIXES = ("/v1", "/api/oai", "/api/oai/v1")
-_unknown_fields_logged: set[str] = set()
-UNKNOWN_FIELDS_REMEMBERED = 1000  # the names are the clients' to choose: a bound on memory and on the log
 
 
 def speaks_openai() -> bool:
@@ -48,17 +43,6 @@ def speaks_openai() -> bool:
     return request.path.startswith(tuple(prefix + "/" for prefix in PREFIXES))
 
 
-def json_body(schema):
-    if not request.is_json:
-        raise BadRequest("the body must be a JSON object (Content-Type: application/json)")
-    fields = parse(schema, load_json(request.get_data()))
-    for name in (fields.model_extra or {}):  # accepted and ignored, as vLLM does; said once per field name
-        if name not in _unknown_fields_logged and len(_unknown_fields_logged) < UNKNOWN_FIELDS_REMEMBERED:
-            _unknown_fields_logged.add(name)
-            logger.info("ignoring unknown request field %.80r", name)
-    return fields
-
-
 # ------------------------------------------------------------------------------------------ chat
 
 
@@ -66,25 +50,12 @@ def json_body(schema):
 def chat_completions():
     fields = json_body(ChatCompletionRequest)
     engine = get_engine()
-    model = engine.model(fields.model)
-    tool_choice, tools = offered_tools(fields)
-    prompt = render_chat(model.tokenizer, fields.messages, tools)
-    prompt_ids = model.encode(prompt, at_start=False)  # the template wrote any special tokens itself
     top = (fields.top_logprobs or 0) if fields.logprobs else None
-    plan = plan_generation(engine, model, fields, prompt_ids, "messages", logprobs=top,
-                           tool_choice=(tool_choice, tools, fields.parallel_tool_calls))
+    model, tools, prompt_ids, plan = plan_chat(engine, fields, logprobs=top)
     replies = ChatReplies(model, fields, tools, top, len(prompt_ids), plan, engine.stats.begin())
     if not fields.stream:
         return jsonify(replies.completion())
     return event_stream(replies.chunks, wire.error_body)
-
-
-def offered_tools(fields: ChatCompletionRequest) -> tuple:
-    """The tool choice (by default "auto" with tools, else "none") and the tools the reply may call, if any."""
-    tool_choice = fields.tool_choice or ("auto" if fields.tools else "none")
-    if tool_choice != "none" and not fields.tools:
-        raise BadRequest("tool_choice: needs tools", field="tool_choice")
-    return tool_choice, (fields.tools if tool_choice != "none" else None)
 
 
 class ChatReplies:

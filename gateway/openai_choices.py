@@ -1,7 +1,8 @@
 """The choices of one OpenAI request, planned and run: the lengths checked and the per-choice GenerationRequests
 built (before any stream starts), then n choices for one prompt on one swarm session, and their deltas collected.
 
-    choices, make_request = plan_generation(engine, model, fields, prompt_ids, "messages", logprobs=top)
+    choices, make_request = plan_generation(engine, model, fields, prompt_ids, "prompt", logprobs=top)
+    model, tools, prompt_ids, (choices, make_request) = plan_chat(engine, fields)  # a chat: messages rendered first
     for index, delta in choices.run(make_request, cancelled, stats): ...   # streamed
     collect(choices.run(make_request, lambda: False, stats), n)           # whole replies
 """
@@ -9,13 +10,26 @@ built (before any stream starts), then n choices for one prompt on one swarm ses
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from gateway.access import client_id
 from gateway.engine import Delta, Engine, GenerationRequest, ServedModel
 from gateway.errors import BadRequest
 from gateway.limits import check_context_length
-from gateway.openai_params import constraint_spec, max_new_tokens, sampling_params, stop_fields
+from gateway.openai_params import max_new_tokens, offered_tools, requested_constraint, sampling_params, stop_fields
+from gateway.prompts import render_chat
+
+
+def plan_chat(engine: Engine, fields, **extra) -> tuple:
+    """(model, the tools the reply may call, prompt ids, plan) of a chat request (schemas.ChatCompletionRequest):
+    its messages rendered with the model's chat template, then planned as plan_generation does."""
+    model = engine.model(fields.model)
+    tool_choice, tools = offered_tools(fields)
+    prompt = render_chat(model.tokenizer, fields.messages, tools)
+    prompt_ids = model.encode(prompt, at_start=False)  # the template wrote any special tokens itself
+    plan = plan_generation(engine, model, fields, prompt_ids, "messages",
+                           tool_choice=(tool_choice, tools, fields.parallel_tool_calls), **extra)
+    return model, tools, prompt_ids, plan
 
 
 def plan_generation(engine: Engine, model: ServedModel, fields, prompt_ids: list[int], param: str, **extra):
@@ -28,19 +42,7 @@ def plan_generation(engine: Engine, model: ServedModel, fields, prompt_ids: list
     sampling = sampling_params(fields, config.defaults, model.vocab_size)
     stop_sequences, stop_token_ids = stop_fields(fields)
     tool_choice = extra.pop("tool_choice", None)
-    spec = constraint_spec(fields, tool_choice)
-    constraint = None
-    if spec is not None:
-        from gateway.grammar import GrammarError
-
-        grammars = model.grammars()
-        try:
-            grammars.check(spec)
-        except GrammarError as error:
-            forced_call = tool_choice is not None and tool_choice[0] not in ("auto", "none")
-            field = "tools" if forced_call else "response_format" if fields.response_format else "grammar"
-            raise BadRequest(f"{field}: {error}", field=field) from None
-        constraint = lambda: grammars.constraint(spec)
+    constraint = checked_constraint(model, requested_constraint(fields, tool_choice))
 
     def make_request(index: int) -> GenerationRequest:
         seed = None if sampling.seed is None else sampling.seed + index  # n different, reproducible choices
@@ -50,6 +52,21 @@ def plan_generation(engine: Engine, model: ServedModel, fields, prompt_ids: list
             constraint=constraint, **extra)
 
     return Choices(engine, model, prompt_ids, max_tokens, fields.n), make_request
+
+
+def checked_constraint(model: ServedModel, requested) -> Optional[Callable[[], object]]:
+    """What makes each choice's grammar constraint, once the spec compiled: a bad one is a 400 naming its field."""
+    if requested is None:
+        return None
+    from gateway.grammar import GrammarError
+
+    spec, field = requested
+    grammars = model.grammars()
+    try:
+        grammars.check(spec)
+    except GrammarError as error:
+        raise BadRequest(f"{field}: {error}", field=field) from None
+    return lambda: grammars.constraint(spec)
 
 
 class Choices:

@@ -80,9 +80,25 @@ def stop_fields(fields: SamplingFields) -> tuple[list[str], list[int]]:
     return strings, token_ids
 
 
+def offered_tools(fields) -> tuple:
+    """The tool choice (by default "auto" with tools, else "none") and the tools the reply may call, if any."""
+    tool_choice = fields.tool_choice or ("auto" if fields.tools else "none")
+    if tool_choice != "none" and not fields.tools:
+        raise BadRequest("tool_choice: needs tools", field="tool_choice")
+    return tool_choice, (fields.tools if tool_choice != "none" else None)
+
+
 def constraint_spec(fields: SamplingFields, tool_choice=None):
-    """The grammar that constrains the reply, if any: a forced tool call, a response_format, or a grammar."""
-    from gateway.grammar import GrammarSpec, tool_call_spec
+    """The grammar spec that constrains the reply, if any (see requested_constraint)."""
+    requested = requested_constraint(fields, tool_choice)
+    return requested[0] if requested else None
+
+
+def requested_constraint(fields: SamplingFields, tool_choice=None):
+    """(spec, field) of the grammar that constrains the reply, if any: a forced tool call, else the structured
+    output that the request asks for (structured_outputs.py)."""
+    from gateway.grammar import tool_call_spec
+    from gateway.structured_outputs import requested_spec
 
     if tool_choice is not None:
         choice, tools, parallel = tool_choice
@@ -94,15 +110,5 @@ def constraint_spec(fields: SamplingFields, tool_choice=None):
         if choice != "auto" and choice != "none":
             spec = tool_call_spec([tool.model_dump(exclude_none=True) for tool in tools], choice, parallel)
             # the call is ours to format: single spaces at most, so no model can wander in blank space
-            return replace(spec, value={**spec.value, "x-guidance": {"whitespace_pattern": "[ ]"}})
-    response_format = fields.response_format
-    if response_format is not None and response_format.type == "json_object":
-        return GrammarSpec("json_object")
-    if response_format is not None and response_format.type == "json_schema":
-        if response_format.json_schema is None:
-            raise BadRequest("response_format.json_schema: required for type json_schema",
-                             field="response_format.json_schema")
-        schema = response_format.json_schema
-        return GrammarSpec("json_schema", schema.schema_, strict=bool(schema.strict))
-    grammar = fields.grammar or fields.bnf_schema
-    return GrammarSpec("gbnf", grammar) if grammar else None
+            return replace(spec, value={**spec.value, "x-guidance": {"whitespace_pattern": "[ ]"}}), "tools"
+    return requested_spec(fields)

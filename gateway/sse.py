@@ -23,8 +23,11 @@ _END = object()
 
 
 def event_stream(events: Callable[[Callable[[], bool]], Iterator[dict]], error_body: Callable,
-                 keepalive: float = KEEPALIVE_SECONDS) -> Response:
-    """`events(cancelled)` yields the JSON events; it should stop when `cancelled()` turns true."""
+                 keepalive: float = KEEPALIVE_SECONDS, named: bool = False) -> Response:
+    """`events(cancelled)` yields the JSON events; it should stop when `cancelled()` turns true.
+
+    `named`: typed events (OpenAI's Responses API, Anthropic's Messages API): each event's `type` is also its SSE
+    `event:` name, and no `data: [DONE]` follows, since the last event says that the reply is over."""
     outbox: queue.Queue = queue.Queue()
     gone = threading.Event()
     # the producer runs in this request's context (its request id), though the stream starts after the request's
@@ -52,8 +55,10 @@ def event_stream(events: Callable[[Callable[[], bool]], Iterator[dict]], error_b
                     continue
                 if event is _END:
                     break
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+                name = f"event: {event['type']}\n" if named and "type" in event else ""
+                yield f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            if not named:
+                yield "data: [DONE]\n\n"
         finally:  # also when the client went away: gunicorn closes this generator at the failed write
             gone.set()
 

@@ -1,8 +1,9 @@
 """Fuzzing the gateway through a real gunicorn in front of the tiny swarm.
 
-- The HTTP APIs (Petals' and OpenAI's), driven by the OpenAPI document the gateway serves, with schemathesis:
-  valid and invalid bodies for every operation. No reply is a 5xx, none carries a traceback or a file path,
-  every status is one the document lists, and every error body has the documented shape.
+- The HTTP APIs (Petals', OpenAI's with its Responses API, Ollama's: every route in docs.ROUTES), driven by the
+  OpenAPI document the gateway serves, with schemathesis: valid and invalid bodies for every operation. No reply
+  is a 5xx, none carries a traceback or a file path, every status is one the document lists, and every error body
+  has the documented shape.
 - The WebSocket API, with a seeded random mix of bytes, text, JSON, mutated valid messages, wrong types, messages
   out of order and oversized ones: each bad message gets an error frame or a clean close, the process never
   dies, and a valid request on a fresh connection succeeds afterwards.

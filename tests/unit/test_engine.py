@@ -97,7 +97,7 @@ def test_stop_sequence_ends_the_reply(engine, remote):
     session = engine.open_session("tiny", 64, expires=False)
     text, deltas = run(engine, session, greedy(12, inputs="The quick", stop_sequences=(stop,)))
     assert text == full[: full.index(stop) + len(stop)]
-    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_sequence == stop
 
 
 def test_cancel_ends_the_reply_and_keeps_the_session(engine):

@@ -116,6 +116,17 @@ class ResponseFormat(_OpenAIRequest):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
+class StructuredOutputs(_OpenAIRequest):
+    """vLLM's structured_outputs: the reply is JSON valid against a schema, matches a regular expression, is one of
+    the choices, or follows a grammar (GBNF or Lark). One of them per request."""
+
+    json_: Optional[Union[dict, str]] = Field(None, alias="json")  # a JSON schema, or its text
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
 class SamplingFields(_OpenAIRequest):
     """What chat and text completions share."""
 
@@ -149,6 +160,11 @@ class SamplingFields(_OpenAIRequest):
     response_format: Optional[ResponseFormat] = None
     grammar: Optional[str] = None  # llama.cpp's GBNF
     bnf_schema: Optional[str] = None  # Ai00's BNF grammar
+    structured_outputs: Optional[StructuredOutputs] = None  # vLLM's; and its older spellings of the same:
+    guided_json: Optional[Union[dict, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(None, min_length=1)
+    guided_grammar: Optional[str] = None
     user: Optional[str] = None
 
 
@@ -273,7 +289,7 @@ def parse(schema, data):
         return schema.validate_python(data) if schema is WsMessage else schema.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
-        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        if schema is WsMessage and first["type"] in ("union_tag_invalid", "union_tag_not_found"):
             raise BadRequest(f"type: must be one of {', '.join(WS_MESSAGE_TYPES)}", field="type") from None
         location = first["loc"][1:] if schema is WsMessage else first["loc"]  # a union's errors start with the tag
         field = ".".join(str(part) for part in location)
