@@ -32,13 +32,10 @@ from swarm.protocol import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Coverage:
-    """Whether the swarm's online servers hold every block of a model."""
+class _MissingBlocks:
+    """What Coverage and SwarmHealth say of their `missing` block ranges."""
 
-    num_blocks: int
-    servers: int  # online servers of the model this client may route to
-    missing: list[tuple[int, int]]  # half-open ranges of blocks no server holds
+    missing: list[tuple[int, int]]
 
     @property
     def covered(self) -> bool:
@@ -50,7 +47,16 @@ class Coverage:
 
 
 @dataclass(frozen=True)
-class SwarmHealth:
+class Coverage(_MissingBlocks):
+    """Whether the swarm's online servers hold every block of a model."""
+
+    num_blocks: int
+    servers: int  # online servers of the model this client may route to
+    missing: list[tuple[int, int]]  # half-open ranges of blocks no server holds
+
+
+@dataclass(frozen=True)
+class SwarmHealth(_MissingBlocks):
     """Every server that announced a block of a model (joining and offline ones too), sorted by span, and how
     many online servers hold each block."""
 
@@ -58,14 +64,6 @@ class SwarmHealth:
     servers: list[RemoteServer]
     servers_per_block: list[int]
     missing: list[tuple[int, int]]  # blocks no online server holds
-
-    @property
-    def covered(self) -> bool:
-        return not self.missing
-
-    @property
-    def missing_blocks(self) -> Optional[str]:
-        return format_block_ranges(self.missing) if self.missing else None
 
 
 class SwarmClient:
