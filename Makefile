@@ -16,7 +16,7 @@ bench: model
 	$(PYTHON) -m bench $(ARGS)
 
 test: model page browser
-	$(PYTHON) -m pytest $(ARGS)
+	$(PYTHON) -m pytest -n 2 --dist loadfile $(ARGS)
 
 # the soak test at full length (the suite runs it for 20 s): 64 WebSocket + 16 OpenAI clients for 5 minutes
 soak: model page

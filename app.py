@@ -1,6 +1,6 @@
 """The product's entry point: the gateway (Petals Chat HTTP and WebSocket APIs) in front of a swarm.
 
-    gunicorn app:app --worker-class gthread --threads 100 --bind HOST:PORT
+    gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: a gthread worker, threads sized from the limits)
     python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
                   [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16]
 

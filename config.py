@@ -9,12 +9,15 @@ Each command-line tool takes its defaults from here, so an operator can set them
     ALLOWED_SERVERS   a private swarm's servers (peer ids, space- or comma-separated): clients route only to them
     ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
+    BLOCK_WAIT_SECONDS  how long the gateway's sessions and requests wait when no server holds some of their blocks
+                      (servers restarting, a replica reloading) before they fail (default 30; 0: at once)
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
     MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
-    REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT
-                      the gateway's limits (see Limits)
+    REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT,
+    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS
+                      the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
     LOG_LEVEL         the gateway's log level (default INFO)
@@ -51,6 +54,13 @@ def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
     return int(environ[name])
 
 
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return float(environ.get(name) or default)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {environ[name]!r}") from None
+
+
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
     if environ.get("SWARM_CACHE_DIR"):
         return Path(environ["SWARM_CACHE_DIR"]).expanduser()
@@ -74,12 +84,15 @@ class SwarmSettings:
     allowed_servers: tuple[str, ...] = ()  # empty: any server
     allowed_clients: tuple[str, ...] = ()  # empty: any client
     spot_check_rate: float = 0.0
+    block_wait_seconds: float = 30.0  # a gap in the swarm's blocks is waited out this long (SwarmClient's block_wait)
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"WIRE_DTYPE must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if not 0.0 <= self.spot_check_rate <= 1.0:
             raise ValueError(f"SPOT_CHECK_RATE must be between 0 and 1, got {self.spot_check_rate}")
+        if not 0.0 <= self.block_wait_seconds <= 3600.0:  # NaN fails too
+            raise ValueError(f"BLOCK_WAIT_SECONDS must be between 0 and 3600, got {self.block_wait_seconds}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SwarmSettings":
@@ -92,6 +105,7 @@ class SwarmSettings:
             allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
             allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
             spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
+            block_wait_seconds=_float(environ, "BLOCK_WAIT_SECONDS", 30.0),
         )
 
 
@@ -112,7 +126,8 @@ class ModelConfig:
     name: str  # what clients call it
     path: str  # a known model name or a local Hugging Face folder
     dht_prefix: str | None = None  # its name in the DHT; by default derived from path
-    max_session_length: int = 2048
+    # None: what the model was trained for, bounded by what the swarm's servers hold (set it to cap sessions lower)
+    max_session_length: int | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @classmethod
@@ -142,6 +157,17 @@ class Limits:
     # number (the least recently used goes first) and idle expiry
     max_stored_responses: int = 1024
     stored_response_idle_timeout: float = 3600.0  # seconds since it was created or last read
+    # A WebSocket holds one of gunicorn's threads for its whole life (flask-sock), so the caps on them size the
+    # threads (worker_threads): over either cap the handshake is refused with a 429, before the upgrade
+    max_websockets: int = 1000  # open WebSocket connections per gateway process
+    max_websockets_per_client: int = 32  # of those, how many one client may hold at once (0: no cap of its own)
+    http_threads: int = 64  # threads for the HTTP requests that hold no session (/health, /metrics, models, ...)
+
+    @property
+    def worker_threads(self) -> int:
+        """gunicorn's threads: one per WebSocket, one per session an HTTP request may hold while it generates, and
+        http_threads besides, so that neither kind can take the threads the other needs (/health stays answered)."""
+        return self.max_websockets + self.max_sessions + self.http_threads
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "Limits":

@@ -3,28 +3,44 @@
 Threads, not workers: an HTTP inference session lives in the process that opened it (as in Petals Chat).
 With no initial peers configured, the master starts an embedded local swarm before it forks the worker,
 and stops it when it exits (Ctrl-C and SIGTERM included).
+
+A WebSocket holds one of the worker's threads for its whole life (flask-sock; simple-websocket adds a reader
+thread of its own), so the threads are sized from the limits at start (config.Limits.worker_threads:
+MAX_WEBSOCKETS + MAX_SESSIONS + HTTP_THREADS), with as many connections and open files as that takes; the
+gateway refuses WebSockets past MAX_WEBSOCKETS, so they can never take the threads that HTTP requests need.
+An idle thread costs little: it waits in a system call, and the pool starts threads only as they are needed.
 """
 
 import os
 
 worker_class = "gthread"
 workers = 1
-threads = 100
+threads = 1  # raised to the limits' worker_threads in on_starting, once gunicorn's --env values are in place
 bind = ["127.0.0.1:5000"]
 timeout = 120
 graceful_timeout = 10
 # gunicorn's control socket has one default path per user: two gateways on one machine would fight over it
 control_socket_disable = True
 
+KEEPALIVE_CONNECTIONS = 1000  # idle keep-alive HTTP connections, beyond one per thread; they wait in the poller
+FILES_PER_PROCESS = 1024  # besides the sockets: the swarm client's, torch's, the logs'
+# Each thread's stack, in virtual memory (pages are touched only as used). 2 MiB instead of the usual 8 MiB keeps
+# a worker with thousands of threads at a few GiB of address space. 512 KiB overflows (a segfault, the whole
+# gateway) at Python's recursion limit through C calls; 1 MiB did not, in every probe (json, repr, re, pydantic,
+# llguidance); 2 MiB leaves a margin, and is what Rust gives its own threads.
+THREAD_STACK_BYTES = 2 << 20
+
 _local_swarm = None
 
 
 def on_starting(server):
-    """Start the embedded swarm in the master, before the fork: the worker finds it through INITIAL_PEERS."""
+    """Size the worker for the limits, and start the embedded swarm in the master, before the fork (the worker
+    finds it through INITIAL_PEERS)."""
     global _local_swarm
     from config import Settings
 
     settings = Settings.from_env()
+    _size_for_limits(server, settings.gateway.limits)
     if settings.swarm.initial_peers:
         return
     from swarm.local import start_for_models
@@ -33,6 +49,45 @@ def on_starting(server):
     _local_swarm = start_for_models(settings)
     os.environ["INITIAL_PEERS"] = " ".join(_local_swarm.initial_peers)
     server.log.info("local swarm ready: %s", os.environ["INITIAL_PEERS"])
+
+
+def _size_for_limits(server, limits):
+    """Threads for every WebSocket and session the limits allow, plus headroom (a --threads or
+    --worker-connections given on the command line may only add), and the open files their sockets take."""
+    threads = max(server.cfg.threads, limits.worker_threads)
+    connections = max(server.cfg.worker_connections, threads + KEEPALIVE_CONNECTIONS)
+    server.cfg.set("threads", threads)
+    server.cfg.set("worker_connections", connections)
+    _raise_open_files(server, connections + FILES_PER_PROCESS)
+    server.log.info("%d threads (MAX_WEBSOCKETS + MAX_SESSIONS + HTTP_THREADS), %d connections", threads, connections)
+
+
+def _raise_open_files(server, needed: int) -> None:
+    """The soft limit on open files up to `needed` (the worker and the swarm's children inherit it), as far as the
+    hard limit lets; below that, say what to change rather than fail at the first socket too many."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        soft = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        server.log.warning("open files are limited to %d, below the %d that MAX_WEBSOCKETS and MAX_SESSIONS take: "
+                           "raise the hard limit (ulimit -Hn) or lower them", soft, needed)
+
+
+def on_reload(server):
+    """A reload (SIGHUP) reads this file again, threads = 1 included: size the new worker as the first."""
+    from config import Settings
+
+    _size_for_limits(server, Settings.from_env().gateway.limits)
+
+
+def post_fork(server, worker):
+    """In the worker, before any of its threads exists: every later thread gets the smaller stack."""
+    import threading
+
+    threading.stack_size(THREAD_STACK_BYTES)
 
 
 def on_exit(server):

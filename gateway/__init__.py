@@ -17,6 +17,7 @@ terms by its API, runs in the engine, and leaves in its API's wire format.
     json_bodies.py     a JSON body read into its schema for the OpenAI-style APIs, unknown fields ignored
     prompts.py         chat messages -> prompt (the model's chat template, tools); tool calls out of a reply
     openai_choices.py  n choices per prompt: lengths checked, a GenerationRequest per choice, one session rewound
+    held_sessions.py   the sessions a request opened for itself, closed however it ends (error, stream cut, ...)
     current_engine.py  the app's one Engine: installed by create_app, read by every route with get_engine()
     engine.py          the one generation loop: inputs + GenerationRequest -> Deltas; served models and sessions
     sessions.py        open sessions: a cap, idle expiry that frees the servers' caches, one request at a time
@@ -61,12 +62,13 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 def create_app(settings=None, engine=None):
     """The Flask app. `settings` defaults to config.Settings.from_env(); tests may pass their own engine."""
     from config import Settings
-    from gateway import access, current_engine, limits, metrics, request_ids
+    from gateway import access, current_engine, held_sessions, limits, metrics, request_ids
     from gateway.engine import Engine
 
     settings = settings or Settings.from_env()
     app = _flask_app(settings)
     current_engine.install(app, engine or Engine(settings))
+    held_sessions.install(app)  # every request closes the sessions it opened for itself, whatever happens to it
     request_ids.install(app)
     access.install(app, settings.gateway.access)
     limits.install(app, settings.gateway.limits)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from typing import Optional
 
 from flask import Blueprint, Response, jsonify, send_from_directory
 from pydantic.json_schema import models_json_schema
 
-from config import Limits, ModelConfig
+from config import Limits
 from gateway import schemas
 from gateway.access import is_open
 from gateway.current_engine import get_engine
@@ -88,11 +89,12 @@ def _responses(path: str) -> dict:
                                               for status, text in ERROR_STATUSES.items()}}
 
 
-def _apply_limits(schemas: dict, limits: Limits, max_session_length: int) -> None:
+def _apply_limits(schemas: dict, limits: Limits, max_session_length: Optional[int]) -> None:
     """Write this gateway's bounds into the request schemas, so that the document says what a valid request is."""
     caps = {name: limits.max_new_tokens for name in ("max_new_tokens", "max_tokens", "max_completion_tokens",
                                                      "max_gen_len", "num_predict", "max_output_tokens")}
-    caps["max_length"] = max_session_length
+    if max_session_length is not None:  # None: no model's context is known yet (none configured or connected)
+        caps["max_length"] = max_session_length
     for schema in schemas.values():
         for name, field in schema.get("properties", {}).items():
             for branch in field.get("anyOf", [field]):  # Optional[int] is an anyOf with null
@@ -127,7 +129,7 @@ def _non_empty(schema: dict) -> None:
 
 
 @lru_cache(maxsize=4)
-def openapi_document(limits: Limits = Limits(), max_session_length: int = ModelConfig.max_session_length) -> dict:
+def openapi_document(limits: Limits = Limits(), max_session_length: Optional[int] = None) -> dict:
     """The document for a gateway with these limits and longest model context."""
     bodies = [(schema, "validation") for _, _, schema, _ in ROUTES if schema is not None]
     refs, definitions = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
@@ -160,8 +162,10 @@ def openapi_document(limits: Limits = Limits(), max_session_length: int = ModelC
 
 @blueprint.get("/openapi.json")
 def openapi_json():
-    gateway = get_engine().settings.gateway
-    return jsonify(openapi_document(gateway.limits, max(model.max_session_length for model in gateway.models)))
+    engine = get_engine()
+    contexts = [model.max_session_length for model in engine.loaded_models()] + \
+               [model.max_session_length for model in engine.settings.gateway.models if model.max_session_length]
+    return jsonify(openapi_document(engine.settings.gateway.limits, max(contexts, default=None)))
 
 
 PAGE = """<!doctype html>

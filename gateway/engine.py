@@ -1,4 +1,4 @@
-"""The one generation loop of the repository, and the served models and sessions it runs on.
+"""The one generation loop of the repository, over the served models and sessions of gateway/served.py.
 
     request (schema) --API module--> GenerationRequest --Engine.generate--> Delta, Delta, ... (text + finish)
 
@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
@@ -20,6 +19,7 @@ from gateway.errors import BadRequest, LengthExceeded, NotFound, from_exception
 from gateway.limits import check_max_length
 from gateway.metrics import observe_token
 from gateway.sampling import Sampler, SamplingParams
+from gateway.served import CATALOGUE_SECONDS, GatewaySession, ServedModel
 from gateway.stats import EngineStats, RequestStats
 from gateway.sessions import SessionRegistry
 from gateway.text import StopMatcher
@@ -27,7 +27,6 @@ from swarm.protocol import dht_prefix
 
 logger = logging.getLogger(__name__)
 
-CATALOGUE_SECONDS = 5.0  # how long the swarm's model catalogue is trusted before asking again
 DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
 
 
@@ -59,64 +58,6 @@ class Delta:
     finish_reason: Optional[str] = None  # "stop" (end of sequence or a stop sequence), "length", "cancelled"
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_sequence: Optional[str] = None  # which of the request's stop sequences ended the reply (Anthropic says)
-
-
-class ServedModel:
-    """A model the gateway serves: the client half of it (embeddings, LM head, tokenizer) on the swarm."""
-
-    def __init__(self, config: ModelConfig, remote):
-        self.config, self.remote = config, remote  # remote: swarm.client.RemoteModel
-        self.tokenizer = remote.tokenizer
-        self.stop_ids = remote.stop_token_ids  # the one stop rule (python -m swarm.client.generate's too)
-        self._grammars, self._grammars_lock = None, threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def vocab_size(self) -> int:
-        return self.remote.config.vocab_size
-
-    def grammars(self):
-        """What compiles grammars against this model's tokenizer, built on first use (it takes a moment)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                from gateway.grammar import TokenizerGrammars
-
-                self._grammars = TokenizerGrammars(self.tokenizer, self.vocab_size, eos_token_ids=self.stop_ids)
-            return self._grammars
-
-    def encode(self, text: str, at_start: bool) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=at_start)["input_ids"]
-
-
-@dataclass(eq=False)
-class GatewaySession:
-    """One inference session: the remote session on the servers, and what the gateway knows of it."""
-
-    model: ServedModel
-    inference: object  # swarm.client.InferenceSession: the session on the swarm's servers
-    max_length: int
-    expires: bool  # HTTP sessions expire when idle; a WebSocket's lives as long as its connection
-    owner: str = ""  # the client that opened it (access.client_id), for the per-client cap
-    id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    history: list[int] = field(default_factory=list)  # token ids in the servers' caches
-    pending: list[int] = field(default_factory=list)  # the last sampled token, shown but not yet sent
-    reply_start: Optional[int] = None  # session length where the last reply began: regenerate rewinds there
-    last_used: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    closed: bool = False
-
-    def close(self) -> None:
-        """Free the servers' caches; safe to call twice and from any thread."""
-        self.closed = True
-        inference, self.inference = self.inference, None
-        if inference is not None:
-            try:
-                inference.close()
-            except Exception:  # the servers free the cache when the stream breaks, too
-                logger.warning("closing session %s failed", self.id, exc_info=True)
 
 
 class Engine:
@@ -172,7 +113,7 @@ class Engine:
             entry = {"name": config.name, "max_session_length": config.max_session_length,
                      "source": "config" if configured else "swarm"}
             try:
-                entry.update(self.coverage(config.name))
+                entry.update(self.coverage(config.name), max_session_length=self.model(config.name).max_session_length)
             except Exception as error:  # one unreachable model must not hide the others
                 entry.update(covered=False, error=from_exception(error).message)
             if configured or entry["covered"]:
@@ -191,7 +132,8 @@ class Engine:
                     torch.set_num_threads(swarm.torch_threads)
                 self._client = SwarmClient(swarm.initial_peers, wire_dtype=getattr(torch, swarm.wire_dtype),
                                            allowed_servers=swarm.allowed_servers,
-                                           spot_check_rate=swarm.spot_check_rate)
+                                           spot_check_rate=swarm.spot_check_rate,
+                                           block_wait=swarm.block_wait_seconds)
             return self._client
 
     def model(self, name: Optional[str]) -> ServedModel:
@@ -245,10 +187,9 @@ class Engine:
     # ----------------------------------------------------------------------------------- sessions
 
     def open_session(self, model_name: Optional[str], max_length: int, expires: bool, owner: str = "") -> GatewaySession:
-        config = self.model_config(model_name)
-        check_max_length(config, max_length)
+        model = self.model(model_name)
+        check_max_length(model.config, max_length)
         with self.sessions.reserve(owner):
-            model = self.model(config.name)
             session = GatewaySession(model, model.remote.session(max_length), max_length, expires, owner)
             self.sessions.add(session)
         return session

@@ -10,6 +10,7 @@
     ├── SessionBusy               409  session_busy          another request is using this session
     ├── PayloadTooLarge           413  request_too_large     a body over MAX_BODY_BYTES
     ├── TooManySessions           429  too_many_sessions     the cap on open sessions, overall or per client
+    ├── TooManyWebSockets         429  too_many_websockets   the cap on open WebSockets, overall or per client
     ├── RateLimited               429  rate_limited          the client's REQUESTS_PER_MINUTE are spent
     ├── Unavailable               503  swarm_unavailable     the swarm cannot serve this now
     └── HTTPError                 4xx  (werkzeug's name)     what Flask refuses by itself: a wrong method, ...
@@ -86,6 +87,11 @@ class PayloadTooLarge(APIError):
 class TooManySessions(APIError):
     status, code = 429, "too_many_sessions"
     retry_after = 1  # seconds: sessions come and go quickly
+
+
+class TooManyWebSockets(APIError):
+    status, code = 429, "too_many_websockets"
+    retry_after = 1
 
 
 class RateLimited(APIError):

@@ -6,7 +6,11 @@ the /swarm page polling it is not counted among the API's requests in /metrics.
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify, request
+import math
+import threading
+import time
+
+from flask import Blueprint, current_app, jsonify, request
 
 from gateway.access import client_id
 from gateway.current_engine import get_engine
@@ -18,6 +22,7 @@ from gateway.schemas import CloseSession, HttpGenerate, OpenSession, load_json, 
 
 blueprint = Blueprint("petals_http", __name__)
 monitoring = Blueprint("monitoring", __name__)
+HEALTH_COVERAGE_SECONDS = 1.0  # how long /health trusts a look at the swarm (servers' records lag 10 s anyway)
 
 
 def request_fields() -> dict:
@@ -43,9 +48,10 @@ def generate():
             return _generate(engine, session, fields)
 
     # no session: one just big enough for this request, closed when it is answered
-    config = engine.model_config(fields.model)
+    model = engine.model(fields.model)
+    config = model.config  # its context resolved: the configured one, or the model's own within the swarm's
     request_ = generation_request(fields, config, engine.limits.max_new_tokens, streaming=False)
-    prompt_length = len(engine.model(config.name).encode(fields.inputs or "", at_start=True))
+    prompt_length = len(model.encode(fields.inputs or "", at_start=True))
     check_context_length(config, prompt_length, 0, "inputs")  # a reply cut short by the context is Petals' way
     max_length = fields.max_length or min(prompt_length + request_.max_new_tokens, config.max_session_length)
     session = engine.open_session(config.name, max(max_length, 1), expires=True, owner=client_id())
@@ -92,10 +98,55 @@ def health():
     """200 when a request to the default model could be served now; 503 with the reason when not."""
     engine = get_engine()
     name = engine.settings.gateway.default_model.name
-    coverage = engine.coverage(name)
+    coverage = current_app.extensions["health_coverage"].get(lambda: engine.coverage(name))
     if not coverage["covered"]:
         raise Unavailable(f"no server holds blocks {coverage['missing_blocks']} of {name}")
     return jsonify(ok=True, model=name, **coverage, open_sessions=len(engine.sessions))
+
+
+@blueprint.record_once
+def _install_health_coverage(state) -> None:
+    state.app.extensions["health_coverage"] = RecentCoverage(HEALTH_COVERAGE_SECONDS)
+
+
+class RecentCoverage:
+    """The default model's coverage as /health last looked it up in the DHT. A lookup takes the swarm client's event
+    loop and checks the records' signatures, which a busy gateway (many sessions stepping) makes slow, while a load
+    balancer wants its answer at once, however often it asks: so /health answers with the last look, and a look
+    older than `seconds` is renewed in the background. A look that failed, or one too old to trust (`stale`), is
+    not used: that request looks again itself (and gets the error)."""
+
+    def __init__(self, seconds: float, stale: float = 10.0):
+        self.seconds, self.stale = seconds, stale
+        self._value, self._looked_at, self._looking = None, -math.inf, False
+        self._lock = threading.Lock()
+
+    def get(self, look_up) -> dict:
+        with self._lock:
+            age = time.monotonic() - self._looked_at
+            if self._value is not None and age < self.stale:
+                if age >= self.seconds and not self._looking:
+                    self._looking = True
+                    threading.Thread(target=self._look_again, args=(look_up,), name="health-lookup",
+                                     daemon=True).start()
+                return self._value
+        return self._look(look_up)
+
+    def _look(self, look_up) -> dict:
+        value = look_up()
+        with self._lock:
+            self._value, self._looked_at = value, time.monotonic()
+        return value
+
+    def _look_again(self, look_up) -> None:
+        try:
+            self._look(look_up)
+        except Exception:  # the next /health looks itself, and answers with the error
+            with self._lock:
+                self._value = None
+        finally:
+            with self._lock:
+                self._looking = False
 
 
 @monitoring.get("/api/v1/swarm")

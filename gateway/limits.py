@@ -1,6 +1,7 @@
 """The checks that keep one request, and one client, within the gateway's Limits (config.py), shared by every API.
 
-    install(app, limits)    the body size (413) and each client's requests per minute (429), before any route
+    install(app, limits)    the body size (413) and each client's requests per minute (429), before any route;
+                            and the open WebSockets, overall and per client (429 before the upgrade)
     charge_request()        the same rate limit, for each message on a WebSocket
     check_new_tokens()      a request's token budget against MAX_NEW_TOKENS
     check_max_length()      a session's length against the model's max_session_length
@@ -15,16 +16,17 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 
 from config import Limits, ModelConfig
-from gateway.errors import BadRequest, LengthExceeded, PayloadTooLarge, RateLimited
+from gateway.errors import BadRequest, LengthExceeded, PayloadTooLarge, RateLimited, TooManyWebSockets
 
 
 def install(app, limits: Limits) -> None:
     """Install after access.install: a caller's key decides which allowance a request is charged to."""
-    from flask import request
+    from flask import g, request
 
-    from gateway.access import is_open
+    from gateway.access import client_id, is_open
 
     most = limits.max_body_bytes
     # werkzeug stops reading a chunked body (no Content-Length) at MAX_CONTENT_LENGTH, silently: one byte more
@@ -32,6 +34,8 @@ def install(app, limits: Limits) -> None:
     app.config["MAX_CONTENT_LENGTH"] = most + 1
     app.config["MAX_FORM_MEMORY_SIZE"] = most  # a form field alone over it is werkzeug's 413 (errors.py)
     app.extensions["rate_limiter"] = RateLimiter(limits.requests_per_minute)
+    websockets = app.extensions["websocket_slots"] = WebSocketSlots(limits.max_websockets,
+                                                                    limits.max_websockets_per_client)
 
     @app.before_request
     def check_request():
@@ -42,6 +46,13 @@ def install(app, limits: Limits) -> None:
             raise PayloadTooLarge(f"the request body is over this gateway's limit of {most} bytes (MAX_BODY_BYTES)")
         if request.method != "OPTIONS" and not is_open(request.path):
             charge_request()
+        if request.url_rule is not None and request.url_rule.websocket:  # a handshake the WebSocket route takes
+            g.websocket_slot = websockets.take(client_id())
+
+    @app.teardown_request
+    def give_back_websocket_slot(_error):  # a WebSocket's request ends when its connection does
+        if "websocket_slot" in g:
+            websockets.give_back(g.pop("websocket_slot"))
 
 
 def charge_request() -> None:
@@ -92,6 +103,37 @@ class RateLimiter:
         """A full bucket is what a new client gets anyway."""
         for client in [client for client in self._buckets if self._tokens(client, now) >= self.per_minute]:
             del self._buckets[client]
+
+
+class WebSocketSlots:
+    """Open WebSocket connections, overall and per client. Each holds a gunicorn thread for its whole life, and
+    the threads are sized from these caps (config.Limits.worker_threads): refusing the handshake past them is what
+    keeps WebSockets from taking the threads that HTTP requests (/health too) need."""
+
+    def __init__(self, most: int, per_client: int):
+        self.most, self.per_client = most, per_client or most
+        self._open: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def take(self, client: str) -> str:
+        with self._lock:
+            if self._open.total() >= self.most:
+                raise TooManyWebSockets(f"too many open WebSockets on this gateway ({self.most}, MAX_WEBSOCKETS); "
+                                        "retry later")
+            if self._open[client] >= self.per_client:
+                raise TooManyWebSockets(f"this client holds {self.per_client} open WebSockets, the most it may "
+                                        "(MAX_WEBSOCKETS_PER_CLIENT); close one or retry later")
+            self._open[client] += 1
+        return client
+
+    def give_back(self, client: str) -> None:
+        with self._lock:
+            self._open[client] -= 1
+            if self._open[client] <= 0:
+                del self._open[client]
+
+    def __len__(self) -> int:
+        return self._open.total()
 
 
 def check_new_tokens(field: str, value: int | None, cap: int) -> None:

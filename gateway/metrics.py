@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics, and GET /metrics (Prometheus text format).
 
     gateway_open_sessions                       gauge      HTTP and WebSocket sessions open now
+    gateway_open_websockets                     gauge      WebSocket connections open now (MAX_WEBSOCKETS)
     gateway_requests_total{api, status}         counter    api: petals_http, petals_ws, openai, anthropic, ollama;
                                                            status: HTTP code
     gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
@@ -22,6 +23,7 @@ import swarm.client  # noqa: F401  (registers the swarm client's counters, even 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 OPEN_SESSIONS = Gauge("gateway_open_sessions", "Inference sessions open on this gateway, HTTP and WebSocket")
+OPEN_WEBSOCKETS = Gauge("gateway_open_websockets", "WebSocket connections open on this gateway")
 REQUESTS = Counter("gateway_requests_total", "API requests (WebSocket: messages) by API and status code",
                    ["api", "status"])
 TIME_TO_FIRST_TOKEN = Histogram("gateway_time_to_first_token_seconds",
@@ -39,6 +41,7 @@ def install(app) -> None:
     @app.get("/metrics")
     def metrics():
         OPEN_SESSIONS.set(len(app.extensions["engine"].sessions))  # read at scrape time: never stale
+        OPEN_WEBSOCKETS.set(len(app.extensions["websocket_slots"]))
         return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
 
     @app.after_request

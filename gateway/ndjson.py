@@ -5,6 +5,8 @@ Unlike sse.py, there is no producer thread: NDJSON has no comment line, so a sil
 keep-alives, and a thread would have nothing to do but wait. The lines are produced as gunicorn writes them; when
 a write fails, gunicorn closes this generator, which closes the API's, and so the engine's (whose `finally` frees
 the swarm session). Each step runs in a copy of the request's context, so that its log lines keep the request id.
+The stream takes over the sessions its request opened (held_sessions.py) and closes what is left of them when
+gunicorn closes the response, whether it was read to its end, cut short, or never read at all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable, Iterable, Iterator
 
 from flask import Response
 
+from gateway import held_sessions
 from gateway.errors import from_exception
 
 MIMETYPE = "application/x-ndjson"
@@ -25,6 +28,7 @@ def ndjson_stream(lines: Iterable[dict], error_body: Callable) -> Response:
     context = contextvars.copy_context()  # taken now: the stream starts after the request's teardown
     lines = iter(lines)
     close = getattr(lines, "close", lambda: None)
+    release = held_sessions.hand_over()
 
     def stream() -> Iterator[str]:
         try:
@@ -39,8 +43,11 @@ def ndjson_stream(lines: Iterable[dict], error_body: Callable) -> Response:
                 yield _line(line)
         finally:
             context.run(close)
+            release()
 
-    return Response(stream(), mimetype=MIMETYPE, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = Response(stream(), mimetype=MIMETYPE, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.call_on_close(release)  # also when the stream never started: no generation is running then
+    return response
 
 
 def _line(value: dict) -> str:

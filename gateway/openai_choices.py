@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Iterator, Optional
 
+from gateway import held_sessions
 from gateway.access import client_id
 from gateway.engine import Delta, Engine, GenerationRequest, ServedModel
 from gateway.errors import BadRequest
@@ -70,11 +71,19 @@ def checked_constraint(model: ServedModel, requested) -> Optional[Callable[[], o
 
 
 class Choices:
-    """n choices for one prompt on one swarm session: the prompt runs once, each next choice rewinds to it."""
+    """n choices for one prompt on one swarm session: the prompt runs once, each next choice rewinds to it.
+
+    The session opens here, before the reply starts, and is the request's until `run` has closed it: whatever
+    ends the request first (a later prompt refused, an error, a client gone) closes it (see held_sessions.py)."""
 
     def __init__(self, engine: Engine, model: ServedModel, prompt_ids: list[int], max_tokens: int, n: int):
         self.engine, self.model, self.prompt_ids, self.n = engine, model, prompt_ids, n
         self.session = engine.open_session(model.name, len(prompt_ids) + max_tokens, expires=False, owner=client_id())
+        held_sessions.hold(self)
+
+    def close(self) -> None:
+        """Free the session's slot and the servers' caches; a no-op once `run` has done so."""
+        self.engine.close_session(self.session)
 
     def run(self, make_request: Callable[[int], GenerationRequest], cancelled, stats) -> Iterator[tuple[int, Delta]]:
         engine, session = self.engine, self.session

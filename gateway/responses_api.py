@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 from flask import Blueprint, current_app, jsonify
 
+from gateway import held_sessions
 from gateway import responses_format as wire
 from gateway.access import client_id
 from gateway.current_engine import get_engine
@@ -76,8 +77,17 @@ def create_response():
     if fields.stream:
         return event_stream(run.events, error_body, named=True)
     if fields.background:
+        release = held_sessions.hand_over()  # the session is the generation's now, not the request's
+
+        def run_in_background():
+            try:
+                run.run_to_end()
+            finally:
+                release()
+
         context = contextvars.copy_context()  # the request's id stays on the generation's log lines
-        threading.Thread(target=context.run, args=(run.run_to_end,), name="background-response", daemon=True).start()
+        threading.Thread(target=context.run, args=(run_in_background,), name="background-response",
+                         daemon=True).start()
         return jsonify(run.body)
     return jsonify(run.complete())
 

@@ -9,7 +9,9 @@
 
 With a stop_sequence (or extra_stop_sequences, or stream: true), generation goes on until a stop, the
 session's end or max_reply_tokens, in frames of max_new_tokens tokens each; otherwise one frame of at most
-max_new_tokens tokens. The last frame of a reply has stop: true and a finish_reason.
+max_new_tokens tokens. The last frame of a reply has stop: true and a finish_reason. While the swarm has no
+server for some blocks (servers restarting), a streamed reply waits (BLOCK_WAIT_SECONDS at most) and says so in
+a frame with empty outputs: {ok: true, outputs: "", stop: false, token_count: 0, waiting: "no server holds ..."}.
 Chat mode (`messages`) renders turns with the model's chat template and keeps the transcript, so each turn
 sends only its new text; `regenerate` rewinds the session to the start of the last reply.
 Any error is a frame {ok: false, error, code, traceback}, after which the connection stays usable.
@@ -128,7 +130,9 @@ class Connection:
             request = replace(request, max_new_tokens=message.max_reply_tokens)
         chunk_size = (message.max_new_tokens or 1) if streaming else None
         text, tokens, reply = "", 0, []
-        with self.engine.sessions.use(self.session.id) as session:
+        # a streamed reply's client reads any number of frames: it may be told of a wait (see waiting_frame)
+        waits = self.waiting_frame if streaming else None
+        with self.engine.sessions.use(self.session.id) as session, session.waits_told_to(waits):
             if message.regenerate:
                 self.rewind_last_reply(session)
             if message.messages is not None:
@@ -143,6 +147,12 @@ class Connection:
                     self.send(frame)
                     text, tokens = "", 0
             self.chat.replied("".join(reply))
+
+    def waiting_frame(self, message: str) -> None:
+        """The swarm has no server for some blocks now; the reply goes on once one serves them. An empty output
+        frame, so that clients that only read outputs (Petals Chat appends them) are not thrown off. Only within
+        a streamed reply: elsewhere clients take the first frame after a message as its answer."""
+        self.send({"ok": True, "outputs": "", "stop": False, "token_count": 0, "waiting": message})
 
     def rewind_last_reply(self, session) -> None:
         if session.reply_start is None:

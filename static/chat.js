@@ -128,6 +128,11 @@ async function reply(conv, regenerate) {
   const article = $("transcript").querySelector("article:last-of-type");
   let tokens = 0, firstAt = 0;
   const onFrame = (frame) => {
+    if (frame.waiting) { // the swarm lost some blocks for a while: say so; the speed clock starts with a token
+      $("session-state").textContent = frame.waiting;
+      $("session-state").dataset.state = "pending";
+      return;
+    }
     const now = performance.now();
     firstAt ||= now; // speed counts from the first token: the prompt's prefill is not generation
     message.content += frame.outputs || "";

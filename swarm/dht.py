@@ -149,8 +149,8 @@ async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collect
     latest: dict[str, tuple[float, RemoteServer]] = {}
     for key in keys:
         for peer_id, record in _signed_entries(found.get(key), allowed):
-            info = ServerInfo.from_wire(record.value)
-            if info is None or info.end > num_blocks:
+            info = ServerInfo.from_wire(record.value, num_blocks)  # None: malformed, insane, or past the model's end
+            if info is None:
                 continue
             # a server that moved left OFFLINE records under its old blocks: its newest record says where it is
             if peer_id not in latest or record.expiration_time > latest[peer_id][0]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 PROTOCOL_VERSION = "0.3.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages
 # servers keep attention caches in pages of this many positions, and grow a session's cache a page at a time:
@@ -70,8 +70,21 @@ class ServerUnavailableError(SwarmError):
     code = "server_unavailable"
 
 
+class SessionClosedError(ServerUnavailableError):
+    """The server closed the session itself (idle too long, or its cache reclaimed): no fault of the server,
+    so the client goes on elsewhere (or there again) without holding it against the server."""
+
+    code = "session_closed"
+
+
 class NotAllowedError(SwarmError):
     code = "not_allowed"
+
+
+class InternalServerError(SwarmError):
+    """The server failed on its own (a bug, out of memory): no fault of the request, so clients go elsewhere."""
+
+    code = "internal_error"
 
 
 def _error_classes(cls: type) -> list[type]:
@@ -113,6 +126,16 @@ class ServerState(enum.IntEnum):
     ONLINE = 2
 
 
+# Bounds of what a record may say: a record is written by any peer, so a value outside them (inf, NaN, 1e300, a
+# negative cache, a block past any model's end, a megabyte of version string) makes the record be ignored,
+# never win routing. They are far above anything real: a decode step through a span takes microseconds at best.
+MAX_THROUGHPUT = 1e6  # tokens per second through a span
+MAX_CACHE_TOKENS = 1 << 31  # token slots of a server's attention cache
+MAX_BLOCKS = 1 << 16  # blocks of a model
+MAX_VERSION_CHARS = 32
+MAX_NAME_CHARS = 1024  # a model's name, DHT prefix or source (a known name or a folder path)
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     """The record a server announces under each of its blocks."""
@@ -120,28 +143,64 @@ class ServerInfo:
     state: ServerState
     start: int  # first block held
     end: int  # one past the last block held
-    throughput: float  # tokens per second through the whole span, measured at start
+    throughput: float  # tokens per second through the whole span, measured at start (0 while joining)
     cache_tokens_free: int
     version: str = PROTOCOL_VERSION
+    # the most tokens (max_length x batch_size) one session may hold there: min(its --max-session-tokens, its
+    # whole cache); None in records of servers older than the field
+    max_session_tokens: Optional[int] = None
 
     def to_wire(self) -> dict:
-        return {**asdict(self), "state": int(self.state)}
+        wire = {**asdict(self), "state": int(self.state)}
+        if self.max_session_tokens is None:  # as older servers wrote it
+            del wire["max_session_tokens"]
+        return wire
 
     @classmethod
-    def from_wire(cls, value) -> "ServerInfo | None":
-        """Parse a record found in the DHT; None for anything malformed (a stranger may have written it)."""
+    def from_wire(cls, value, num_blocks: Optional[int] = None) -> "ServerInfo | None":
+        """Parse a record found in the DHT; None for anything malformed or out of bounds (a stranger may have
+        written it), or for blocks past `num_blocks`, the model's, when given."""
+        if not isinstance(value, dict):
+            return None
         try:
             info = cls(
-                state=ServerState(int(value["state"])),
-                start=int(value["start"]),
-                end=int(value["end"]),
-                throughput=float(value["throughput"]),
-                cache_tokens_free=int(value["cache_tokens_free"]),
-                version=str(value.get("version", "")),
+                state=ServerState(_bounded_int(value["state"], 0, max(ServerState))),
+                start=_bounded_int(value["start"], 0, MAX_BLOCKS),
+                end=_bounded_int(value["end"], 1, MAX_BLOCKS if num_blocks is None else num_blocks),
+                throughput=_bounded_float(value["throughput"], 0.0, MAX_THROUGHPUT),
+                cache_tokens_free=_bounded_int(value["cache_tokens_free"], 0, MAX_CACHE_TOKENS),
+                version=_bounded_str(value.get("version", ""), MAX_VERSION_CHARS),
+                max_session_tokens=_optional(value.get("max_session_tokens"), _bounded_int, 0, MAX_CACHE_TOKENS),
             )
         except (KeyError, TypeError, ValueError):
             return None
-        return info if 0 <= info.start < info.end else None
+        # an online server has measured its speed; only a joining or leaving one announces 0
+        sane = info.start < info.end and (info.throughput > 0 or info.state != ServerState.ONLINE)
+        return info if sane else None
+
+
+def _bounded_int(value, low: int, high: int) -> int:
+    """An int (not a bool, not a float) in [low, high], else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"expected an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def _bounded_float(value, low: float, high: float) -> float:
+    """A finite number in [low, high] (NaN fails the comparison), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"expected a number in [{low}, {high}], got {value!r:.40}")
+    return float(value)
+
+
+def _bounded_str(value, max_chars: int) -> str:
+    if not isinstance(value, str) or len(value) > max_chars:
+        raise ValueError(f"expected a string of at most {max_chars} characters")
+    return value
+
+
+def _optional(value, parse, *bounds):
+    return None if value is None else parse(value, *bounds)
 
 
 CATALOGUE_KEY = "_swarm.models"
@@ -162,11 +221,15 @@ class ModelRecord:
 
     @classmethod
     def from_wire(cls, value) -> "ModelRecord | None":
+        """Parse a catalogue entry; None for anything malformed or out of bounds (a stranger may have written it)."""
+        if not isinstance(value, dict):
+            return None
         try:
-            record = cls(str(value["name"]), str(value["prefix"]), int(value["num_blocks"]), str(value["source"]))
+            name, prefix, source = (_bounded_str(value[key], MAX_NAME_CHARS) for key in ("name", "prefix", "source"))
+            record = cls(name, prefix, _bounded_int(value["num_blocks"], 1, MAX_BLOCKS), source)
         except (KeyError, TypeError, ValueError):
             return None
-        return record if record.num_blocks > 0 and record.prefix else None
+        return record if record.prefix and record.name else None
 
 
 @dataclass(frozen=True)

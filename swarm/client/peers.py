@@ -40,28 +40,32 @@ class Bans:
 
 
 class PeerLoad:
-    """The client's own view of each server's load: the sessions it has open there and its recent latency,
-    so that new sessions spread over replicas instead of piling onto the first."""
+    """The client's own view of each server: the sessions it has open there, so that new sessions spread over
+    replicas instead of piling onto the first, and how fast its steps really are there (what routing trusts
+    over the speed a server announces: any peer may announce anything)."""
 
     def __init__(self):
         self.sessions: dict[str, int] = {}
-        self.latency: dict[str, float] = {}  # an exponential moving average of seconds per step
+        self.latency: dict[str, float] = {}  # an exponential moving average of seconds per decode step per block
         self._lock = threading.Lock()
 
     def opened(self, peer_id: str, change: int = 1) -> None:
         with self._lock:
             self.sessions[peer_id] = max(self.sessions.get(peer_id, 0) + change, 0)
 
-    def observed(self, peer_id: str, seconds: float) -> None:
+    def observed(self, peer_id: str, seconds: float, blocks: int = 1) -> None:
+        """A decode step through `blocks` blocks of the server took `seconds`, as this client saw it."""
         with self._lock:
-            previous = self.latency.get(peer_id, seconds)
-            self.latency[peer_id] = 0.8 * previous + 0.2 * seconds
+            per_block = seconds / max(blocks, 1)
+            previous = self.latency.get(peer_id, per_block)
+            self.latency[peer_id] = 0.8 * previous + 0.2 * per_block
 
     def factors(self) -> dict[str, float]:
-        """Multipliers of each server's estimated time: more sessions and slower answers weigh more."""
+        """Multipliers of each server's estimated time: each session this client has there weighs."""
         with self._lock:
-            fastest = min(self.latency.values(), default=0.0)
-            return {
-                peer: (1.0 + self.sessions.get(peer, 0)) * (self.latency.get(peer, fastest) / fastest if fastest else 1.0)
-                for peer in set(self.sessions) | set(self.latency)
-            }
+            return {peer: 1.0 + sessions for peer, sessions in self.sessions.items()}
+
+    def measured(self) -> dict[str, float]:
+        """Seconds per block of a decode step on each server this client has stepped through."""
+        with self._lock:
+            return dict(self.latency)

@@ -13,7 +13,7 @@ the CPU either way.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -85,8 +85,11 @@ class RemoteModel:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
 
-    def session(self, max_length: int, batch_size: int = 1) -> "InferenceSession":
-        blocks = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size)
+    def session(self, max_length: int, batch_size: int = 1,
+                on_wait: Optional[Callable[[str], None]] = None) -> "InferenceSession":
+        """A session on the swarm's servers; while no server holds some of its blocks, it waits for one (the
+        client's block_wait at most), telling `on_wait(message)`, if given (see InferenceSession.on_wait)."""
+        blocks = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size, on_wait)
         return InferenceSession(self, blocks)
 
     @torch.inference_mode()
@@ -106,8 +109,7 @@ class RemoteModel:
     def _blocks_output(self, token_ids, layer: int) -> torch.Tensor:
         hidden = self.embed(token_ids, position=0)  # (batch, length, hidden)
         if layer > 0:
-            chain = self.client.chain(self.prefix, self.num_blocks, self.name, end=layer)
-            hidden = self.client.forward(chain, hidden)
+            hidden = self.client.forward_blocks(self.prefix, self.num_blocks, self.name, hidden, end=layer)
         return hidden
 
     def close(self) -> None:
@@ -128,6 +130,16 @@ class InferenceSession:
     @property
     def max_length(self) -> int:
         return self.blocks.max_length
+
+    @property
+    def on_wait(self) -> Optional[Callable[[str], None]]:
+        """Told `message` (e.g. "no server holds blocks 2..3 of tiny; waiting up to 30 s") once each time the
+        session waits for a server of some of its blocks (servers restarting); None: nobody is told."""
+        return self.blocks.on_wait
+
+    @on_wait.setter
+    def on_wait(self, hook: Optional[Callable[[str], None]]) -> None:
+        self.blocks.on_wait = hook
 
     @torch.inference_mode()
     def step(self, token_ids, position: Optional[int] = None) -> torch.Tensor:

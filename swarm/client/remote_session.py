@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Optional
+from typing import TYPE_CHECKING, Callable, Collection, Optional
 
 import torch
 
@@ -16,9 +16,11 @@ from swarm.client.stubs import InferenceStream
 from swarm.protocol import (
     PAGE_TOKENS,
     CacheFullError,
+    InternalServerError,
     MissingBlocksError,
     NotAllowedError,
     ServerUnavailableError,
+    SessionClosedError,
     SessionLengthError,
 )
 
@@ -27,7 +29,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STEP_SECONDS_PER_TOKEN = 0.02
+# a step carrying many positions (a long prompt) may take this much longer per position: a CPU server prefilling
+# a 6,600-token prompt chunk by chunk, beside other sessions on a busy machine, runs some 30 positions a second
+STEP_SECONDS_PER_TOKEN = 0.05
+# a server at fault: dead, stalled, cut off, lying (spot checks), or failed on its own (out of memory, a bug);
+# the session bans it and goes on elsewhere, replaying what it had sent there
+SERVER_FAULTS = (ServerUnavailableError, InternalServerError)
 
 
 @dataclass(frozen=True)
@@ -57,11 +64,15 @@ class RemoteSession:
 
     When a server fails (dies, stalls, is cut off), the session bans it, finds other servers for its blocks,
     replays the inputs that server had received so that the new ones rebuild their caches, and goes on: the
-    outputs are the same as without the failure. Retries are bounded, with backoff.
+    outputs are the same as without the failure. Retries are bounded, with backoff. When no server holds some
+    of its blocks, it waits up to the client's block_wait for one (SwarmClient.wait_for_chain), telling
+    `on_wait(message)`, if set, once per wait.
     """
 
-    def __init__(self, client: SwarmClient, route: Route, max_length: int, batch_size: int = 1):
+    def __init__(self, client: SwarmClient, route: Route, max_length: int, batch_size: int = 1,
+                 on_wait: Optional[Callable[[str], None]] = None):
         self.client, self.route, self.max_length, self.batch_size = client, route, max_length, batch_size
+        self.on_wait = on_wait
         self.position = 0  # tokens already in the servers' caches
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
         self.hops: list[Hop] = []
@@ -97,7 +108,7 @@ class RemoteSession:
                 output = hop_output
                 index += 1
             # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
-            except (ServerUnavailableError, CacheFullError) as error:
+            except (*SERVER_FAULTS, CacheFullError) as error:
                 output, index = self._fail_over(index, error, output.shape[1])
         self.position = end
         return output.to(hidden.dtype)
@@ -109,7 +120,8 @@ class RemoteSession:
         began = time.perf_counter()
         push_to = following.stream if following is not None else None
         output = self.client.loop.run(hop.stream.step(hidden, position, timeout, self._steps, push_to))
-        self.client.load.observed(hop.link.peer_id, time.perf_counter() - began)
+        if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
+            self.client.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
         return output
 
     def _fail_over(self, index: int, error: Exception, new_positions: int) -> tuple[torch.Tensor, int]:
@@ -117,11 +129,14 @@ class RemoteSession:
         newest positions and the index of the hop after the replacements."""
         failed = self.hops[index]
         start, end, inputs = failed.link.start, failed.link.end, failed.inputs
-        logger.warning("server %s failed (%s); re-routing blocks %d:%d", failed.link.peer_id, error, start, end)
+        code = getattr(error, "code", "server_unavailable")
+        logger.warning("server %s failed (%s: %s); re-routing blocks %d:%d", failed.link.peer_id, code, error,
+                       start, end)
         metrics.FAILOVERS.inc()
+        metrics.FAILOVER_CAUSES.labels(code).inc()
         # a full cache is no fault: that server is only avoided, and keeps the session if no other can take it
         cache_full = isinstance(error, CacheFullError)
-        if not cache_full:
+        if not cache_full and not isinstance(error, SessionClosedError):  # a closed session is no fault either
             self.client.bans.ban(failed.link.peer_id)
         last_error: Exception = error
         for attempt in range(self.client.max_retries):
@@ -131,11 +146,13 @@ class RemoteSession:
             try:
                 replacement = self._open_hops(start, end, full={failed.link.peer_id} if cache_full else ())
             except MissingBlocksError as missing:
+                if self.client.block_wait > 0:  # _open_hops has waited for the blocks already
+                    raise
                 last_error = missing
                 continue
             try:
                 outputs = self._replay(replacement, inputs)
-            except ServerUnavailableError as replay_error:
+            except SERVER_FAULTS as replay_error:
                 last_error = replay_error
                 for hop in replacement:
                     self._close_hop(hop)
@@ -152,7 +169,7 @@ class RemoteSession:
             hop.record(hidden, 0)
             try:
                 hidden = self._step_hop(hop, hidden, 0)
-            except ServerUnavailableError:
+            except SERVER_FAULTS:
                 self.client.bans.ban(hop.link.peer_id)
                 raise
         return hidden
@@ -160,19 +177,11 @@ class RemoteSession:
     def _open_hops(self, start: int, end: int, full: Collection[str] = ()) -> list[Hop]:
         """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any
         found full or unreachable on the way)."""
-        client, route = self.client, self.route
+        client = self.client
         full, unreachable = set(full), set()  # full: its cache (or a limit), or it does not serve us
         last_refusal = ""
         while True:
-            try:
-                # servers take cache a page at a time as the session grows: what matters is room for the first
-                chain = client.chain(route.prefix, route.num_blocks, route.model_name, full | unreachable, end, start,
-                                     min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
-            except MissingBlocksError:
-                if full:  # servers with a full cache could have served: that is the error worth reporting
-                    raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
-                                         f"{route.model_name} has a full cache or failed{last_refusal}") from None
-                raise
+            chain = self._route(start, end, full, unreachable, last_refusal)
             hops: list[Hop] = []
             try:
                 for link in chain:
@@ -186,15 +195,31 @@ class RemoteSession:
                 for hop in hops:  # the servers already opened free their cache at once
                     self._close_hop(hop)
                 # full, failing, or private (NotAllowedError: a server not for this client): go elsewhere
-                if not isinstance(error, (CacheFullError, ServerUnavailableError, NotAllowedError)):
+                if not isinstance(error, (CacheFullError, *SERVER_FAULTS, NotAllowedError)):
                     raise
                 logger.info("routing around server %s: %s", link.peer_id, error)
-                if isinstance(error, ServerUnavailableError):
+                if isinstance(error, SERVER_FAULTS):
                     unreachable.add(link.peer_id)
                     client.bans.ban(link.peer_id)
                 else:
                     full.add(link.peer_id)
                     last_refusal = f" (the last one: {error})"
+
+    def _route(self, start: int, end: int, full: set[str], unreachable: set[str], last_refusal: str) -> list[ChainLink]:
+        """The best chain over blocks [start, end) around those servers; while no server holds some of the
+        blocks, wait for one (the client's block_wait at most)."""
+        client, route = self.client, self.route
+        # servers take cache a page at a time as the session grows: what matters is room for the first
+        routing = dict(exclude=full | unreachable, end=end, start=start,
+                       min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
+        if not full:
+            return client.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,
+                                         on_wait=self.on_wait)
+        try:  # no waiting: servers could serve, were their caches not full
+            return client.chain(route.prefix, route.num_blocks, route.model_name, **routing)
+        except MissingBlocksError:  # servers with a full cache could have served: the error worth reporting
+            raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
+                                 f"{route.model_name} has a full cache or failed{last_refusal}") from None
 
     def _close_hop(self, hop: Hop) -> None:
         self.client.load.opened(hop.link.peer_id, -1)

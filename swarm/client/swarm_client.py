@@ -8,28 +8,35 @@ every network call runs on the process's one event loop (see dht.EventLoop). Its
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Collection, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import torch
 
 from swarm import dht
+from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
-from swarm.client.routing import ChainLink, choose_chain
+from swarm.client.routing import ChainLink, choose_chain, longest_session
 from swarm.client.remote_session import RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
 from swarm.client.stubs import StepChannels, call_forward, call_info
 from swarm.protocol import (
+    CacheFullError,
+    InternalServerError,
     MissingBlocksError,
     ModelRecord,
     RemoteServer,
     ServerState,
+    ServerUnavailableError,
     format_block_ranges,
     missing_ranges,
     servers_per_block,
 )
 
 logger = logging.getLogger(__name__)
+
+BLOCK_POLL_SECONDS = 1.0  # while waiting for a server to hold missing blocks, the swarm is asked this often
 
 
 class _MissingBlocks:
@@ -70,14 +77,17 @@ class SwarmClient:
     """A client-mode DHT node: finds servers, builds chains and opens sessions that survive server failures.
 
     `allowed_servers`: a private swarm's servers (peer ids), the only ones it routes to (empty: any server);
-    `spot_check_rate`: the chance that a step is checked on other servers (swarm/client/spot_check.py; 0: never).
-    Callers pass them from config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE), so that every client of a
-    deployment (the gateway's too) follows them."""
+    `spot_check_rate`: the chance that a step is checked on other servers (swarm/client/spot_check.py; 0: never);
+    `block_wait`: how long a session or a request waits when no server holds some of its blocks (servers
+    restarting, a replica reloading), before it fails with MissingBlocksError (0: it fails at once).
+    Callers pass them from config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE, BLOCK_WAIT_SECONDS), so that
+    every client of a deployment (the gateway's too) follows them."""
 
     def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
                  max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
-                 allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0):
+                 allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0, block_wait: float = 0.0):
         self.allowed_servers = frozenset(allowed_servers)
+        self.block_wait = block_wait
         self.spot_checks = SpotChecker(self, spot_check_rate)
         self.loop = dht.EventLoop.get()
         # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
@@ -103,14 +113,32 @@ class SwarmClient:
         servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
-                                self.load.factors(), min_cache_tokens)
+                                self.load.factors(), min_cache_tokens, self.load.measured())
         except MissingBlocksError:
             if not self.bans.current() - self.bans.distrusted():
                 raise
             # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
             # not strand a session when there are none (a server that was only slow under a burst of load)
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
-                                self.load.factors(), min_cache_tokens)
+                                self.load.factors(), min_cache_tokens, self.load.measured())
+
+    def wait_for_chain(self, prefix: str, num_blocks: int, model_name: str,
+                       on_wait: Optional[Callable[[str], None]] = None, **routing) -> list[ChainLink]:
+        """`chain(...)`, but while no server holds some of the blocks, wait for one, up to block_wait seconds,
+        then raise the MissingBlocksError. A wait is told once: a log line, the metrics (swarm/client/metrics.py)
+        and `on_wait(message)`, e.g. "no server holds blocks 2..3 of tiny; waiting up to 30 s"."""
+        with _BlockWait(self.block_wait, model_name, on_wait) as wait:
+            while True:
+                try:
+                    return self.chain(prefix, num_blocks, model_name, **routing)
+                except MissingBlocksError as missing:
+                    wait.still_missing(missing)
+
+    def longest_session(self, prefix: str, num_blocks: int) -> Optional[int]:
+        """The most tokens (max_length x batch size) one session of the model can hold on the swarm now: for
+        each block, the best max_session_tokens among the servers holding it; the least of those over the blocks.
+        None if unknown (a block with no server, or only servers too old to announce it)."""
+        return longest_session(self.servers(prefix, num_blocks), num_blocks)
 
     def catalogue(self) -> list[ModelRecord]:
         """The models the swarm's servers announce (one record per model, as most of its servers sign it)."""
@@ -130,6 +158,29 @@ class SwarmClient:
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
 
+    def forward_blocks(self, prefix: str, num_blocks: int, model_name: str, hidden: torch.Tensor,
+                       end: Optional[int] = None) -> torch.Tensor:
+        """A whole sequence through blocks [0, end) with no cache left behind, routed around servers that fail,
+        err or have no room for it: each failure re-routes the blocks not yet run (max_retries times at most)."""
+        start, end, avoided, failures = 0, num_blocks if end is None else end, set(), 0
+        while start < end:
+            chain = self.wait_for_chain(prefix, num_blocks, model_name, exclude=avoided, start=start, end=end)
+            for link in chain:
+                try:
+                    hidden = self.forward([link], hidden)
+                except (ServerUnavailableError, CacheFullError, InternalServerError) as error:
+                    failures += 1
+                    if failures > self.max_retries:
+                        raise
+                    logger.warning("forward through %s failed (%s); re-routing blocks %d:%d", link.peer_id, error,
+                                   start, end)
+                    avoided.add(link.peer_id)
+                    if not isinstance(error, CacheFullError):  # no room for a long sequence is no fault
+                        self.bans.ban(link.peer_id)
+                    break
+                start = link.end
+        return hidden
+
     def forward(self, chain: list[ChainLink], hidden: torch.Tensor) -> torch.Tensor:
         """A whole sequence through the chain, with no cache left behind: (batch, length, hidden) in and out."""
 
@@ -142,10 +193,52 @@ class SwarmClient:
         return self.loop.run(run_chain()).to(hidden.dtype)
 
     def open_session(
-        self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1
+        self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1,
+        on_wait: Optional[Callable[[str], None]] = None,
     ) -> "RemoteSession":
-        return RemoteSession(self, Route(prefix, num_blocks, model_name), max_length, batch_size)
+        """A session over every block; `on_wait(message)` is told when it waits for a server of some blocks."""
+        return RemoteSession(self, Route(prefix, num_blocks, model_name), max_length, batch_size, on_wait)
 
     def shutdown(self) -> None:
         self.loop.run(self.step_channels.close())
         self.loop.run(self.node.shutdown())
+
+
+class _BlockWait:
+    """One session's (or request's) wait for a server to hold its missing blocks: told once, counted, bounded."""
+
+    def __init__(self, seconds: float, model_name: str, on_wait: Optional[Callable[[str], None]]):
+        self.seconds, self.model_name, self.on_wait = seconds, model_name, on_wait
+        self.began: Optional[float] = None
+
+    def still_missing(self, missing: MissingBlocksError) -> None:
+        """Routing found blocks missing again: begin the wait, or sleep a while, or re-raise once it is over."""
+        now = time.monotonic()
+        if self.began is None:
+            if self.seconds <= 0:
+                raise missing
+            self.began = now
+            metrics.WAITING_FOR_BLOCKS.inc()
+            message = f"{missing}; waiting up to {self.seconds:g} s"
+            logger.warning(message)
+            if self.on_wait is not None:  # if it fails (a WebSocket gone), nobody waits anymore: it ends the wait
+                self.on_wait(message)
+        remaining = self.began + self.seconds - now
+        if remaining <= 0:
+            raise missing
+        time.sleep(min(BLOCK_POLL_SECONDS, remaining))
+
+    def __enter__(self) -> "_BlockWait":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if self.began is None:
+            return
+        metrics.WAITING_FOR_BLOCKS.dec()
+        seconds = time.monotonic() - self.began
+        if error is None:
+            metrics.BLOCK_WAITS.labels("served").inc()
+            logger.info("blocks of %s are served again after %.1f s; going on", self.model_name, seconds)
+        else:  # the wait is over, or whoever waited is gone (on_wait failed)
+            metrics.BLOCK_WAITS.labels("gave_up" if isinstance(error, MissingBlocksError) else "abandoned").inc()
+            logger.warning("stopped waiting for blocks of %s after %.1f s: %s", self.model_name, seconds, error)

@@ -3,6 +3,8 @@ limits on one client, opens sessions within the cache budget, and queues work fo
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
@@ -10,13 +12,15 @@ import torch
 
 from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
 from swarm.server.batching import Scheduler
-from swarm.server.cache import CacheBudget
+from swarm.server.cache import PAGE_TOKENS, CacheBudget, pages_for
 from swarm.server.sessions import ServerSession, int_field
 from swarm.server.span import BlockSpan
 
 MAX_BATCH_SIZE = 64
 # what hidden states may travel as (config.WIRE_DTYPES); any other dtype is refused before it reaches a batch
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class ServerLimits:
     max_session_tokens: int = 8192  # max_length x batch_size of one session: the most cache it may grow to
     max_sessions_per_peer: int = 256  # open at once from one peer (a gateway is one peer for all its users)
     cache_wait: float = 3.0  # seconds a step waits for cache when it is full, before it is refused
+    session_idle_timeout: float = 600.0  # seconds without a step after which a session is closed (0: never)
+    # the part of the cache one peer may hold while other peers hold some too (1: no limit); see take_cache
+    max_cache_share_per_peer: float = 0.5
 
 
 class Backend:
@@ -44,6 +51,9 @@ class Backend:
         self.sessions: set[ServerSession] = set()
         self.sessions_by_id: dict[str, ServerSession] = {}  # those a previous server may push steps to
         self.sessions_by_peer: Counter[str] = Counter()
+        self.cache_by_peer: Counter[str] = Counter()  # cache slots each peer's sessions hold or wait for (> 0)
+        # forwards longer than a chunk run one at a time: each holds a temporary cache (see _forward_in_chunks)
+        self._long_forwards = asyncio.Semaphore(1)
 
     def move_to(self, span: BlockSpan) -> None:
         """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
@@ -67,11 +77,43 @@ class Backend:
         }
 
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
+        """Whole sequences through blocks [start, end), no cache kept. They go through the compute thread's
+        rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at most."""
         start, end = self._block_range(metadata)
         hidden = self.check_hidden_states(tensors)
-        if hidden.shape[1] > self.max_positions:
-            raise SessionLengthError(f"sequence of {hidden.shape[1]} tokens exceeds {self.max_positions} positions")
-        return await self.scheduler.run(hidden, 0, start, end)
+        rows, length = hidden.shape[:2]
+        if length > self.max_positions:
+            raise SessionLengthError(f"sequence of {length} tokens exceeds {self.max_positions} positions")
+        chunk = self.scheduler.prefill_chunk_tokens
+        if length <= chunk:  # a sequence fits a chunk: no cache needed, a chunk's worth of rows at a time
+            per_work = chunk // length
+            parts = await asyncio.gather(*(self.scheduler.run(hidden[first : first + per_work], 0, start, end)
+                                           for first in range(0, rows, per_work)))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        async with self._long_forwards:
+            return await self._forward_in_chunks(hidden, start, end)
+
+    async def _forward_in_chunks(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """A forward longer than a chunk, run like a prompt through a temporary cache of its whole length: the
+        same outputs as one unchunked pass. The cache comes from the budget like a session's, waiting up to
+        --cache-wait, then refused with CacheFullError: the pool is the only memory attention reads keys from,
+        and a server must not hold more than its operator gave it. One such forward at a time, so that a
+        flood of them queued for the compute thread holds one temporary cache, not the sessions' room. The
+        scheduler gives the cache back once no round can write it any more: after the forward ends, fails, or
+        is dropped because its caller hung up."""
+        rows, positions = hidden.shape[0], pages_for(hidden.shape[1]) * PAGE_TOKENS
+        await self.budget.take(rows * positions, self.limits.cache_wait)
+        try:
+            cache = self.span.new_cache(rows, positions)
+        except BaseException:
+            self.budget.give_back(rows * positions)
+            raise
+
+        def give_back() -> None:
+            cache.release()
+            self.budget.give_back(rows * positions)
+
+        return await self.scheduler.run(hidden, 0, start, end, cache, on_settled=give_back)
 
     async def open_session(self, metadata: dict, peer_id: str) -> ServerSession:
         """A new session for peer `peer_id`, holding its first page of cache (refused with CacheFullError if
@@ -97,6 +139,52 @@ class Backend:
             session.close()
             raise
         return session
+
+    async def take_cache(self, peer_id: str, tokens: int) -> None:
+        """`tokens` cache slots for a session of `peer_id`, waiting up to --cache-wait for them.
+
+        One peer may hold at most its share of the cache (--max-cache-share-per-peer, but never less than one
+        session of --max-session-tokens) while other peers hold some too: past it, it is refused with
+        ServerLimitError, and its client routes elsewhere. A peer alone on the server may use all of it (a
+        gateway on its own small swarm), but a peer within its share that finds the cache full then gets room
+        from the idle sessions of peers over theirs, least recently stepped first: a peer that came first and
+        opened sessions it never steps cannot keep others out."""
+        limit = self.peer_cache_limit()
+        held = self.cache_by_peer[peer_id]
+        if held + tokens > limit and any(other != peer_id for other in self.cache_by_peer):
+            raise ServerLimitError(
+                f"peer {peer_id} holds {held} of this server's {self.budget.total} cache tokens: {tokens} more would "
+                f"be over its share of {limit} while other peers use this server; try another server")
+        if tokens > self.budget.free and held + tokens <= limit:
+            self._reclaim(peer_id, tokens, limit)
+        self.cache_by_peer[peer_id] += tokens  # before the wait: the peer's other sessions see it
+        try:
+            await self.budget.take(tokens, self.limits.cache_wait)
+        except BaseException:
+            self._uncount(peer_id, tokens)
+            raise
+
+    def give_back_cache(self, peer_id: str, tokens: int) -> None:
+        self.budget.give_back(tokens)
+        self._uncount(peer_id, tokens)
+
+    def peer_cache_limit(self) -> int:
+        return max(int(self.limits.max_cache_share_per_peer * self.budget.total), self.limits.max_session_tokens)
+
+    def _reclaim(self, peer_id: str, tokens: int, limit: int) -> None:
+        """Close idle sessions of peers over their share, least recently stepped first, until `tokens` fit."""
+        others = sorted((session for session in self.sessions if session.peer_id != peer_id and not session.busy),
+                        key=lambda session: session.last_active)
+        for session in others:
+            if self.budget.free >= tokens:
+                return
+            if self.cache_by_peer[session.peer_id] > limit:
+                session.close(reason="reclaimed")
+
+    def _uncount(self, peer_id: str, tokens: int) -> None:
+        self.cache_by_peer[peer_id] -= tokens
+        if self.cache_by_peer[peer_id] <= 0:
+            del self.cache_by_peer[peer_id]
 
     def accept_push(self, tensors: list, metadata: dict) -> None:
         """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""

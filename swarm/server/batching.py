@@ -6,12 +6,18 @@ waiting prefills as the round's token budget leaves, packs their tokens side by 
 and runs them through the span at once: the weights are read once for all of them. A long prompt goes
 through in chunks of at most `prefill_chunk_tokens`, round after round, so the sessions that are decoding
 meanwhile wait for one chunk at most, never for the whole prompt. The chunks of one prompt run in order
-and write the session's cache like one step would, so the outputs are the same.
+and write the session's cache like one step would, so the outputs are the same. A cache-less forward is no
+exception: one that fits a chunk runs whole beside the others; a longer one gets a temporary cache from the
+backend (swarm/server/backend.py) and goes through in chunks like a prompt.
+
+A round that fails on the server's own fault (a bug, out of memory) fails each of its works with an
+InternalServerError; it is counted and logged once, with its traceback, however many sessions it had.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +29,9 @@ from swarm.server import metrics
 from swarm.server.attention import Segment
 from swarm.server.cache import SessionCache
 from swarm.server.span import BlockSpan
-from swarm.protocol import ServerUnavailableError
+from swarm.protocol import InternalServerError, ServerUnavailableError, SwarmError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -34,10 +42,13 @@ class Work:
     position: int
     start: int
     end: int
-    cache: Optional[SessionCache]  # None: whole sequences, no cache kept (and so no chunking: run at once)
+    cache: Optional[SessionCache]  # None: whole sequences, no cache kept (they fit one chunk: run whole)
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     still_wanted: Callable[[], bool] = lambda: True  # false once the session is gone or evicted
+    # called on the event loop once the compute thread is done with the work (finished, failed or dropped),
+    # before its result is set: what frees a temporary cache, which no round may write after it is freed
+    on_settled: Optional[Callable[[], None]] = None
     done: int = 0  # positions already computed
     outputs: list = field(default_factory=list)
 
@@ -49,12 +60,21 @@ class Work:
     def remaining(self) -> int:
         return self.hidden.shape[1] - self.done
 
+    @property
+    def wanted(self) -> bool:
+        return not self.future.cancelled() and self.still_wanted()  # cancelled: its caller hung up
+
     def resolve(self, result=None, error: Optional[BaseException] = None) -> None:
         def settle():
+            if self.on_settled is not None:
+                self.on_settled()
             if not self.future.done():
                 self.future.set_exception(error) if error is not None else self.future.set_result(result)
 
-        self.loop.call_soon_threadsafe(settle)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed (its caller is long gone): nothing is left to settle
+            pass
 
 
 class Scheduler:
@@ -70,10 +90,15 @@ class Scheduler:
         self._thread.start()
 
     async def run(self, hidden: torch.Tensor, position: int, start: int, end: int,
-                  cache: Optional[SessionCache] = None, still_wanted: Callable[[], bool] = lambda: True) -> torch.Tensor:
-        """Outputs of these new positions, once the compute thread has run them (with others)."""
+                  cache: Optional[SessionCache] = None, still_wanted: Callable[[], bool] = lambda: True,
+                  on_settled: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """Outputs of these new positions, once the compute thread has run them (with others). Without a
+        cache, the work must fit one chunk: it cannot be split, and must not hold up decoding sessions."""
+        if cache is None and hidden.shape[0] * hidden.shape[1] > self.prefill_chunk_tokens:
+            raise ValueError(f"a cache-less work of {hidden.shape[0]} x {hidden.shape[1]} tokens is over one chunk "
+                             f"({self.prefill_chunk_tokens}): give it a temporary cache")
         loop = asyncio.get_running_loop()
-        work = Work(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted)
+        work = Work(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted, on_settled)
         with self._wakeup:
             self._waiting.append(work)
             self._wakeup.notify()
@@ -103,19 +128,17 @@ class Scheduler:
 
     def _next_round(self) -> list[tuple[Work, int]]:
         """(work, positions to run now) for one forward: the oldest work's block range; decode steps first,
-        then prefill chunks within the token budget. Works no longer wanted are dropped here."""
-        for work in [work for work in self._waiting if not work.still_wanted()]:
+        then prefill chunks and cache-less forwards within the token budget. Works no longer wanted are
+        dropped here."""
+        for work in [work for work in self._waiting if not work.wanted]:
             self._waiting.remove(work)
             work.resolve(error=ServerUnavailableError("the session ended or moved before its step ran"))
         if not self._waiting:
             return []
         first = self._waiting[0]
-        if first.cache is None:  # a cache-less forward cannot be split: it runs alone
-            return [(first, first.remaining)]
-        same_range = [work for work in self._waiting
-                      if work.cache is not None and (work.start, work.end) == (first.start, first.end)]
-        decoding = [work for work in same_range if work.remaining == 1]
-        prefilling = [work for work in same_range if work.remaining > 1]
+        same_range = [work for work in self._waiting if (work.start, work.end) == (first.start, first.end)]
+        decoding = [work for work in same_range if work.remaining == 1 and work.cache is not None]
+        prefilling = [work for work in same_range if work.remaining > 1 or work.cache is None]
         round_, tokens = [], 0
         for work in decoding:
             if tokens + work.rows > self.max_batch_tokens and round_:
@@ -125,10 +148,10 @@ class Scheduler:
         prefill_room = self.prefill_chunk_tokens
         for work in prefilling:
             positions = min(work.remaining, prefill_room // work.rows, (self.max_batch_tokens - tokens) // work.rows)
-            if positions < 1:
+            if positions < 1 or (work.cache is None and positions < work.remaining):  # the latter runs whole
                 if round_:
                     break
-                positions = 1  # a request wider than the budget still moves, one position per round
+                positions = 1 if work.cache is not None else work.remaining  # wider than the budget: moves anyway
             round_.append((work, positions))
             tokens += positions * work.rows
             prefill_room -= positions * work.rows
@@ -144,10 +167,7 @@ class Scheduler:
             packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
             output = span.forward_packed(packed, segments, first.start, first.end)[0].to("cpu")
         except Exception as error:  # a bug or out of memory: every work of the round fails, the thread goes on
-            with self._wakeup:
-                for work, _ in round_:
-                    self._waiting.remove(work)
-                    work.resolve(error=error)
+            self._fail(round_, error)
             return
         metrics.BATCH_SIZE.observe(sum(work.rows for work, _ in round_))
         offset = 0
@@ -164,3 +184,18 @@ class Scheduler:
         for work in finished:
             outputs = work.outputs[0] if len(work.outputs) == 1 else torch.cat(work.outputs, dim=1)
             work.resolve(outputs.to(work.hidden.dtype))
+
+    def _fail(self, round_: list[tuple[Work, int]], error: Exception) -> None:
+        """Fail every work of a round. A SwarmError is the request's own (it travels as it is); anything else
+        is the server's own failure: counted and logged here, once for the round, and each work gets an
+        InternalServerError, which the handler sends on without logging it again."""
+        if not isinstance(error, SwarmError):
+            metrics.INTERNAL_ERRORS.labels("compute").inc()
+            logger.error("a compute round of %d request(s) failed", len(round_), exc_info=error)
+        with self._wakeup:
+            for work, _ in round_:
+                self._waiting.remove(work)
+        for work, _ in round_:
+            failure = error if isinstance(error, SwarmError) else \
+                InternalServerError("internal server error (see the server's log)")
+            work.resolve(error=failure)

@@ -21,8 +21,9 @@ from hivemind.proto import runtime_pb2
 
 from swarm.protocol import (
     BadRequestError,
+    InternalServerError,
     NotAllowedError,
-    ServerUnavailableError,
+    SessionClosedError,
     SwarmError,
     error_from_wire,
     error_to_wire,
@@ -42,9 +43,10 @@ COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "
 
 def wire_error(error: BaseException) -> dict:
     """A request's error as it travels: a SwarmError as it is, anything else as an internal error."""
-    if not isinstance(error, SwarmError):
+    if not isinstance(error, SwarmError):  # the server's own failure (a failed compute round is counted there)
+        metrics.INTERNAL_ERRORS.labels("handler").inc()
         logger.error("request failed", exc_info=error)
-        error = SwarmError("internal server error")  # details stay in the server's log
+        error = InternalServerError("internal server error (see the server's log)")  # details stay in the log
     return error_to_wire(error)
 
 
@@ -128,7 +130,7 @@ class BlockHandler(BlockRPC):
             return
         try:
             yield reply(metadata={"ok": True})
-            async for request in requests:  # steps of old clients; new ones step through rpc_steps
+            async for request in _until(session.ended, requests):  # old clients' steps; new ones use rpc_steps
                 try:
                     tensors, metadata = unpack(request)
                     push_to = _push_target(metadata)  # checked first: a step must not run, then be refused
@@ -230,7 +232,8 @@ class BlockHandler(BlockRPC):
             raise BadRequestError("each step must be a map with a 'session_id'")
         session = self.backend.sessions_by_id.get(entry["session_id"])
         if session is None or session.peer_id != peer_id:  # another peer's session reads as no session at all
-            raise ServerUnavailableError("this server holds no session of yours with this 'session_id' (it ended)")
+            raise SessionClosedError("this server holds no session of yours with this 'session_id' (it ended, "
+                                     "or the server closed it: idle too long, or to make room)")
         return session
 
     def _check_caller(self, context: P2PContext) -> None:
@@ -281,6 +284,27 @@ class BlockHandler(BlockRPC):
                            count, name, reason, detail)
         else:
             logger.debug("%d step(s) pushed to %s: %s (%s)", count, name, reason, detail)
+
+
+async def _until(ended: asyncio.Event, requests: AsyncIterator) -> AsyncIterator:
+    """A session's stream of requests, until the client ends it or the server closes the session (idle, or to
+    make room): the stream then ends too, and holds nothing on either side."""
+    closing, request = asyncio.ensure_future(ended.wait()), None
+    try:
+        while True:
+            request = asyncio.ensure_future(anext(requests))
+            await asyncio.wait({request, closing}, return_when=asyncio.FIRST_COMPLETED)
+            if not request.done():
+                return
+            try:
+                message = request.result()
+            except StopAsyncIteration:
+                return
+            yield message
+    finally:
+        for task in (closing, request):
+            if task is not None and not task.done():
+                task.cancel()
 
 
 async def _linger(requests: AsyncIterator) -> None:

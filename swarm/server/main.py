@@ -19,7 +19,15 @@ from typing import Optional
 import torch
 
 from swarm import dht
-from swarm.protocol import BadRequestError, ModelRecord, ServerInfo, ServerState, dht_prefix
+from swarm.protocol import (
+    MAX_CACHE_TOKENS,
+    MAX_THROUGHPUT,
+    BadRequestError,
+    ModelRecord,
+    ServerInfo,
+    ServerState,
+    dht_prefix,
+)
 from swarm.server import metrics, placement
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
@@ -98,7 +106,11 @@ class Presence:
         return presence
 
     def record(self, state: ServerState) -> ServerInfo:
-        return ServerInfo(state, self.start, self.end, self.throughput, self.backend.budget.free)
+        # within the bounds clients accept (swarm/protocol.py), or they would ignore the record
+        throughput = min(self.throughput, MAX_THROUGHPUT)
+        max_session_tokens = min(self.backend.limits.max_session_tokens, self.backend.budget.total)
+        return ServerInfo(state, self.start, self.end, throughput, min(self.backend.budget.free, MAX_CACHE_TOKENS),
+                          max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS))
 
     async def announce_online(self) -> None:
         from swarm.weights import KNOWN_MODELS

@@ -32,6 +32,18 @@ PUSHES_FAILED = Counter("swarm_server_pushes_failed_total",
                         "Steps' outputs pushed to the next server of a chain that it did not take, by reason "
                         "(unreachable: the push failed; refused: the server answered with an error)", ["reason"],
                         registry=SERVER_REGISTRY)
+INTERNAL_ERRORS = Counter("swarm_server_internal_errors_total",
+                          "Failures of the server's own (a bug, out of memory), each logged at ERROR with its traceback: "
+                          "compute rounds (once per round, whatever the number of its requests) and requests that "
+                          "failed in the handler", ["where"], registry=SERVER_REGISTRY)
+SESSIONS_CLOSED = Counter("swarm_server_sessions_closed_total",
+                          "Sessions the server closed on its own, by reason (idle: no step for --session-idle-timeout; "
+                          "reclaimed: an idle session of a peer over its cache share, closed to make room for another "
+                          "peer); their clients fail over", ["reason"], registry=SERVER_REGISTRY)
+for _where in ("compute", "handler"):  # shown at 0 from the start: an alert can tell 'none' from 'no data'
+    INTERNAL_ERRORS.labels(_where)
+for _reason in ("idle", "reclaimed"):
+    SESSIONS_CLOSED.labels(_reason)
 
 
 def watch_cache(budget) -> None:

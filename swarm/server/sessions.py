@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from swarm.protocol import BadRequestError, ServerUnavailableError, SessionLengthError
+from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClosedError, SessionLengthError
 from swarm.server import metrics
 from swarm.server.cache import PAGE_TOKENS, pages_for
 
 if TYPE_CHECKING:
     from swarm.server.backend import Backend
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class EarlyStep:
@@ -46,6 +50,10 @@ class ServerSession:
     continues the session where it is (never rewinds it), and a pushed step whose inputs differ from the
     client's copy (a server that pushes other outputs than it returns to the client) runs again from the
     client's copy. Steps of a session never overlap, whoever sends them.
+
+    The server closes a session that has had no step for --session-idle-timeout seconds, or, idle, to make
+    room for another peer when its peer holds more than its share of the cache (Backend.take_cache): its cache
+    goes back, its stream ends, and its client's next step finds no session (and fails over).
     """
 
     def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int, peer_id: str,
@@ -55,15 +63,25 @@ class ServerSession:
         self.cache = backend.span.new_cache(batch_size)  # empty: it takes pages as it grows
         self.length = 0  # positions filled in the cache
         self._closed = False
+        self.closed_because: Optional[str] = None  # "idle" or "reclaimed" when the server closed it
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
         self._newest_step = -1  # the highest step id started
         self._early: Optional[EarlyStep] = None
         self._one_step_at_a_time = asyncio.Lock()
+        self.last_active = time.monotonic()  # when its last step ended (or it opened)
+        self.ended = asyncio.Event()  # set once closed, by its client or by the server
+        self._idle_timer: Optional[asyncio.TimerHandle] = None
         backend.sessions.add(self)
         backend.sessions_by_peer[peer_id] += 1
         if session_id is not None:
             backend.sessions_by_id[session_id] = self
         metrics.SESSIONS.inc()
+        self._close_when_idle()
+
+    @property
+    def busy(self) -> bool:
+        """A step is running, or waiting for the one before it."""
+        return self._one_step_at_a_time.locked()
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
         step_id = metadata.get("step_id")
@@ -94,33 +112,40 @@ class ServerSession:
 
     async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
         async with self._one_step_at_a_time:
-            if self.evicted:
-                raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
-            hidden = self.backend.check_hidden_states(tensors, self.batch_size)
-            # a position below the current length rewinds the session (regenerate, or a replay after failover)
-            position = int_field(metadata, "position", 0, self.length)
-            end = position + hidden.shape[1]
-            if end > self.max_length:
-                raise SessionLengthError(
-                    f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
-                )
-            await self.reserve(end)
-            output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache,
-                                                      self._wanted)
-            self.length = end
-            self.backend.positions_served += hidden.shape[1]
-            metrics.POSITIONS_SERVED.inc(hidden.shape[1])
-            return output
+            try:
+                return await self._run_step(tensors, metadata)
+            finally:
+                self.last_active = time.monotonic()
+
+    async def _run_step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        if self.evicted:
+            raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
+        if self._closed:
+            raise SessionClosedError(f"the server closed this session ({self.closed_because})") if self.closed_because \
+                else ServerUnavailableError("this session has ended (closed by its client)")
+        hidden = self.backend.check_hidden_states(tensors, self.batch_size)
+        # a position below the current length rewinds the session (regenerate, or a replay after failover)
+        position = int_field(metadata, "position", 0, self.length)
+        end = position + hidden.shape[1]
+        if end > self.max_length:
+            raise SessionLengthError(
+                f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
+            )
+        await self.reserve(end)
+        output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache, self._wanted)
+        self.length = end
+        self.backend.positions_served += hidden.shape[1]
+        metrics.POSITIONS_SERVED.inc(hidden.shape[1])
+        return output
 
     async def reserve(self, positions: int) -> None:
         """Pages of the budget for `positions` positions of every row (waiting a bounded time for them)."""
         if positions <= self.cache.reserved:
             return
         wanted = pages_for(positions) * PAGE_TOKENS  # whole pages of the pool: what a sequence physically takes
-        wait = self.backend.limits.cache_wait
-        await self.backend.budget.take((wanted - self.cache.reserved) * self.batch_size, wait)
+        await self.backend.take_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
         if self._closed:  # closed while waiting: give the pages straight back
-            self.backend.budget.give_back((wanted - self.cache.reserved) * self.batch_size)
+            self.backend.give_back_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
             raise ServerUnavailableError("the session ended while waiting for cache")
         self.cache.reserved = wanted
         self.cache.fit()
@@ -128,12 +153,32 @@ class ServerSession:
     def _wanted(self) -> bool:
         return not (self._closed or self.evicted)
 
-    def close(self) -> None:
+    def _close_when_idle(self) -> None:
+        """Close the session once it has gone --session-idle-timeout seconds without a step (0: never)."""
+        timeout = self.backend.limits.session_idle_timeout
+        if self._closed or not timeout:
+            return
+        idle = time.monotonic() - self.last_active
+        if idle >= timeout and not self.busy:
+            self.close(reason="idle")
+            return
+        wait = timeout - idle if idle < timeout else timeout  # a step running: look again later
+        self._idle_timer = asyncio.get_running_loop().call_later(wait, self._close_when_idle)
+
+    def close(self, reason: Optional[str] = None) -> None:
+        """End the session: by its client (reason None), or by the server ("idle", "reclaimed")."""
         if not self._closed:
-            self._closed = True
+            self._closed, self.closed_because = True, reason
+            if reason is not None:
+                metrics.SESSIONS_CLOSED.labels(reason).inc()
+                logger.info("closed a session of peer %s (%s), freeing %d cache tokens", self.peer_id, reason,
+                            self.cache.tokens)
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self.ended.set()
             if self._early is not None:
                 self._early.result.cancel()
-            self.backend.budget.give_back(self.cache.tokens)
+            self.backend.give_back_cache(self.peer_id, self.cache.tokens)
             self.cache.release()  # a round already running may still write these pages: only later rounds reuse them
             self.backend.sessions.discard(self)
             self.backend.sessions_by_peer -= Counter([self.peer_id])  # a peer with none left leaves the counter

@@ -20,6 +20,11 @@ LIMIT_FLAGS = (
     ("--max-session-tokens", int, "most cache one session may grow to, in tokens (max_length x batch_size)"),
     ("--max-sessions-per-peer", int, "most sessions one client peer may have open here at once"),
     ("--cache-wait", float, "seconds a step waits for cache when it is full, before it is refused"),
+    ("--session-idle-timeout", float, "seconds without a step after which a session is closed and its cache "
+                                      "freed (0: never)"),
+    ("--max-cache-share-per-peer", float, "the part of the cache (0-1] one client peer may hold while other peers "
+                                          "use this server too, never less than one session of "
+                                          "--max-session-tokens; a peer alone may use it all (1: no limit)"),
 )
 
 
@@ -136,8 +141,13 @@ def _check(parser, args) -> None:
     if args.max_session_tokens > args.max_request_tokens:  # after a failover, a client replays a whole session
         parser.error("--max-session-tokens must not exceed --max-request-tokens: a client replays a session's "
                      "inputs in one request when it moves the session to this server")
-    if args.cache_wait < 0:
-        parser.error("--cache-wait must not be negative")
+    for name in ("cache_wait", "session_idle_timeout"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.session_idle_timeout == float("inf"):
+        parser.error("--session-idle-timeout must be finite (0: never)")
+    if not 0 < args.max_cache_share_per_peer <= 1:
+        parser.error(f"--max-cache-share-per-peer must be in (0, 1], got {args.max_cache_share_per_peer:g}")
     if (args.rebalance_period is not None and args.rebalance_period < 0) or args.announce_period <= 0:
         parser.error("--announce-period must be positive and --rebalance-period not negative")
     if not 0 <= args.metrics_port <= 65535:

@@ -353,6 +353,26 @@ class FakeGateway:
         return [message for message in self.connections[connection][1] if message["type"] == kind]
 
 
+def test_a_wait_for_missing_blocks_is_shown_and_the_reply_follows(chat_gateway, page):
+    """The gateway's waiting frame (no server holds some blocks for a moment) shows as the session's state, adds
+    nothing to the reply, and the reply that follows streams as usual."""
+    waiting = "no server holds blocks 2..3 of tiny; waiting up to 30 s"
+    routes = []
+
+    def on_generate(route, message):
+        routes.append(route)
+        route.send(json.dumps({"ok": True, "outputs": "", "stop": False, "token_count": 0, "waiting": waiting}))
+
+    FakeGateway(page, on_generate)
+    open_chat(page, chat_gateway.url)
+    say(page, "Hello?")
+    expect(page.locator("#session-state")).to_have_text(waiting)
+    FakeGateway.reply(routes[0], ["Back ", "again."])
+    page.wait_for_function(IDLE)
+    expect(replies(page).last).to_have_text("Back again.")
+    expect(page.locator("#session-state")).not_to_have_text(waiting)
+
+
 def test_model_output_is_shown_as_text_never_as_html(chat_gateway, page, artifacts):
     pieces = ["Look: ", EVIL, " and [a link](javascript:alert(2)) and <script>alert(3)</script>\n\n",
               "```html\n", EVIL, "\n```\n", "See [the docs](https://example.org/docs)."]

@@ -7,6 +7,9 @@
 - The WebSocket API, with a seeded random mix of bytes, text, JSON, mutated valid messages, wrong types, messages
   out of order and oversized ones: each bad message gets an error frame or a clean close, the process never
   dies, and a valid request on a fresh connection succeeds afterwards.
+- Nothing is left held: after every HTTP request (the sessions the fuzzer opens on purpose closed again) and every
+  WebSocket connection, the gateway's open sessions and every block server's free cache are back where they
+  started (tests/leak_checks.py); while a connection lives, it holds one session at most.
 
 The gateway here generates at most a few tokens per request, so each of the hundreds of requests is quick.
 FUZZ_SEED=N picks another WebSocket run; FUZZ_EXAMPLES=N more schemathesis examples per operation.
@@ -31,6 +34,7 @@ from websockets.sync.client import connect
 
 from config import Limits
 from conftest import TINY_PREFIX, Gateway
+from leak_checks import Holdings
 
 CONTEXT = 128  # the model's max_session_length
 # a few tokens per request, so that hundreds of requests take seconds; no rate limit, room for many sessions
@@ -55,6 +59,11 @@ def fuzz_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
     server.stop()
     assert alive, "the gateway died"
     assert "Traceback" not in server.log()
+
+
+@pytest.fixture(scope="module")
+def holdings(fuzz_gateway, tiny_remote, tiny_swarm):
+    return Holdings(fuzz_gateway, tiny_remote.client, tiny_swarm)
 
 
 def no_leak(text: str) -> None:
@@ -93,9 +102,19 @@ def no_traceback_or_internal_path(ctx, response, case):
 @schema.parametrize()
 @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=20_000, derandomize=not os.environ.get("FUZZ_RANDOM"),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-def test_http_apis_survive_fuzzing(case, fuzz_gateway):
-    case.call_and_validate(base_url=fuzz_gateway.url, timeout=30, checks=[
+def test_http_apis_survive_fuzzing(case, fuzz_gateway, holdings):
+    response = case.call_and_validate(base_url=fuzz_gateway.url, timeout=30, checks=[
         no_traceback_or_internal_path, not_a_server_error, status_code_conformance, response_schema_conformance])
+    close_opened_session(fuzz_gateway, case, response)
+    holdings.assert_back(f"{case.operation.label} answered {response.status_code} to {case.body!r:.300}")
+
+
+def close_opened_session(gateway, case, response) -> None:
+    """A session the fuzzer opened on purpose (open_inference_session) is the client's to close."""
+    if case.operation.path == "/api/v1/open_inference_session" and response.status_code == 200:
+        closed = requests.post(gateway.url + "/api/v1/close_inference_session",
+                               json={"session_id": response.json()["session_id"]}, timeout=30)
+        assert closed.status_code == 200, closed.text
 
 
 # ------------------------------------------------------------------------------------------ WebSocket
@@ -195,7 +214,7 @@ def valid_request_succeeds(gateway) -> None:
         assert read_answer(ws)[-1]["ok"]
 
 
-def test_websocket_survives_fuzzing(fuzz_gateway):
+def test_websocket_survives_fuzzing(fuzz_gateway, holdings):
     rng = random.Random(WS_SEED)
     sent, ws = 0, connect(fuzz_gateway.ws_url, open_timeout=30)
     try:
@@ -207,19 +226,23 @@ def test_websocket_survives_fuzzing(fuzz_gateway):
                 ws.send(raw)
                 if expects_a_reply(raw):
                     tally[f"ws {read_answer(ws)[-1].get('code', 'ok')}"] += 1
+                    assert holdings.open_sessions() <= holdings.started_sessions + 1, f"after {raw[:200]!r}"
             except ConnectionClosed as closed:  # only for a message over the limit, and cleanly
                 tally["ws closed: message too big"] += 1
                 assert len(raw) > LIMITS.ws_max_message_bytes and closed.rcvd and closed.rcvd.code == 1009, (closed, raw[:200])
                 assert fuzz_gateway.process.poll() is None
+                holdings.assert_back("a WebSocket closed for a message over the limit")
                 valid_request_succeeds(fuzz_gateway)
                 ws = connect(fuzz_gateway.ws_url, open_timeout=30)
     finally:
         ws.close()
     assert fuzz_gateway.process.poll() is None
+    holdings.assert_back("the fuzzed WebSocket's close")
     valid_request_succeeds(fuzz_gateway)
+    holdings.assert_back("a valid WebSocket conversation")
 
 
-def test_websocket_messages_out_of_order_and_interleaved(fuzz_gateway):
+def test_websocket_messages_out_of_order_and_interleaved(fuzz_gateway, holdings):
     with connect(fuzz_gateway.ws_url, open_timeout=30) as ws:
         for message in ({"type": "generate", "inputs": "x"}, {"type": "generate", "regenerate": True},
                         {"type": "close_inference_session"}):
@@ -238,3 +261,4 @@ def test_websocket_messages_out_of_order_and_interleaved(fuzz_gateway):
         assert [frame["code"] for frame in read_answer(ws) + read_answer(ws)] == ["invalid_request", "invalid_request"]
         assert read_answer(ws) == [{"ok": True}]
     assert requests.get(fuzz_gateway.url + "/health").status_code == 200
+    holdings.assert_back("an interleaved WebSocket conversation")

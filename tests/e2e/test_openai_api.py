@@ -2,6 +2,7 @@
 
 import base64
 import json
+import math
 import struct
 import time
 
@@ -45,10 +46,23 @@ def test_chat_completion_equals_local_greedy(client, local):
     text, count = local_greedy(local, ids, 8)
     assert reply.object == "chat.completion" and reply.model == "tiny"
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == text
-    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.choices[0].finish_reason == ("length" if count == 8 else "stop")  # local_greedy drops the eos
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), count)
     assert reply.usage.total_tokens == len(ids) + count
-    assert reply.model_extra["usage"]["avg_compl_tok_per_sec"] > 0 if "usage" in reply.model_extra else True
+    check_timing(reply.usage.model_extra, len(ids), count)
+
+
+def check_timing(timing: dict, prompt_tokens: int, completion_tokens: int) -> None:
+    """mistral.rs's usage extras: each rate is its tokens over its time (the first token is the prefill's)."""
+    def rate_times_time(rate: str, seconds: str, tokens: int):
+        # both values are rounded to 3 decimals: allow exactly that much error in their product
+        assert timing[rate] * timing[seconds] == pytest.approx(tokens, abs=timing[rate] * 6e-4 + timing[seconds] * 6e-4)
+
+    assert timing["total_prompt_time_sec"] > 0 and timing["total_completion_time_sec"] > 0
+    assert timing["total_time_sec"] >= timing["total_prompt_time_sec"] + timing["total_completion_time_sec"] - 0.002
+    rate_times_time("avg_prompt_tok_per_sec", "total_prompt_time_sec", prompt_tokens)
+    rate_times_time("avg_compl_tok_per_sec", "total_completion_time_sec", completion_tokens - 1)
+    rate_times_time("avg_tok_per_sec", "total_time_sec", prompt_tokens + completion_tokens)
 
 
 def test_chat_stream_chunks(client):
@@ -109,11 +123,14 @@ def test_completions_with_echo_and_logprobs(client, local):
     assert "".join(logprobs.tokens) == choice.text
 
 
-def test_completions_stream_and_prompt_lists(client):
-    chunks = list(client.completions.create(model="tiny", prompt=["Hello", "World"], max_tokens=3, temperature=0,
-                                            stream=True))
+def test_completions_stream_and_prompt_lists(client, local):
+    prompts = ["Hello", "World"]
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=3, temperature=0, stream=True))
     assert {chunk.choices[0].index for chunk in chunks} == {0, 1}
     assert sum(1 for chunk in chunks if chunk.choices[0].finish_reason) == 2
+    for index, prompt in enumerate(prompts):
+        text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices[0].index == index)
+        assert text == local_greedy(local, local[1](prompt)["input_ids"], 3)[0]
 
 
 def test_json_schema_output_validates(client):
@@ -129,13 +146,13 @@ def test_json_schema_output_validates(client):
     assert isinstance(data["name"], str) and len(data["name"]) <= 6 and data["mood"] in ("happy", "sad")
 
 
-def test_json_object_output_parses(client):
-    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=80, temperature=0.5, seed=1,
-                                           response_format={"type": "json_object"}, stop=None)
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    else:
-        assert reply.choices[0].message.content.lstrip().startswith("{")
+@pytest.mark.parametrize("seed, keys", [(1, 0), (3, 0), (9, 1)])  # with the tiny model: {}, {\n\t\r}, {"...": ...}
+def test_json_object_output_parses(client, seed, keys):
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, temperature=1.0,
+                                           seed=seed, response_format={"type": "json_object"}, stop=None)
+    assert reply.choices[0].finish_reason == "stop"  # the grammar ended the reply, not the token budget
+    data = json.loads(reply.choices[0].message.content)
+    assert isinstance(data, dict) and len(data) == keys
 
 
 TOOLS = [{"type": "function", "function": {
@@ -176,50 +193,171 @@ def test_tool_history_is_accepted(client):
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_embeddings(client):
-    reply = client.embeddings.create(model="tiny", input=["hello", "goodbye world"])
-    first, second = (item.embedding for item in reply.data)
-    assert len(first) == len(second) == 64 and first != second
-    assert reply.usage.prompt_tokens > 0
-    early = client.embeddings.create(model="tiny", input="hello", extra_body={"layer": 2}).data[0].embedding
-    assert len(early) == 64 and early != first
+def test_tool_history_reaches_the_model_as_json(client, local):
+    """A template that knows no tool_calls sees the assistant's earlier call as the JSON it was asked to write."""
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    rendered = [messages[0], {"role": "assistant", "content": json.dumps(call)},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tokenizer = local[1]
+    prompt = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == local_greedy(local, ids, 6)[0]
+
+
+def local_hidden_states(local, text: str) -> tuple:
+    """transformers' hidden_states of the text: [0] the embeddings, [i] after block i, [-1] after the final norm."""
+    model, tokenizer = local
+    with torch.no_grad():
+        return model.model(torch.tensor([tokenizer(text)["input_ids"]]), output_hidden_states=True).hidden_states
+
+
+def test_embeddings_are_mean_pooled_hidden_states(client, local):
+    texts = ["hello", "goodbye world"]
+    reply = client.embeddings.create(model="tiny", input=texts)
+    assert [item.index for item in reply.data] == [0, 1]
+    for text, item in zip(texts, reply.data):  # the last block's output after the final norm, not normalized
+        expected = local_hidden_states(local, text)[-1][0].mean(dim=0)
+        torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=1e-4, rtol=1e-4)
+    assert reply.usage.prompt_tokens == sum(len(local[1](text)["input_ids"]) for text in texts)
+    hidden = local_hidden_states(local, "goodbye world")
+    for layer in (0, 1, 2, 4):  # Ai00's layer: transformers' hidden_states[layer]; 0 is the token embeddings
+        early = client.embeddings.create(model="tiny", input="goodbye world", extra_body={"layer": layer})
+        torch.testing.assert_close(torch.tensor(early.data[0].embedding), hidden[layer][0].mean(dim=0),
+                                   atol=1e-4, rtol=1e-4)
     encoded = client.embeddings.create(model="tiny", input="hello", encoding_format="base64").data[0].embedding
     decoded = struct.unpack("<64f", base64.b64decode(encoded))
-    assert decoded == pytest.approx(client.embeddings.create(model="tiny", input="hello").data[0].embedding)
+    assert decoded == pytest.approx(reply.data[0].embedding, abs=1e-6)
 
 
 def test_models_list(client):
     assert [model.id for model in client.models.list().data] == ["tiny"]
 
 
-def test_ai00_routes_and_extras(gateway):
+def test_ai00_routes_and_extras(gateway, local):
     for prefix in ("/api/oai", "/api/oai/v1"):
         reply = requests.post(gateway.url + prefix + "/chat/completions",
-                              json={"messages": MESSAGES, "max_tokens": 2, "temperature": 0,
-                                    "sampler_override": {"type": "Mirostat", "tau": 3.0, "rate": 0.1}})
+                              json={"messages": MESSAGES, "max_tokens": 2, "temperature": 0})
         assert reply.status_code == 200 and reply.json()["object"] == "chat.completion"
+        assert reply.json()["choices"][0]["message"]["content"] == local_greedy(local, chat_prompt_ids(local), 2)[0]
         assert requests.get(gateway.url + prefix + "/models").json()["data"][0]["id"] == "tiny"
-    ranked = requests.post(gateway.url + "/api/oai/chooses", json={"input": "Hello,", "choices": [" world", " zzz"]})
-    data = ranked.json()["data"]
-    assert [item["rank"] for item in data] == [0, 1] and data[0]["perplexity"] <= data[1]["perplexity"]
-    assert {item["choice"] for item in data} == {" world", " zzz"}
 
     tokens = requests.post(gateway.url + "/tokenize", json={"prompt": "Hello, world!"}).json()
-    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["tokens"] == local[1]("Hello, world!")["input_ids"] and tokens["count"] == len(tokens["tokens"])
     text = requests.post(gateway.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text["prompt"] == "Hello, world!"
     stats = requests.get(gateway.url + "/stats").json()
-    assert stats["decode_tokens_per_s"] >= 0 and stats["prefill_tokens_per_s"] > 0
-    assert requests.get(gateway.url + "/verbose_stats").json()["requests"] >= 1
+    assert stats["decode_tokens_per_s"] > 0 and stats["prefill_tokens_per_s"] > 0  # the replies above decoded
+    assert requests.get(gateway.url + "/verbose_stats").json()["requests"] >= 2
 
 
-def test_samplers_accept_their_fields(client, gateway):
-    reply = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0.8, top_p=0.9, seed=5, presence_penalty=0.5,
-        frequency_penalty=0.5, logit_bias={"5": 10}, stop=["zzz", "qq"],
-        extra_body={"top_k": 20, "min_p": 0.05, "typical_p": 0.9, "repetition_penalty": 1.1, "mirostat": 0,
-                    "penalty_decay": 0.99, "unknown_field": 1})
-    assert reply.choices[0].message.content is not None
+def local_perplexity(local, context: str, choice: str) -> float:
+    """exp of the mean negative log-likelihood of the choice's tokens after the context's."""
+    model, tokenizer = local
+    context_ids, choice_ids = tokenizer(context)["input_ids"], tokenizer(choice, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([context_ids + choice_ids])).logits[0], dim=-1)
+    scored = [float(logprobs[len(context_ids) + index - 1, token]) for index, token in enumerate(choice_ids)]
+    return math.exp(-sum(scored) / len(scored))
+
+
+def test_chooses_ranks_by_the_local_models_perplexity(gateway, local):
+    choices = [" zzz", " world", " fox", "!", " quick brown"]
+    data = requests.post(gateway.url + "/api/oai/chooses", json={"input": "Hello,", "choices": choices}).json()["data"]
+    expected = sorted((local_perplexity(local, "Hello,", choice), index) for index, choice in enumerate(choices))
+    assert [item["index"] for item in data] == [index for _, index in expected]
+    assert [item["rank"] for item in data] == list(range(len(choices)))
+    assert [item["choice"] for item in data] == [choices[index] for _, index in expected]
+    assert [item["perplexity"] for item in data] == pytest.approx([value for value, _ in expected], rel=1e-4)
+    assert [index for _, index in expected] != list(range(len(choices)))  # the route did reorder them
+
+
+SAMPLER_FIELDS = ("top_k", "min_p", "typical_p", "repetition_penalty", "penalty_decay", "mirostat", "mirostat_tau",
+                  "mirostat_eta")  # the ones the openai client does not know: sent in extra_body
+
+
+def sampled(client, count=12, **fields) -> str:
+    extra = {name: fields.pop(name) for name in SAMPLER_FIELDS if name in fields}
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=count, extra_body=extra,
+                                           **fields)
+    return reply.choices[0].message.content
+
+
+def local_sample(local, params, count=12) -> str:
+    """The reply the gateway's sampler draws from the local model's logits: the same generator, seeded alike."""
+    from gateway.sampling import Sampler
+
+    model, tokenizer = local
+    ids = chat_prompt_ids(local)
+    sampler, new = Sampler(params, model.config.vocab_size, context=ids), []
+    with torch.no_grad():
+        for _ in range(count):
+            token = sampler(model(torch.tensor([ids + new])).logits[0, -1])
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+    return tokenizer.decode(new)
+
+
+@pytest.mark.parametrize("fields", [{"temperature": 0, "seed": 3}, {"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}],
+                         ids=["temperature-0", "top_k-1", "min_p-1", "top_p-tiny"])
+def test_samplers_that_keep_one_token_are_greedy(client, local, fields):
+    greedy = local_greedy(local, chat_prompt_ids(local), 12)[0]
+    assert sampled(client, **{"temperature": 1.0, "seed": 3, **fields}) == greedy
+    assert sampled(client, temperature=1.0, seed=3) != greedy  # so that the equality above means something
+
+
+def test_a_seed_reproduces_a_sample_and_filters_that_are_off_change_nothing(client, local):
+    from gateway.sampling import SamplingParams
+
+    first = sampled(client, temperature=1.0, seed=3)
+    assert first == local_sample(local, SamplingParams(do_sample=True, seed=3))
+    assert sampled(client, temperature=1.0, seed=3) == first
+    assert sampled(client, temperature=1.0, seed=4) != first
+    assert sampled(client, temperature=1.0, seed=3, top_p=1.0, top_k=0, min_p=0.0, typical_p=1.0) == first
+
+
+def test_every_sampler_field_takes_effect(client, local):
+    from gateway.sampling import SamplingParams
+
+    fields = {"temperature": 0.8, "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+              "top_k": 20, "min_p": 0.05, "typical_p": 0.9, "repetition_penalty": 1.1, "penalty_decay": 0.99}
+    reply = sampled(client, seed=5, logit_bias={"5": 10}, stop=["zzz", "qq"], **fields)
+    expected = local_sample(local, SamplingParams(do_sample=True, seed=5, logit_bias={5: 10}, **fields))
+    assert reply == expected and "zzz" not in expected and "qq" not in expected
+    assert reply != sampled(client, seed=5, temperature=0.8)
+
+
+@pytest.mark.parametrize("fields", [{"mirostat": 2, "mirostat_tau": 2.0, "mirostat_eta": 0.2},
+                                    {"mirostat": 1, "mirostat_tau": 3.0, "mirostat_eta": 0.1}], ids=["v2", "v1"])
+def test_mirostat_samples_as_defined_and_reproducibly(client, local, fields):
+    from gateway.sampling import SamplingParams
+
+    reply = sampled(client, count=16, temperature=1.0, seed=1, **fields)
+    assert reply == local_sample(local, SamplingParams(do_sample=True, seed=1, **fields), 16)
+    assert sampled(client, count=16, temperature=1.0, seed=1, **fields) == reply
+    assert sampled(client, count=16, temperature=1.0, seed=2, **fields) != reply
+    assert reply != sampled(client, count=16, temperature=1.0, seed=1)  # not plain sampling
+    assert reply != local_greedy(local, chat_prompt_ids(local), 16)[0]
+
+
+def test_ai00_sampler_override_is_mirostat_v2(gateway, local):
+    from gateway.sampling import SamplingParams
+
+    body = {"messages": MESSAGES, "max_tokens": 16, "temperature": 1.0, "seed": 1,
+            "sampler_override": {"type": "Mirostat", "tau": 2.0, "rate": 0.2}}
+    reply = requests.post(gateway.url + "/api/oai/chat/completions", json=body)
+    expected = local_sample(local, SamplingParams(do_sample=True, seed=1, mirostat=2, mirostat_tau=2.0,
+                                                  mirostat_eta=0.2), 16)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == expected
+
+
+def test_logit_bias_forces_a_token(client, gateway):
     forced = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
                                             logit_bias={"65": 100})
     assert forced.choices[0].logprobs is None

@@ -71,11 +71,12 @@ def test_session_continues_without_resending(gateway, local, tiny_swarm):
 
         first_ids = tokenizer("The quick")["input_ids"]
         _, first_tokens = greedy_text(local, first_ids, 5)
-        expected, _ = greedy_text(local, first_ids + first_tokens + more_ids, 4)
+        expected, second_tokens = greedy_text(local, first_ids + first_tokens + more_ids, 4)
         assert first["outputs"] == greedy_text(local, first_ids, 5)[0] and second["outputs"] == expected
 
         continued = api(gateway, "/api/v1/generate", json={"max_new_tokens": 2, "session_id": session_id})
-        assert continued.status_code == 200 and continued.json()["token_count"] == 2  # no inputs: continue
+        after, _ = greedy_text(local, first_ids + first_tokens + more_ids + second_tokens, 2)
+        assert continued.json() == {"ok": True, "outputs": after, "token_count": 2}  # no inputs: continue
         assert api(gateway, "/api/v1/close_inference_session", json={"session_id": session_id}).json() == {"ok": True}
     finally:
         client.shutdown()
@@ -102,8 +103,12 @@ def test_idle_sessions_expire_and_free_the_servers(gateway, tiny_swarm):
     client = SwarmClient(tiny_swarm.initial_peers)
     try:
         peers = [server.peer_id for server in client.servers("tiny", 4)]
-        busy = [client.server_info(peer)["cache_tokens_free"] for peer in peers]
-        time.sleep(TINY_IDLE_TIMEOUT + 2)
+        free = lambda: [client.server_info(peer)["cache_tokens_free"] for peer in peers]
+        busy = free()
+        # wait, without touching the session, until the gateway has closed it: the servers get their page back
+        deadline = time.monotonic() + TINY_IDLE_TIMEOUT + 60
+        while time.monotonic() < deadline and any(after <= before for before, after in zip(busy, free())):
+            time.sleep(0.2)
         reply = api(gateway, "/api/v1/generate", json={"inputs": "hi", "session_id": session_id})
         assert reply.status_code == 404 and "unknown inference session" in reply.json()["error"]
         freed = [client.server_info(peer)["cache_tokens_free"] for peer in peers]
@@ -126,19 +131,33 @@ def test_session_cap(gateway):
     finally:
         for session_id in opened:
             api(gateway, "/api/v1/close_inference_session", params={"session_id": session_id})
-    assert api(gateway, "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1}).status_code == 200
+    assert api(gateway, "/api/v1/generate", json={"inputs": "hi", "max_new_tokens": 1}).json()["token_count"] == 1
 
 
-def test_a_busy_session_refuses_a_second_request(gateway):
+def test_a_busy_session_refuses_a_second_request(gateway, tiny_swarm):
+    from swarm.client import SwarmClient
+
+    client = SwarmClient(tiny_swarm.initial_peers)
+    last_server = max(client.servers("tiny", 4), key=lambda server: server.info.start).peer_id
+    served = lambda: client.server_info(last_server)["positions_served"]
     session_id = api(gateway, "/api/v1/open_inference_session", json={"max_length": 250}).json()["session_id"]
-    long_reply = threading.Thread(target=api, args=(gateway, "/api/v1/generate"),
-                                  kwargs={"json": {"inputs": "go", "max_new_tokens": 200, "session_id": session_id}})
+    replies = []
+    long_reply = threading.Thread(target=lambda: replies.append(api(gateway, "/api/v1/generate", json={
+        "inputs": "go", "max_new_tokens": 200, "session_id": session_id})))
+    before = served()
     long_reply.start()
-    time.sleep(0.5)
-    second = api(gateway, "/api/v1/generate", json={"inputs": "x", "max_new_tokens": 1, "session_id": session_id})
-    long_reply.join()
-    assert second.status_code == 409 and second.json()["code"] == "session_busy"
-    api(gateway, "/api/v1/close_inference_session", json={"session_id": session_id})
+    try:
+        deadline = time.monotonic() + 60  # until its prompt has gone through every block: it holds the session
+        while time.monotonic() < deadline and served() == before:
+            time.sleep(0.01)
+        second = api(gateway, "/api/v1/generate", json={"inputs": "x", "max_new_tokens": 1, "session_id": session_id})
+        long_reply.join()
+        assert second.status_code == 409 and second.json()["code"] == "session_busy"
+        assert replies[0].json()["token_count"] == 200  # the first request went on undisturbed
+    finally:
+        long_reply.join()
+        api(gateway, "/api/v1/close_inference_session", json={"session_id": session_id})
+        client.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -182,4 +201,4 @@ def test_generate_after_close_and_wrong_method(gateway):
     assert reply.status_code == 404
     wrong = api(gateway, "/api/v1/generate", "get")
     assert wrong.status_code == 405 and wrong.json()["ok"] is False
-    assert api(gateway, "/api/v1/generate", json={"inputs": "still serving", "max_new_tokens": 2}).status_code == 200
+    assert api(gateway, "/api/v1/generate", json={"inputs": "still serving", "max_new_tokens": 2}).json()["ok"] is True

@@ -127,3 +127,61 @@ def test_real_model_json_schema(real_gateway):
         response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
     data = json.loads(reply.choices[0].message.content)
     assert set(data) == {"city", "country"} and "Paris" in data["city"]
+
+
+def workspace_tools(count: int = 36) -> list[dict]:
+    """Tool definitions like those a popular chat UI sends with a first message (36 of them: ~6,600 tokens)."""
+    return [{"type": "function", "function": {
+        "name": f"workspace_tool_{number}",
+        "description": f"Tool {number} of the workspace. " + " ".join(f"detail{word}" for word in range(14)),
+        "parameters": {"type": "object", "required": ["arg_0"], "properties": {
+            f"arg_{arg}": {"type": "string", "description": f"setting {arg} of operation {number}: " + "value " * 8}
+            for arg in range(3)}}}} for number in range(count)]
+
+
+def test_the_context_defaults_to_the_models_own(real_gateway):
+    """SmolLM2 was trained for 8192 positions and the servers hold sessions of 8192 tokens: that, not 2048."""
+    listed = requests.get(real_gateway.url + "/v1/models", timeout=60).json()["data"]
+    assert [model["max_model_len"] for model in listed] == [8192]
+
+
+@pytest.mark.skipif(not os.environ.get("LONG_PROMPT_TEST"), reason="set LONG_PROMPT_TEST=1: a 6,600-token prefill of "
+                    "the real model takes minutes on 2 cores, and timed out beside the suite's other worker")
+def test_a_chat_with_36_tools_fits_and_matches_transformers_while_others_stream(real_gateway, real_model):
+    """A ~6,600-token prompt is served (greedy token equal to transformers'), and a session streaming meanwhile
+    finishes first: the long prompt is prefilled a chunk per round between the other session's steps."""
+    import threading
+
+    import openai
+
+    from gateway.openai_params import offered_tools
+    from gateway.prompts import render_chat
+    from gateway.schemas import ChatCompletionRequest
+
+    client = openai.OpenAI(base_url=real_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    messages, tools = [{"role": "user", "content": "What can you do for me?"}], workspace_tools()
+    finished = []
+
+    def long_prompt():
+        finished.append(("long", client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=1, messages=messages, tools=tools)))
+
+    worker = threading.Thread(target=long_prompt)
+    worker.start()
+    time.sleep(0.5)  # the long prompt is queued first; the short one must not wait for all of it
+    short = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16,
+                                           messages=[{"role": "user", "content": QUESTION}])
+    finished.append(("short", short))
+    worker.join(600)
+    assert [name for name, _ in finished] == ["short", "long"]
+    reply = finished[1][1]
+    assert 6000 < reply.usage.prompt_tokens < 8192
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(real_model)
+    fields = ChatCompletionRequest(model="SmolLM2-135M-Instruct", messages=messages, tools=tools)
+    ids = tokenizer(render_chat(tokenizer, fields.messages, offered_tools(fields)[1]), add_special_tokens=False)
+    assert len(ids["input_ids"]) == reply.usage.prompt_tokens
+    model = transformers.AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids["input_ids"]])).logits[0, -1].argmax()
+    assert reply.choices[0].message.content == tokenizer.decode([int(expected)])

@@ -42,6 +42,7 @@ def soak_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
         "MODELS": json.dumps(models),
         "MAX_SESSIONS": "256",
         "MAX_SESSIONS_PER_CLIENT": "256",  # every client of the soak comes from 127.0.0.1
+        "MAX_WEBSOCKETS_PER_CLIENT": "256",
         "REQUESTS_PER_MINUTE": "0",
         "SESSION_IDLE_TIMEOUT": "5",
     }

@@ -310,3 +310,161 @@ def test_rounds_a_graph_cannot_serve_run_eagerly(llama_span):
         assert not graphs.rounds
     finally:
         cache.release()
+
+
+# ------------------------------------------------------------------------------------------- head-of-line
+
+
+async def rounds_by_hand(scheduler, span, sessions: int, until) -> list[list]:
+    """Run rounds on this thread, one by one, until `until` is done; before each round every one of
+    `sessions` decoding sessions queues its next step (as sessions decoding flat out do). Returns the rounds."""
+    loop = asyncio.get_running_loop()
+    caches = [span.new_cache(1, 512) for _ in range(sessions)]
+    rounds = []
+    try:
+        while not until():
+            steps = [Work(batch_hidden(span, 1, 1), len(rounds), 0, 3, cache, loop, loop.create_future())
+                     for cache in caches]
+            scheduler._waiting.extend(steps)
+            round_ = scheduler._next_round()
+            scheduler._run(round_)
+            rounds.append(round_)
+            for _ in range(4):  # the results' callbacks, and the coroutines they wake
+                await asyncio.sleep(0)
+            assert all(step.future.done() for step in steps)
+    finally:
+        for cache in caches:
+            cache.release()
+    return rounds
+
+
+def assert_every_session_steps_in_every_round(rounds: list[list], sessions: int, chunk: int) -> None:
+    for index, round_ in enumerate(rounds):
+        decoded = [work for work, positions in round_ if positions == 1 and work.hidden.shape[1] == 1]
+        assert len(decoded) == sessions, f"round {index}: {len(decoded)} of {sessions} sessions stepped"
+        others = sum(work.rows * positions for work, positions in round_ if work not in decoded)
+        assert others <= chunk, f"round {index}: {others} other tokens, over one chunk"
+
+
+def test_a_long_cacheless_forward_holds_no_session_up_for_more_than_a_chunk(llama_span):
+    """A cache-less forward of 2,000 positions (an embedding, /v1/chooses, a spot check's replay) goes through
+    in chunks of a temporary cache, between the decoding sessions' steps, round by round; its output is the
+    unchunked forward's, and its temporary cache goes back."""
+    span, chunk, sessions = llama_span, 128, 4
+    sequence = batch_hidden(span, 1, 2000)
+
+    async def scenario():
+        backend = Backend(span, CacheBudget(4096), ServerLimits(), prefill_chunk_tokens=chunk)
+        backend.scheduler.stop()  # its thread picks no round: this test runs them
+        try:
+            forward = asyncio.ensure_future(backend.forward([sequence], {"start": 0, "end": 3}))
+            while not backend.scheduler._waiting:
+                await asyncio.sleep(0)
+            assert backend.budget.used == 2000  # its temporary cache: 125 pages
+            rounds = await rounds_by_hand(backend.scheduler, span, sessions, forward.done)
+            return rounds, await forward, backend.budget.used
+        finally:
+            backend.close()
+
+    rounds, output, used = asyncio.run(scenario())
+    assert len(rounds) == -(-2000 // chunk)
+    assert_every_session_steps_in_every_round(rounds, sessions, chunk)
+    torch.testing.assert_close(output, span(sequence), atol=ATOL, rtol=0)
+    assert used == 0
+
+
+def test_a_6613_token_prompt_holds_no_session_up_for_more_than_a_chunk(llama_span):
+    """A chat client's prompt with 36 tool definitions: 6,613 tokens, read a chunk per round while the other
+    sessions decode."""
+    span, chunk, sessions = llama_span, 128, 4
+    span.new_pool(16384)
+
+    async def scenario():
+        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=chunk)
+        scheduler.stop()
+        loop = asyncio.get_running_loop()
+        cache = span.new_cache(1, 6613)
+        prompt = Work(batch_hidden(span, 1, 6613), 0, 0, 3, cache, loop, loop.create_future())
+        scheduler._waiting.append(prompt)
+        try:
+            return await rounds_by_hand(scheduler, span, sessions, prompt.future.done), prompt.future.result()
+        finally:
+            cache.release()
+
+    rounds, output = asyncio.run(scenario())
+    assert len(rounds) == -(-6613 // chunk)
+    assert_every_session_steps_in_every_round(rounds, sessions, chunk)
+    assert output.shape == (1, 6613, span.config.hidden_size)
+
+
+@pytest.mark.parametrize("rows, length, rounds", [(2, 37, 10), (5, 3, 3), (1, 8, 1)])
+def test_cacheless_forwards_in_chunks_equal_the_unchunked_forward(family_span, rows, length, rounds):
+    """Through the compute thread, a chunk at a time: with a temporary cache when a sequence is longer than a
+    chunk (2 x 37), a few rows at a time when it is not (5 x 3: rows of 2, 2 and 1), whole when it fits."""
+    span = family_span
+    hidden = batch_hidden(span, rows, length)
+
+    async def scenario():
+        backend = Backend(span, CacheBudget(1024), ServerLimits(), prefill_chunk_tokens=8)
+        try:
+            output = await backend.forward([hidden], {"start": 0, "end": 3})
+            return output, backend.budget.used
+        finally:
+            backend.close()
+
+    before = histogram(metrics.BATCH_SIZE)["count"]
+    output, used = asyncio.run(scenario())
+    torch.testing.assert_close(output, span(hidden), atol=ATOL, rtol=0)
+    assert used == 0
+    assert histogram(metrics.BATCH_SIZE)["count"] - before == rounds  # 4 positions of 2 rows a round; 2 rows of 3
+
+
+def test_a_temporary_cache_goes_back_after_success_failure_and_cancel(llama_span, monkeypatch):
+    import threading
+
+    from swarm.protocol import InternalServerError
+
+    span, hidden = llama_span, batch_hidden(llama_span, 1, 40)  # 3 pages of temporary cache, 5 chunks of 8
+    original, calls = span.forward_packed, []
+    entered, release, fail = threading.Event(), threading.Event(), threading.Event()
+
+    def forward_packed(*args, **kwargs):
+        calls.append(1)
+        entered.set()
+        release.wait(30)
+        if fail.is_set():
+            raise RuntimeError("out of memory, say")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(span, "forward_packed", forward_packed)
+
+    async def scenario():
+        backend = Backend(span, CacheBudget(1024), ServerLimits(cache_wait=0.1), prefill_chunk_tokens=8)
+        request = {"start": 0, "end": 3}
+        try:
+            release.set()
+            await backend.forward([hidden], request)  # success
+            assert backend.budget.used == 0 and len(calls) == 5
+            fail.set()
+            with pytest.raises(InternalServerError):  # failure
+                await backend.forward([hidden], request)
+            assert backend.budget.used == 0
+            fail.clear(), release.clear(), entered.clear(), calls.clear()
+            forward = asyncio.ensure_future(backend.forward([hidden], request))  # cancelled mid-way
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+            assert backend.budget.used == 3 * PAGE_TOKENS
+            forward.cancel()
+            release.set()
+            deadline = time.monotonic() + 30
+            while backend.budget.used and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert backend.budget.used == 0
+            assert len(calls) == 1  # its caller hung up: the rest of it never ran
+            await backend.budget.take(1024 - PAGE_TOKENS, wait=0)  # too little room left: refused after the wait
+            with pytest.raises(CacheFullError, match="after waiting 0.1 s"):
+                await backend.forward([hidden], request)
+            assert backend.budget.used == 1024 - PAGE_TOKENS
+        finally:
+            backend.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,97 @@
+"""A block server's cache among its peers, without the network: a peer alone may take it all; with others
+there, one peer is refused past its share (opening or growing a session), and a newcomer within its share gets
+room from the idle sessions of a peer over its share, least recently stepped first; a session idle for the
+server's timeout is closed. Every page comes back."""
+
+import asyncio
+
+import pytest
+import torch
+
+from swarm.protocol import PAGE_TOKENS, ServerLimitError
+from swarm.server.backend import Backend, ServerLimits
+from swarm.server.cache import CacheBudget
+from swarm.server.span import load_span
+from tiny_model import build_tiny_model
+
+HIDDEN = 64
+OPENING = {"start": 0, "end": 2, "max_length": 4 * PAGE_TOKENS, "batch_size": 1}
+# 8 pages; a share of half of them (4 pages), sessions of up to 4 pages
+LIMITS = ServerLimits(max_session_tokens=4 * PAGE_TOKENS, cache_wait=0.05, max_cache_share_per_peer=0.5)
+
+
+@pytest.fixture(scope="module")
+def span(tmp_path_factory):
+    return load_span(build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", 2), 0, 2)
+
+
+def run(span, scenario, limits=LIMITS):
+    async def body():
+        backend = Backend(span, CacheBudget(8 * PAGE_TOKENS), limits)
+        try:
+            await scenario(backend)
+            for session in list(backend.sessions):
+                session.close()
+            assert backend.budget.used == 0 and not backend.cache_by_peer and not backend.sessions_by_peer
+        finally:
+            backend.close()
+
+    asyncio.run(body())
+
+
+def test_a_peer_alone_may_take_the_whole_cache(span):
+    async def scenario(backend):
+        sessions = [await backend.open_session(OPENING, "gateway") for _ in range(8)]
+        assert backend.budget.free == 0 and backend.cache_by_peer == {"gateway": 8 * PAGE_TOKENS}
+        sessions[0].close()
+        assert backend.cache_by_peer == {"gateway": 7 * PAGE_TOKENS}
+
+    run(span, scenario)
+
+
+def test_with_another_peer_there_one_is_refused_past_its_share(span):
+    async def scenario(backend):
+        await backend.open_session(OPENING, "other")
+        mine = [await backend.open_session(OPENING, "peer") for _ in range(3)]
+        growing = await backend.open_session(OPENING, "peer")  # its fourth page: its share
+        with pytest.raises(ServerLimitError, match="over its share of 64"):
+            await backend.open_session(OPENING, "peer")
+        with pytest.raises(ServerLimitError, match="over its share"):  # growing past it is refused too
+            await growing.step([torch.randn(1, PAGE_TOKENS + 1, HIDDEN)], {"position": 0})
+        await growing.step([torch.randn(1, PAGE_TOKENS, HIDDEN)], {"position": 0})  # within its page: goes on
+        await backend.open_session(OPENING, "other")  # the other peer still gets cache
+        mine.pop().close()
+        await backend.open_session(OPENING, "peer")  # back within its share
+        assert backend.cache_by_peer == {"peer": 4 * PAGE_TOKENS, "other": 2 * PAGE_TOKENS}
+
+    run(span, scenario)
+
+
+def test_a_newcomer_gets_room_from_the_idle_sessions_of_a_peer_over_its_share(span):
+    async def scenario(backend):
+        hoarded = [await backend.open_session(OPENING, "first") for _ in range(8)]
+        for session in hoarded[:4]:  # stepped later than the others: the others go first
+            await session.step([torch.randn(1, 1, HIDDEN)], {"position": 0})
+        busy = hoarded[4]
+        async with busy._one_step_at_a_time:  # a step running: never closed under it
+            newcomers = [await backend.open_session(OPENING, "newcomer") for _ in range(3)]
+        assert [session.ended.is_set() for session in hoarded] == [False] * 5 + [True] * 3
+        assert backend.cache_by_peer == {"first": 5 * PAGE_TOKENS, "newcomer": 3 * PAGE_TOKENS}
+        newcomers.append(await backend.open_session(OPENING, "newcomer"))  # the least recently stepped went
+        assert busy.ended.is_set() and not hoarded[0].ended.is_set()
+        with pytest.raises(ServerLimitError, match="over its share"):  # the newcomer's share is full now
+            await backend.open_session(OPENING, "newcomer")
+
+    run(span, scenario)
+
+
+def test_a_session_idle_for_the_timeout_is_closed_and_a_busy_one_is_not(span):
+    async def scenario(backend):
+        idle, busy = await backend.open_session(OPENING, "peer"), await backend.open_session(OPENING, "peer")
+        async with busy._one_step_at_a_time:
+            await asyncio.wait_for(idle.ended.wait(), 5)
+            assert backend.budget.used == PAGE_TOKENS and not busy.ended.is_set()
+        await asyncio.wait_for(busy.ended.wait(), 5)  # once its step ended, and it went idle
+        assert backend.budget.used == 0 and not backend.sessions
+
+    run(span, scenario, ServerLimits(session_idle_timeout=0.2))
