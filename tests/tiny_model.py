@@ -53,12 +53,11 @@ def build_tiny_model(
     tokenizer = build_tokenizer()
     config = transformers.AutoConfig.for_model(
         model_type,
-        **_shape_arguments(model_type, num_layers),
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **{**_tying_arguments(model_type), **overrides},
+        **{**_shape_arguments(model_type, num_layers), **_tying_arguments(model_type), **overrides},
     )
     if perturb_vectors is None:
         perturb_vectors = model_type in ("gpt2", "bloom")

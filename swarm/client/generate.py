@@ -3,6 +3,7 @@
     python -m swarm.client.generate --initial-peers MADDR --model SmolLM2-135M-Instruct --prompt "Hi!" --chat
 
 Greedy unless --temperature is given. The text goes to stdout; a one-line speed summary goes to stderr.
+torch and the client load only once the flags are checked, so a wrong flag is told at once.
 """
 
 from __future__ import annotations
@@ -10,10 +11,6 @@ from __future__ import annotations
 import sys
 import time
 from typing import Iterator
-
-import torch
-
-from swarm.client.decoding import IncrementalDetokenizer, next_token
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -26,6 +23,10 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 def generate(model, ids: list[int], max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> Iterator[int]:
     """Yield new token ids one by one until a stop token (the model's stop_token_ids, as the gateway's engine
     stops) or max_new_tokens."""
+    import torch
+
+    from swarm.client.decoding import next_token
+
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     stops = model.stop_token_ids
     with model.session(max_length=len(ids) + max_new_tokens) as session:
@@ -39,6 +40,9 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature=0.0, top_k=
 
 
 def run(args) -> None:
+    import torch
+
+    from swarm.client.decoding import IncrementalDetokenizer
     from swarm.client.remote_model import RemoteModel
 
     model = RemoteModel.from_pretrained(args.model, args.initial_peers, args.cache_dir, args.dht_prefix,
@@ -89,6 +93,8 @@ def main(argv=None) -> None:
     args.allowed_servers, args.spot_check_rate = settings.allowed_servers, settings.spot_check_rate
     setup_logging()
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     run_main(lambda: run(args))
 

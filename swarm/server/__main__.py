@@ -1,5 +1,9 @@
-"""`python -m swarm.server`: see swarm/server/main.py."""
+"""`python -m swarm.server`: see swarm/server/main.py. The flags are checked before torch and the rest load."""
 
-from swarm.server.main import main
+from swarm.server.settings import parse_settings
 
-main()
+settings = parse_settings()
+
+from swarm.server.main import run  # noqa: E402  (heavy: torch, transformers, hivemind)
+
+run(settings)

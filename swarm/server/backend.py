@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +13,7 @@ from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, 
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, pages_for
 from swarm.server.sessions import ServerSession, int_field
+from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
 
 MAX_BATCH_SIZE = 64
@@ -21,19 +21,6 @@ MAX_BATCH_SIZE = 64
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What any one client may ask of the server: every request comes from a peer nobody vetted."""
-
-    max_request_tokens: int = 8192  # rows x positions of one request: a step, a push, a cache-less forward
-    max_session_tokens: int = 8192  # max_length x batch_size of one session: the most cache it may grow to
-    max_sessions_per_peer: int = 256  # open at once from one peer (a gateway is one peer for all its users)
-    cache_wait: float = 3.0  # seconds a step waits for cache when it is full, before it is refused
-    session_idle_timeout: float = 600.0  # seconds without a step after which a session is closed (0: never)
-    # the part of the cache one peer may hold while other peers hold some too (1: no limit); see take_cache
-    max_cache_share_per_peer: float = 0.5
 
 
 class Backend:

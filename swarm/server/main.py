@@ -204,9 +204,13 @@ async def _announced_while(node, prefix: str, info: ServerInfo, period: float, w
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    run(parse_settings(argv))
+
+
+def run(settings: ServerSettings) -> None:
+    """Serve until stopped, a failure the operator can act on told in one line."""
     from swarm.cli import run_main, setup_logging
 
-    settings = parse_settings(argv)
     setup_logging()
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from swarm.protocol import BadRequestError
-
-QUANTIZATIONS = ("int8", "nf4")
+from swarm.server.settings import QUANTIZATIONS
 
 
 def quantize_linears(layer: nn.Module, quantization: str, compute_dtype: torch.dtype) -> None:

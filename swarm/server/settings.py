@@ -1,6 +1,8 @@
 """A block server's settings: one frozen dataclass, built once from the command line (and config's defaults).
 
     python -m swarm.server --model NAME_OR_PATH --blocks START:END --initial-peers MADDR [...]
+
+Light to import (torch loads only once the flags are checked): a wrong flag is told at once.
 """
 
 from __future__ import annotations
@@ -8,11 +10,25 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from swarm.server.backend import ServerLimits
+@dataclass(frozen=True)
+class ServerLimits:
+    """What any one client may ask of the server: every request comes from a peer nobody vetted."""
+
+    max_request_tokens: int = 8192  # rows x positions of one request: a step, a push, a cache-less forward
+    max_session_tokens: int = 8192  # max_length x batch_size of one session: the most cache it may grow to
+    max_sessions_per_peer: int = 256  # open at once from one peer (a gateway is one peer for all its users)
+    cache_wait: float = 3.0  # seconds a step waits for cache when it is full, before it is refused
+    session_idle_timeout: float = 600.0  # seconds without a step after which a session is closed (0: never)
+    # the part of the cache one peer may hold while other peers hold some too (1: no limit); see take_cache
+    max_cache_share_per_peer: float = 0.5
+
+
+QUANTIZATIONS = ("int8", "nf4")  # bitsandbytes' weight formats (swarm/server/quantize.py)
 
 # (flag, type, help) of the limits on one client; their defaults are ServerLimits'
 LIMIT_FLAGS = (
@@ -68,6 +84,8 @@ def parse_settings(argv=None) -> ServerSettings:
     parser = _parser(defaults)
     args = parser.parse_args(argv)
     _check(parser, args)
+    import torch
+
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -91,7 +109,6 @@ def parse_settings(argv=None) -> ServerSettings:
 
 def _parser(defaults):
     from swarm.cli import ArgumentParser, multiaddr, parse_block_range
-    from swarm.server.quantize import QUANTIZATIONS
 
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
     parser.add_argument("--model", default=defaults.model, help="a known model name or a Hugging Face folder")

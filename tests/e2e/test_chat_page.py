@@ -47,7 +47,8 @@ def chat_swarm(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_gateway(chat_swarm, tiny_llama, tmp_path_factory):
     models = [{"name": MODEL, "path": str(tiny_llama), "dht_prefix": PREFIX, "max_session_length": 1024}]
-    env = {"INITIAL_PEERS": " ".join(chat_swarm.initial_peers), "MODELS": json.dumps(models), "MAX_SESSIONS": "8"}
+    env = {"INITIAL_PEERS": " ".join(chat_swarm.initial_peers), "MODELS": json.dumps(models), "MAX_SESSIONS": "8",
+           "BLOCK_WAIT_SECONDS": "1"}  # the swarm-down test's request fails after a second, not the default 30
     server = Gateway(env, tmp_path_factory.mktemp("chat-gateway") / "gunicorn.log")
     yield server
     server.stop()

@@ -1,17 +1,19 @@
 """Fault tolerance on a real localhost swarm with two replicas of each span: servers die (kill -9) or stall
-(SIGSTOP) in the middle of a greedy generation, and every generation completes with the no-fault output."""
+(SIGSTOP) in the middle of a generation (greedy, or sampled with a seed), and every generation completes with
+the no-fault output."""
 
 import signal
 import time
 
 import pytest
 
+from config import GatewaySettings, ModelConfig, Settings, SwarmSettings
 from swarm.client import SwarmClient
 from swarm.local import LocalSwarm
 from swarm.client.remote_model import InferenceSession, RemoteModel
 
 PREFIX = "chaos"
-NEW_TOKENS = 80  # past the last round's fault (step 62)
+NEW_TOKENS = 48  # past the last round's fault (step 40)
 SPANS = [(0, 2), (2, 4)]
 
 
@@ -67,7 +69,7 @@ def wait_ready(server):
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
 def test_generation_survives_faults_with_identical_output(chaos_swarm, model, reference, fault):
-    rounds = 6  # three faults on each hop of the chain, each at another step
+    rounds = 4  # two faults on each hop of the chain, each at another step
     replacements = {}  # hop index -> the server started to replace the last victim there
     for round_ in range(rounds):
         victims = []
@@ -125,3 +127,71 @@ def test_a_dead_server_leaves_routing_quickly(tiny_swarm):
         assert client.servers("mortal", 4) == [] and time.monotonic() - began <= 3 * 2 + 2
     finally:
         client.shutdown()
+
+
+# ------------------------------------------------------------------ seeded sampling through the gateway's engine
+
+SEEDED_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def engine(chaos_swarm, tiny_llama, settings):
+    from gateway.engine import Engine
+
+    gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), dht_prefix=PREFIX),))
+    swarm = SwarmSettings(cache_dir=settings.cache_dir, initial_peers=tuple(chaos_swarm.initial_peers))
+    engine = Engine(Settings(swarm=swarm, gateway=gateway))
+    yield engine
+    engine.swarm_client().shutdown()
+
+
+def sampling(engine, seed):
+    from gateway.sampling import SamplingParams
+
+    eos = engine.model("tiny").tokenizer.eos_token_id  # never sampled: every reply runs its full length
+    return SamplingParams(do_sample=True, temperature=1.0, seed=seed, logit_bias={eos: -100})
+
+
+def reply(engine, params, on_token=lambda count, session: None) -> list[int]:
+    """The engine's reply to PROMPT as token ids; on_token(tokens so far, session) runs after each token."""
+    from gateway.engine import GenerationRequest
+
+    session = engine.open_session("tiny", len(PROMPT) + SEEDED_TOKENS, expires=False)
+    request = GenerationRequest(inputs=None, sampling=params, max_new_tokens=SEEDED_TOKENS,
+                                input_ids=tuple(PROMPT), logprobs=0)
+    tokens = []
+    try:
+        for delta in engine.generate(session, request):
+            tokens += [entry.token_id for entry in delta.logprobs]
+            on_token(len(tokens), session)
+    finally:
+        engine.close_session(session)
+    return tokens
+
+
+@pytest.mark.parametrize("hop, at_token", [(0, 9), (1, 23)])
+def test_a_seeded_sample_is_identical_when_a_server_dies_mid_reply(chaos_swarm, engine, hop, at_token):
+    """A seeded, sampled reply of the gateway's engine (temperature 1) is the same whether or not its chain loses a
+    server on the way: a replica takes over (the session's inputs replayed to it), and every token equals the
+    undisturbed reply's. What the README's fault tolerance promises, for sampling as well as greedy decoding."""
+    from gateway.sampling import SamplingParams
+
+    reference = reply(engine, sampling(engine, seed=11))
+    assert len(reference) == SEEDED_TOKENS
+    assert reference != reply(engine, SamplingParams())  # sampled, not greedy
+    assert reference != reply(engine, sampling(engine, seed=12))  # and the seed decides it
+
+    victims, chains = [], []
+
+    def strike(count, session):
+        if count == at_token:
+            peer = session.inference.blocks.chain[hop].peer_id
+            victims.append(server_of(chaos_swarm, peer))
+            victims[-1].process.send_signal(signal.SIGKILL)
+        chains.append([link.peer_id for link in session.inference.blocks.chain])
+
+    assert reply(engine, sampling(engine, seed=11), strike) == reference
+    assert len(victims) == 1 and victims[0].process.wait(10) == -signal.SIGKILL
+    assert chains[-1][hop] != victims[0].peer_id  # a replica took the dead server's place in the chain
+    span = SPANS[hop]  # back to two replicas of each span for the next case
+    chaos_swarm.add_server(["--blocks", f"{span[0]}:{span[1]}"])
