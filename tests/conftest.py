@@ -46,7 +46,23 @@ def tiny_swarm(tiny_llama, tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("swarm-logs"),
     )
     with swarm:
+        _shared_swarms.append(swarm)
         yield swarm
+
+
+_shared_swarms: list = []  # the tiny swarm, once some test of this worker has started it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers_a_module_adds_stop_with_it():
+    """The servers a module adds to the shared tiny swarm stop when the module ends: an idle server still
+    announces itself and keeps its libp2p daemon busy (about 1% of a core each, with its daemon: measured), and
+    a worker runs dozens of modules. The swarm's own servers stay."""
+    before = {id(swarm): len(swarm.servers) for swarm in _shared_swarms}
+    yield
+    for swarm in _shared_swarms:
+        for server in swarm.servers[max(before.get(id(swarm), 0), len(swarm.spans)):]:
+            server.stop()
 
 
 @pytest.fixture(scope="session")
