@@ -96,3 +96,13 @@ def test_bootstrap_peer_keeps_its_identity(tmp_path):
     first, second = peer_line(), peer_line()
     assert first.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in first
     assert first.split("/p2p/")[1] == second.split("/p2p/")[1]
+
+
+@pytest.mark.parametrize("tool", ["swarm.server", "swarm.client.generate"])
+def test_a_wrong_flag_is_told_before_torch_loads(tool):
+    """The flags are checked first: a typo costs a blink, not the seconds torch and transformers take to load."""
+    result = run_tool("-X", "importtime", "-m", tool, "--bogus")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert result.returncode == 2 and "error: " in result.stderr
+    assert "json" in imported  # the listing works: it names what loaded
+    assert not imported & {"torch", "transformers", "hivemind"}
