@@ -56,3 +56,16 @@ class Holdings:
                 raise AssertionError(f"held after {after or 'the requests'}: {sessions} open sessions (started with "
                                      f"{self.started_sessions}), free cache {cache} (started with {self.started_cache})")
             time.sleep(0.05)
+
+
+def free_cache(client, server) -> int:
+    """One server's free cache slots (`server`: a swarm.local.ChildProcess), asked of it directly."""
+    return client.server_info(server.peer_id)["cache_tokens_free"]
+
+
+def wait_for_free_cache(client, server, tokens: int, timeout: float = 60) -> None:
+    """Until the server's free cache is `tokens`: a closed session's pages come back when the close reaches it."""
+    deadline = time.monotonic() + timeout
+    while free_cache(client, server) != tokens:
+        assert time.monotonic() < deadline, f"the server's free cache never came back to {tokens}"
+        time.sleep(0.2)

@@ -4,12 +4,11 @@ right); one peer cannot hold more than --max-cache-share-per-peer of a server's 
 the server: past it, it is refused, and a peer that came first and holds it all loses idle sessions to a
 newcomer."""
 
-import time
-
 import pytest
 import torch
 
 from conftest import TINY_BLOCKS
+from leak_checks import free_cache, wait_for_free_cache
 from swarm.client import SwarmClient
 from swarm.client.remote_model import RemoteModel
 from swarm.protocol import PAGE_TOKENS, CacheFullError
@@ -19,17 +18,6 @@ CACHE_TOKENS = 32 * PAGE_TOKENS
 SHARE_LIMIT = CACHE_TOKENS // 2  # --max-cache-share-per-peer 0.5 (the default, said here all the same)
 SHARED = ["--cache-tokens", str(CACHE_TOKENS), "--max-cache-share-per-peer", "0.5", "--max-session-tokens", "64",
           "--cache-wait", "0.5"]
-
-
-def free_cache(client, server) -> int:
-    return client.server_info(server.peer_id)["cache_tokens_free"]
-
-
-def wait_for_free_cache(client, server, tokens: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while free_cache(client, server) != tokens:
-        assert time.monotonic() < deadline, f"the server's free cache never came back to {tokens}"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
