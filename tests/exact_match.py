@@ -39,3 +39,21 @@ def assert_interleaved_sessions_match(remote, local_model, prompt_lengths, new_t
                 torch.tensor([prompt]), max_new_tokens=new_tokens - 1, min_new_tokens=new_tokens - 1, do_sample=False
             )[0].tolist()
         assert sequence == greedy
+
+
+def assert_chat_reply_is_the_local_greedy_token(reply, folder, model_name: str, messages, tools) -> None:
+    """A one-token greedy chat reply of the gateway (an OpenAI ChatCompletion) counts the tokens of the gateway's
+    own rendering of the chat (tools included) and equals the local model's greedy next token after them."""
+    import transformers
+
+    from gateway.openai_params import offered_tools
+    from gateway.prompts import render_chat
+    from gateway.schemas import ChatCompletionRequest
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    fields = ChatCompletionRequest(model=model_name, messages=messages, tools=tools)
+    ids = tokenizer(render_chat(tokenizer, fields.messages, offered_tools(fields)[1]), add_special_tokens=False)
+    assert len(ids["input_ids"]) == reply.usage.prompt_tokens
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = int(local_logits(model, ids["input_ids"])[-1].argmax())
+    assert reply.choices[0].message.content == tokenizer.decode([expected])

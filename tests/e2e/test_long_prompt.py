@@ -11,10 +11,8 @@ import json
 import openai
 import pytest
 import requests
-import torch
-import transformers
-
 from conftest import TINY_BLOCKS, Gateway
+from exact_match import assert_chat_reply_is_the_local_greedy_token
 from tiny_model import build_tiny_model
 
 PREFIX = "long-context"
@@ -55,20 +53,9 @@ def test_the_context_defaults_to_the_models_own(long_gateway):
 
 
 def test_a_chat_with_dozens_of_tools_is_served_and_matches_the_local_model(long_gateway, long_model):
-    from gateway.openai_params import offered_tools
-    from gateway.prompts import render_chat
-    from gateway.schemas import ChatCompletionRequest
-
     client = openai.OpenAI(base_url=long_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    messages, tools = [{"role": "user", "content": "What can you do for me?"}], workspace_tools(22)  # ~6,550 prompt tokens
+    messages = [{"role": "user", "content": "What can you do for me?"}]
+    tools = workspace_tools(22)  # ~6,550 prompt tokens with the tiny tokenizer
     reply = client.chat.completions.create(model="long", temperature=0, max_tokens=1, messages=messages, tools=tools)
     assert 6000 < reply.usage.prompt_tokens < TRAINED_FOR  # past the 2048 that every model used to get
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(long_model)
-    fields = ChatCompletionRequest(model="long", messages=messages, tools=tools)
-    ids = tokenizer(render_chat(tokenizer, fields.messages, offered_tools(fields)[1]), add_special_tokens=False)
-    assert len(ids["input_ids"]) == reply.usage.prompt_tokens
-    model = transformers.AutoModelForCausalLM.from_pretrained(long_model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(torch.tensor([ids["input_ids"]])).logits[0, -1].argmax()
-    assert reply.choices[0].message.content == tokenizer.decode([int(expected)])
+    assert_chat_reply_is_the_local_greedy_token(reply, long_model, "long", messages, tools)

@@ -17,6 +17,7 @@ import transformers
 from websockets.sync.client import connect
 
 from conftest import ROOT, Gateway, free_port, run_tool
+from exact_match import assert_chat_reply_is_the_local_greedy_token
 
 pytestmark = pytest.mark.real_model
 
@@ -216,10 +217,6 @@ def test_a_chat_with_36_tools_fits_and_matches_transformers_while_others_stream(
 
     import openai
 
-    from gateway.openai_params import offered_tools
-    from gateway.prompts import render_chat
-    from gateway.schemas import ChatCompletionRequest
-
     client = openai.OpenAI(base_url=real_gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     messages, tools = [{"role": "user", "content": "What can you do for me?"}], workspace_tools()
     finished = []
@@ -238,12 +235,4 @@ def test_a_chat_with_36_tools_fits_and_matches_transformers_while_others_stream(
     assert [name for name, _ in finished] == ["short", "long"]
     reply = finished[1][1]
     assert 6000 < reply.usage.prompt_tokens < 8192
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(real_model)
-    fields = ChatCompletionRequest(model="SmolLM2-135M-Instruct", messages=messages, tools=tools)
-    ids = tokenizer(render_chat(tokenizer, fields.messages, offered_tools(fields)[1]), add_special_tokens=False)
-    assert len(ids["input_ids"]) == reply.usage.prompt_tokens
-    model = transformers.AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(torch.tensor([ids["input_ids"]])).logits[0, -1].argmax()
-    assert reply.choices[0].message.content == tokenizer.decode([int(expected)])
+    assert_chat_reply_is_the_local_greedy_token(reply, real_model, "SmolLM2-135M-Instruct", messages, tools)
