@@ -17,7 +17,7 @@ from typing import Optional
 
 from config import Settings
 from gateway import create_app
-from gateway.request_ids import configure_logging
+from gateway.web.request_ids import configure_logging
 from swarm.cli import fail, settings_from_env
 
 

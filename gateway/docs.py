@@ -13,21 +13,22 @@ from flask import Blueprint, Response, jsonify, send_from_directory
 from pydantic.json_schema import models_json_schema
 
 from config import Limits
-from gateway import schemas
-from gateway.access import is_open
-from gateway.current_engine import get_engine
-from gateway.schemas import ollama as ollama_schemas
-from gateway.schemas.anthropic import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from gateway.schemas.responses import ResponseCreateRequest
+from gateway.anthropic.schemas import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from gateway.ollama import schemas as ollama_schemas
+from gateway.openai import schemas as openai_schemas
+from gateway.openai.responses.schemas import ResponseCreateRequest
+from gateway.petals import schemas as petals_schemas
+from gateway.web.access import is_open
+from gateway.web.current_engine import get_engine
 
 blueprint = Blueprint("docs", __name__)
 
 # (path, method, request schema or None, summary)
 ROUTES = [
-    ("/v1/chat/completions", "post", schemas.ChatCompletionRequest, "Chat completion (stream with SSE)"),
-    ("/v1/completions", "post", schemas.CompletionRequest, "Text completion (stream with SSE)"),
-    ("/v1/embeddings", "post", schemas.EmbeddingRequest, "Embeddings: mean-pooled hidden states of the model"),
-    ("/v1/chooses", "post", schemas.ChooseRequest, "Ai00: rank choices by perplexity, best first"),
+    ("/v1/chat/completions", "post", openai_schemas.ChatCompletionRequest, "Chat completion (stream with SSE)"),
+    ("/v1/completions", "post", openai_schemas.CompletionRequest, "Text completion (stream with SSE)"),
+    ("/v1/embeddings", "post", openai_schemas.EmbeddingRequest, "Embeddings: mean-pooled hidden states of the model"),
+    ("/v1/chooses", "post", openai_schemas.ChooseRequest, "Ai00: rank choices by perplexity, best first"),
     ("/v1/responses", "post", ResponseCreateRequest, "Responses: a reply (stream: typed SSE events), tools, store"),
     ("/v1/responses/{response_id}", "get", None, "Responses: a stored response, as it stands"),
     ("/v1/responses/{response_id}", "delete", None, "Responses: delete a stored response"),
@@ -35,13 +36,13 @@ ROUTES = [
     ("/v1/messages", "post", AnthropicMessagesRequest, "Anthropic Messages: a reply (stream: SSE events), tools"),
     ("/v1/messages/count_tokens", "post", AnthropicCountTokensRequest, "Anthropic: the input tokens of a request"),
     ("/v1/models", "get", None, "Served models"),
-    ("/tokenize", "post", schemas.TokenizeRequest, "Text or messages to token ids"),
-    ("/detokenize", "post", schemas.DetokenizeRequest, "Token ids to text"),
+    ("/tokenize", "post", openai_schemas.TokenizeRequest, "Text or messages to token ids"),
+    ("/detokenize", "post", openai_schemas.DetokenizeRequest, "Token ids to text"),
     ("/stats", "get", None, "Prefill and decode speed of the last request"),
     ("/verbose_stats", "get", None, "Speeds over recent requests"),
-    ("/api/v1/generate", "post", schemas.HttpGenerate, "Petals Chat: generate, optionally in a session"),
-    ("/api/v1/open_inference_session", "post", schemas.OpenSession, "Petals Chat: open an inference session"),
-    ("/api/v1/close_inference_session", "post", schemas.CloseSession, "Petals Chat: close an inference session"),
+    ("/api/v1/generate", "post", petals_schemas.HttpGenerate, "Petals Chat: generate, optionally in a session"),
+    ("/api/v1/open_inference_session", "post", petals_schemas.OpenSession, "Petals Chat: open an inference session"),
+    ("/api/v1/close_inference_session", "post", petals_schemas.CloseSession, "Petals Chat: close an inference session"),
     ("/api/v1/models", "get", None, "Served models and their block coverage"),
     ("/health", "get", None, "200 when the default model can be served now, else 503"),
     ("/api/chat", "post", ollama_schemas.OllamaChatRequest, "Ollama: chat, tools (NDJSON lines unless stream: false)"),

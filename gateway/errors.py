@@ -15,8 +15,8 @@
     ├── Unavailable               503  swarm_unavailable     the swarm cannot serve this now
     └── HTTPError                 4xx  (werkzeug's name)     what Flask refuses by itself: a wrong method, ...
 
-The 429s carry Retry-After. Petals Chat replies are `{ok: false, error, code, traceback}`; `traceback` repeats the
-clean message for old clients; the OpenAI API wraps the same error in OpenAI's envelope (openai_format.py).
+The 429s carry Retry-After. Each dialect wraps an error in its own envelope (its format.py: error_body), and
+create_app's one error handler picks the envelope by the dialect a request speaks (gateway/__init__.py).
 """
 
 from __future__ import annotations
@@ -141,9 +141,3 @@ def from_exception(error: BaseException) -> APIError:
     logger.exception("unexpected error", exc_info=error)
     return APIError("internal error (see the gateway's log)")
 
-
-def error_body(error: APIError) -> dict:
-    body = {"ok": False, "error": error.message, "code": error.code, "traceback": error.message}
-    if error.field:
-        body["field"] = error.field
-    return body

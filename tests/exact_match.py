@@ -46,13 +46,13 @@ def assert_chat_reply_is_the_local_greedy_token(reply, folder, model_name: str, 
     own rendering of the chat (tools included) and equals the local model's greedy next token after them."""
     import transformers
 
-    from gateway.openai_params import offered_tools
-    from gateway.prompts import render_chat
-    from gateway.schemas import ChatCompletionRequest
+    from gateway.chat.params import offered_tools
+    from gateway.chat.prompts import render_chat
+    from gateway.openai.schemas import ChatCompletionRequest
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     fields = ChatCompletionRequest(model=model_name, messages=messages, tools=tools)
-    ids = tokenizer(render_chat(tokenizer, fields.messages, offered_tools(fields)[1]), add_special_tokens=False)
+    ids = tokenizer(render_chat(tokenizer, fields.messages, offered_tools(fields.tool_choice, fields.tools).tools), add_special_tokens=False)
     assert len(ids["input_ids"]) == reply.usage.prompt_tokens
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = int(local_logits(model, ids["input_ids"])[-1].argmax())

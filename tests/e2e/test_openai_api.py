@@ -290,7 +290,7 @@ def sampled(client, count=12, **fields) -> str:
 
 def local_sample(local, params, count=12) -> str:
     """The reply the gateway's sampler draws from the local model's logits: the same generator, seeded alike."""
-    from gateway.sampling import Sampler
+    from gateway.engine.sampling import Sampler
 
     model, tokenizer = local
     ids = chat_prompt_ids(local)
@@ -313,7 +313,7 @@ def test_samplers_that_keep_one_token_are_greedy(client, local, fields):
 
 
 def test_a_seed_reproduces_a_sample_and_filters_that_are_off_change_nothing(client, local):
-    from gateway.sampling import SamplingParams
+    from gateway.engine.sampling import SamplingParams
 
     first = sampled(client, temperature=1.0, seed=3)
     assert first == local_sample(local, SamplingParams(do_sample=True, seed=3))
@@ -323,7 +323,7 @@ def test_a_seed_reproduces_a_sample_and_filters_that_are_off_change_nothing(clie
 
 
 def test_every_sampler_field_takes_effect(client, local):
-    from gateway.sampling import SamplingParams
+    from gateway.engine.sampling import SamplingParams
 
     fields = {"temperature": 0.8, "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": 0.5,
               "top_k": 20, "min_p": 0.05, "typical_p": 0.9, "repetition_penalty": 1.1, "penalty_decay": 0.99}
@@ -336,7 +336,7 @@ def test_every_sampler_field_takes_effect(client, local):
 @pytest.mark.parametrize("fields", [{"mirostat": 2, "mirostat_tau": 2.0, "mirostat_eta": 0.2},
                                     {"mirostat": 1, "mirostat_tau": 3.0, "mirostat_eta": 0.1}], ids=["v2", "v1"])
 def test_mirostat_samples_as_defined_and_reproducibly(client, local, fields):
-    from gateway.sampling import SamplingParams
+    from gateway.engine.sampling import SamplingParams
 
     reply = sampled(client, count=16, temperature=1.0, seed=1, **fields)
     assert reply == local_sample(local, SamplingParams(do_sample=True, seed=1, **fields), 16)
@@ -347,7 +347,7 @@ def test_mirostat_samples_as_defined_and_reproducibly(client, local, fields):
 
 
 def test_ai00_sampler_override_is_mirostat_v2(gateway, local):
-    from gateway.sampling import SamplingParams
+    from gateway.engine.sampling import SamplingParams
 
     body = {"messages": MESSAGES, "max_tokens": 16, "temperature": 1.0, "seed": 1,
             "sampler_override": {"type": "Mirostat", "tau": 2.0, "rate": 0.2}}

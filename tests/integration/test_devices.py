@@ -79,7 +79,7 @@ BFLOAT16_ABS_ERROR = 0.05  # times the largest |logit|
 
 
 def gateway_engine(tiny_swarm, tiny_llama, settings, device: str, dtype: str):
-    from gateway.engine import Engine
+    from gateway.engine.generation import Engine
 
     gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), dht_prefix=TINY_PREFIX),),
                               device=device, dtype=dtype)
@@ -89,8 +89,8 @@ def gateway_engine(tiny_swarm, tiny_llama, settings, device: str, dtype: str):
 
 def greedy_reply(engine, prompt: list[int], new_tokens: int) -> list[int]:
     """The engine's greedy reply, as token ids (each step's logprob names its token)."""
-    from gateway.engine import GenerationRequest
-    from gateway.sampling import SamplingParams
+    from gateway.engine.generation import GenerationRequest
+    from gateway.engine.sampling import SamplingParams
 
     session = engine.open_session("tiny", len(prompt) + new_tokens, expires=False)
     try:

@@ -136,7 +136,7 @@ SEEDED_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def engine(chaos_swarm, tiny_llama, settings):
-    from gateway.engine import Engine
+    from gateway.engine.generation import Engine
 
     gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), dht_prefix=PREFIX),))
     swarm = SwarmSettings(cache_dir=settings.cache_dir, initial_peers=tuple(chaos_swarm.initial_peers))
@@ -146,7 +146,7 @@ def engine(chaos_swarm, tiny_llama, settings):
 
 
 def sampling(engine, seed):
-    from gateway.sampling import SamplingParams
+    from gateway.engine.sampling import SamplingParams
 
     eos = engine.model("tiny").tokenizer.eos_token_id  # never sampled: every reply runs its full length
     return SamplingParams(do_sample=True, temperature=1.0, seed=seed, logit_bias={eos: -100})
@@ -154,7 +154,7 @@ def sampling(engine, seed):
 
 def reply(engine, params, on_token=lambda count, session: None) -> list[int]:
     """The engine's reply to PROMPT as token ids; on_token(tokens so far, session) runs after each token."""
-    from gateway.engine import GenerationRequest
+    from gateway.engine.generation import GenerationRequest
 
     session = engine.open_session("tiny", len(PROMPT) + SEEDED_TOKENS, expires=False)
     request = GenerationRequest(inputs=None, sampling=params, max_new_tokens=SEEDED_TOKENS,
@@ -174,7 +174,7 @@ def test_a_seeded_sample_is_identical_when_a_server_dies_mid_reply(chaos_swarm, 
     """A seeded, sampled reply of the gateway's engine (temperature 1) is the same whether or not its chain loses a
     server on the way: a replica takes over (the session's inputs replayed to it), and every token equals the
     undisturbed reply's. What the README's fault tolerance promises, for sampling as well as greedy decoding."""
-    from gateway.sampling import SamplingParams
+    from gateway.engine.sampling import SamplingParams
 
     reference = reply(engine, sampling(engine, seed=11))
     assert len(reference) == SEEDED_TOKENS

@@ -9,13 +9,15 @@ import torch
 import transformers
 
 from config import AccessSettings, GatewaySettings, ModelConfig, Settings, SwarmSettings
-from gateway import anthropic_format as wire
+from gateway.anthropic import format as wire
 from gateway import create_app
-from gateway.anthropic_api import chat_messages, tool_choice_of
-from gateway.engine import Engine
+from gateway.anthropic.translate import chat_messages, tool_choice_of
+from gateway.chat.params import ToolChoice
+from gateway.engine.generation import Engine
 from gateway.errors import APIError, BadRequest, NotFound, PayloadTooLarge, RateLimited, Unavailable
-from gateway.schemas import NamedToolChoice, parse
-from gateway.schemas.anthropic import AnthropicCountTokensRequest
+from gateway.chat.schemas import NamedToolChoice
+from gateway.web.bodies import parse
+from gateway.anthropic.schemas import AnthropicCountTokensRequest
 from swarm.protocol import ServerUnavailableError
 
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -57,14 +59,15 @@ def test_misplaced_or_unserved_blocks_are_400s_that_name_them(content, field):
 
 
 def test_tool_choices_in_openai_terms():
-    assert tool_choice_of(body()) == ("none", None, False)
-    assert tool_choice_of(body(tools=[TOOL]))[0] == "auto"
-    choice, tools, parallel = tool_choice_of(body(tools=[TOOL], tool_choice={"type": "any"}))
-    assert choice == "required" and tools[0].function.parameters == TOOL["input_schema"] and parallel
-    choice, _, parallel = tool_choice_of(body(tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather",
-                                                                        "disable_parallel_tool_use": True}))
-    assert choice == NamedToolChoice(type="function", function={"name": "get_weather"}) and not parallel
-    assert tool_choice_of(body(tools=[TOOL], tool_choice={"type": "none"})) == ("none", None, False)
+    assert tool_choice_of(body()) == ToolChoice("none", None, False)
+    assert tool_choice_of(body(tools=[TOOL])).mode == "auto"
+    any_tool = tool_choice_of(body(tools=[TOOL], tool_choice={"type": "any"}))
+    assert any_tool.mode == "required" and any_tool.tools[0].function.parameters == TOOL["input_schema"] \
+        and any_tool.parallel
+    named = tool_choice_of(body(tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather",
+                                                          "disable_parallel_tool_use": True}))
+    assert named.mode == NamedToolChoice(type="function", function={"name": "get_weather"}) and not named.parallel
+    assert tool_choice_of(body(tools=[TOOL], tool_choice={"type": "none"})) == ToolChoice("none", None, False)
     with pytest.raises(BadRequest, match="tool_choice"):
         tool_choice_of(body(tool_choice={"type": "any"}))
 

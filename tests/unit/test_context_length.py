@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 from config import ModelConfig
-from gateway import served as served_module
-from gateway.served import UNKNOWN_CONTEXT, ServedModel
+from gateway.engine import served as served_module
+from gateway.engine.served import UNKNOWN_CONTEXT, ServedModel
 
 
 class FakeSwarm:

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
-from gateway.engine import Engine, GenerationRequest
+from gateway.engine.generation import Engine, GenerationRequest
 from gateway.errors import BadRequest, LengthExceeded, NotFound, TooManySessions
-from gateway.sampling import SamplingParams
+from gateway.engine.sampling import SamplingParams
 
 
 class LocalSession:

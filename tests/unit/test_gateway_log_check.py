@@ -6,8 +6,8 @@ import pytest
 from gateway_log import assert_clean_log, serious_lines
 
 CLEAN = """[2026-11-23 11:22:23 +0000] [20414] [INFO] Starting gunicorn 27.0.1
-2026-11-23 11:22:41,958 INFO gateway.sessions [-] closed inference session 6dbe after 4 s idle
-2026-11-23 11:22:42,001 WARNING gateway.engine [abc] a reply mentions an unexpected Traceback, not at a line start
+2026-11-23 11:22:41,958 INFO gateway.engine.sessions [-] closed inference session 6dbe after 4 s idle
+2026-11-23 11:22:42,001 WARNING gateway.engine.generation [abc] a reply mentions an unexpected Traceback, not at a line start
 """
 
 
@@ -19,7 +19,7 @@ def test_a_clean_log_passes():
 @pytest.mark.parametrize("bad, first", [
     ("2026-11-23 11:26:51,571 ERROR gateway.errors [022e] unexpected error\nTraceback (most recent call last):\n"
      "  File \"gateway/engine.py\", line 1\nRuntimeError: boom\n", "ERROR gateway.errors"),
-    ("2026-11-23 11:26:51,571 WARNING gateway.engine [-] closing session 1 failed\n"
+    ("2026-11-23 11:26:51,571 WARNING gateway.engine.generation [-] closing session 1 failed\n"
      "Traceback (most recent call last):\n  File \"x.py\", line 1\nOSError: gone\n", "Traceback (most recent"),
     ("2026-11-23 11:26:51,571 ERROR gateway.errors [1] a block server refused a request: no\n", "a block server"),
     ("[2026-11-23 11:26:33 +0000] [23432] [CRITICAL] WORKER TIMEOUT (pid:23433)\n", "WORKER TIMEOUT"),

@@ -1,4 +1,4 @@
-"""Constrained decoding (gateway.grammar) on the tiny test tokenizer and on the real SmolLM2 tokenizer.
+"""Constrained decoding (gateway.engine.grammar) on the tiny test tokenizer and on the real SmolLM2 tokenizer.
 
 The "model" is a seeded random walk: at each step it picks uniformly among the allowed tokens, until the
 constraint is finished or it picks EOS. Whatever it produces must parse and match the grammar.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.grammar import Constraint, GrammarError, GrammarSpec, TokenizerGrammars, tool_call_spec
+from gateway.engine.grammar import Constraint, GrammarError, GrammarSpec, TokenizerGrammars, tool_call_spec
 
 TINY_VOCAB = 512  # the tiny model's LM head is larger than its trained tokenizer (428 tokens)
 

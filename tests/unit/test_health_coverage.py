@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gateway.http_api import RecentCoverage
+from gateway.web.health import RecentCoverage
 
 
 class Swarm:

@@ -8,9 +8,9 @@ import threading
 import pytest
 from flask import Flask
 
-from gateway import held_sessions
-from gateway.ndjson import ndjson_stream
-from gateway.sse import event_stream
+from gateway.web import held_sessions
+from gateway.web.ndjson import ndjson_stream
+from gateway.web.sse import event_stream
 
 
 class FakeSession:

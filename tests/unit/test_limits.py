@@ -4,10 +4,12 @@ context-length checks, and reading Limits from the environment."""
 import pytest
 
 from config import AccessSettings, GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
-from gateway import create_app, limits
+from gateway import create_app
+from gateway.web import limits
 from gateway.errors import BadRequest, LengthExceeded, RateLimited, TooManySessions
-from gateway.limits import RateLimiter, check_context_length, check_new_tokens
-from gateway.sessions import SessionRegistry
+from gateway.engine.lengths import check_context_length, check_new_tokens
+from gateway.web.limits import RateLimiter
+from gateway.engine.sessions import SessionRegistry
 
 
 @pytest.fixture

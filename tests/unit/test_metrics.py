@@ -4,8 +4,9 @@ import asyncio
 
 from prometheus_client import REGISTRY
 
-from gateway.metrics import api_of, observe_token
-from gateway.stats import RequestStats
+from gateway.engine.metrics import observe_token
+from gateway.web.metrics import api_of
+from gateway.engine.stats import RequestStats
 
 
 def test_requests_count_under_their_api():

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
-from gateway import create_app, request_ids
+from gateway import create_app
+from gateway.web import request_ids
 from gateway.errors import BadRequest
-from gateway.sse import event_stream
-from gateway.ws_api import Connection
+from gateway.web.sse import event_stream
+from gateway.petals.websocket import Connection
 
 SECRET = "boom in /srv/gateway/secret.py"
 

@@ -7,16 +7,16 @@ import pytest
 from flask import Flask
 
 from config import GenerationDefaults
-from gateway import ollama_format as wire
-from gateway.engine import TokenLogprob
+from gateway.ollama import format as wire
+from gateway.engine.generation import TokenLogprob
 from gateway.errors import BadRequest, NotFound
-from gateway.ndjson import ndjson_stream
-from gateway.ollama_api import speaks_ollama
-from gateway.ollama_params import chat_messages, sampling_fields
-from gateway.openai_params import constraint_spec, max_new_tokens, sampling_params, stop_fields
-from gateway.schemas import parse
-from gateway.schemas.ollama import OllamaChatRequest, OllamaEmbedRequest
-from gateway.stats import RequestStats
+from gateway.web.ndjson import ndjson_stream
+from gateway.ollama.routes import speaks as speaks_ollama
+from gateway.ollama.translate import chat_messages, sampling_fields
+from gateway.chat.params import constraint_spec, max_new_tokens, sampling_params, stop_fields
+from gateway.web.bodies import parse
+from gateway.ollama.schemas import OllamaChatRequest, OllamaEmbedRequest
+from gateway.engine.stats import RequestStats
 from tiny_model import build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -6,12 +6,14 @@ import pytest
 from flask import Flask
 
 from config import GenerationDefaults
-from gateway import openai_format as wire
-from gateway.engine import TokenLogprob
+from gateway.openai import format as wire
+from gateway.engine.generation import TokenLogprob
 from gateway.errors import BadRequest, NotFound, TooManySessions
-from gateway.openai_params import ai00_sampler, max_new_tokens, sampling_params, stop_fields
-from gateway.schemas import ChatCompletionRequest, SamplerOverride, parse
-from gateway.sse import event_stream
+from gateway.chat.params import ai00_sampler, max_new_tokens, sampling_params, stop_fields
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.chat.schemas import SamplerOverride
+from gateway.web.bodies import parse
+from gateway.web.sse import event_stream
 from tiny_model import build_tokenizer
 
 TOKENIZER = build_tokenizer()

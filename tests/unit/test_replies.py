@@ -6,9 +6,10 @@ import logging
 import pytest
 
 from config import GatewaySettings, ModelConfig, Settings, SwarmSettings
-from gateway import create_app, request_ids
+from gateway import create_app
+from gateway.web import request_ids
 from gateway.errors import BadRequest
-from gateway.schemas import load_json
+from gateway.web.bodies import load_json
 
 
 @pytest.fixture

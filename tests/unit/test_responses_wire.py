@@ -5,13 +5,15 @@ import json
 
 import pytest
 
-from gateway import responses_format as wire
-from gateway.engine import Delta
+from gateway.openai.responses import format as wire
+from gateway.engine.generation import Delta
 from gateway.errors import BadRequest, LengthExceeded, NotFound, Unavailable
-from gateway.responses_api import ResponseRun, chat_request, in_responses_terms, input_messages
-from gateway.responses_store import ResponseStore, StoredResponse
-from gateway.schemas import ChatCompletionRequest, parse
-from gateway.schemas.responses import ResponseCreateRequest
+from gateway.openai.responses.routes import ResponseRun
+from gateway.openai.responses.translate import chat_request, in_responses_terms, input_messages
+from gateway.openai.responses.store import ResponseStore, StoredResponse
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.web.bodies import parse
+from gateway.openai.responses.schemas import ResponseCreateRequest
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 
@@ -90,13 +92,14 @@ def test_errors_name_this_apis_fields(error, field, message):
 # ------------------------------------------------------------------------------------------ a run
 
 
-class ScriptedChoices:
-    """Stands in for openai_choices.Choices: the deltas of one reply, then perhaps an error."""
+class ScriptedPlan:
+    """Stands in for chat.plan.Plan: the deltas of one reply to a 5-token prompt, then perhaps an error."""
 
-    def __init__(self, deltas, error=None):
-        self.deltas, self.error = deltas, error
+    def __init__(self, deltas, tools=None, error=None):
+        self.deltas, self.tools, self.error = deltas, tools, error
+        self.prompt_ids, self.n = [0] * 5, 1
 
-    def run(self, make_request, cancelled, stats):
+    def run(self, cancelled, stats):
         for delta in self.deltas:
             if cancelled():
                 yield 0, Delta("", 0, "cancelled")
@@ -108,7 +111,7 @@ class ScriptedChoices:
 
 def run_of(deltas, tools=None, error=None, **fields) -> ResponseRun:
     body = wire.response_object("resp_1", "tiny", request(**fields))
-    return ResponseRun(body, tools, 5, (ScriptedChoices(deltas, error), None), None)
+    return ResponseRun(body, ScriptedPlan(deltas, tools, error), None)
 
 
 def test_a_text_reply_streams_its_events_in_order():

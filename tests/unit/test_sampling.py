@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TypicalLogitsWarper
 
-from gateway.sampling import (
+from gateway.engine.sampling import (
     Sampler,
     SamplingParams,
     apply_logit_bias,

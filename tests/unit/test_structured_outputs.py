@@ -1,4 +1,4 @@
-"""Structured output beyond JSON schema and GBNF (gateway.structured_outputs): a regular expression and a choice among
+"""Structured output beyond JSON schema and GBNF (gateway.chat.structured): a regular expression and a choice among
 strings, under vLLM's spellings, compiled by the same llguidance grammars as the rest (on the tiny test tokenizer).
 
 As in test_grammar.py, the "model" is a seeded random walk among the tokens the constraint allows: whatever it
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from gateway.errors import BadRequest
-from gateway.grammar import GrammarError, GrammarSpec, TokenizerGrammars
-from gateway.openai_params import constraint_spec, requested_constraint
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
-from gateway.structured_outputs import REGEX_SPECIALS, choice_spec, escape_regex, requested_spec
+from gateway.engine.grammar import GrammarError, GrammarSpec, TokenizerGrammars
+from gateway.chat.params import ToolChoice, constraint_spec, requested_constraint
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.web.bodies import parse
+from gateway.chat.structured import REGEX_SPECIALS, choice_spec, escape_regex, requested_spec
 
 TINY_VOCAB = 512
 
@@ -147,7 +148,7 @@ def test_two_kinds_at_once_are_refused_naming_the_second(fields, named):
 def test_a_forced_tool_call_takes_precedence():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     fields = chat(tools=tools, tool_choice="required", guided_regex="a")
-    spec, field = requested_constraint(fields, ("required", fields.tools, False))
+    spec, field = requested_constraint(fields, ToolChoice("required", fields.tools, False))
     assert field == "tools" and spec.kind == "json_schema"
 
 

@@ -1,4 +1,4 @@
-from gateway.text import StopMatcher
+from gateway.engine.stops import StopMatcher
 
 
 def feed(matcher, pieces):

@@ -6,7 +6,7 @@ import pytest
 
 from config import Limits
 from gateway.errors import TooManyWebSockets
-from gateway.limits import WebSocketSlots
+from gateway.web.limits import WebSocketSlots
 
 
 def test_one_client_is_capped_and_others_are_not():

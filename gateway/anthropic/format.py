@@ -1,0 +1,151 @@
+"""Anthropic's wire format, as pure functions: a message, the events of a streamed one, the error envelope.
+
+A streamed message is, in order: message_start, then per content block content_block_start, content_block_delta
+(text_delta or input_json_delta) ... content_block_stop, a ping after the first block starts, then message_delta
+(stop_reason, usage.output_tokens) and message_stop. An error, even mid-stream, is
+`{"type": "error", "error": {"type": ..., "message": ...}}` (sse.py names each event after its `type`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Callable, Iterator, Optional
+
+from gateway.chat.plan import Plan
+from gateway.chat.reply import Finished, Piece, Replies, Reply
+from gateway.errors import APIError
+from gateway.web.request_ids import current as current_request_id
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 529: "overloaded_error"}  # any other 4xx is invalid, any other 5xx api_error
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(finish_reason: str, stop_sequence: Optional[str]) -> str:
+    """A text reply's end in Anthropic's words (a tool call's is "tool_use"; "cancelled": the client is gone)."""
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return "max_tokens" if finish_reason == "length" else "end_turn"
+
+
+def text_block(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def tool_use_block(name: str, arguments: str) -> dict:
+    """A tool call as a tool_use block; `arguments` is the call's JSON object as text."""
+    return {"type": "tool_use", "id": new_id("toolu"), "name": name, "input": json.loads(arguments)}
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict:
+    # the swarm keeps no prompt cache across requests: nothing is ever written to or read from one
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0}
+
+
+def message(message_id: str, model: str, content: list[dict], stop_reason_: Optional[str],
+            stop_sequence: Optional[str], usage_: dict) -> dict:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason_, "stop_sequence": stop_sequence, "usage": usage_}
+
+
+def message_start(message_id: str, model: str, input_tokens: int) -> dict:
+    return {"type": "message_start", "message": message(message_id, model, [], None, None, usage(input_tokens, 0))}
+
+
+def ping() -> dict:
+    return {"type": "ping"}
+
+
+def block_start(index: int, block: dict) -> dict:
+    """A block's opening: a text block empty, a tool_use block with an empty input (its JSON follows in deltas)."""
+    empty = text_block("") if block["type"] == "text" else {**block, "input": {}}
+    return {"type": "content_block_start", "index": index, "content_block": empty}
+
+
+def text_delta(index: int, text: str) -> dict:
+    return {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}
+
+
+def input_json_delta(index: int, partial_json: str) -> dict:
+    return {"type": "content_block_delta", "index": index, "delta": {"type": "input_json_delta",
+                                                                    "partial_json": partial_json}}
+
+
+def block_stop(index: int) -> dict:
+    return {"type": "content_block_stop", "index": index}
+
+
+def whole_block_events(index: int, block: dict) -> Iterator[dict]:
+    """A block known whole (a reply that was held back): its start, all of it in one delta, its stop."""
+    yield block_start(index, block)
+    if block["type"] == "tool_use":
+        yield input_json_delta(index, json.dumps(block["input"], ensure_ascii=False))
+    elif block["text"]:
+        yield text_delta(index, block["text"])
+    yield block_stop(index)
+
+
+def message_delta(stop_reason_: str, stop_sequence: Optional[str], output_tokens: int) -> dict:
+    return {"type": "message_delta", "delta": {"stop_reason": stop_reason_, "stop_sequence": stop_sequence},
+            "usage": {"output_tokens": output_tokens}}
+
+
+def message_stop() -> dict:
+    return {"type": "message_stop"}
+
+
+def error_body(error: APIError) -> dict:
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}, "request_id": current_request_id.get()}
+
+
+# ------------------------------------------------------------------------------------------ the reply
+
+
+class MessageReply:
+    """One reply in Anthropic's wire format: a message, or its events as the deltas come. With tools offered and a
+    free choice, a reply is a tool call or text, known only at its end: its blocks are then sent whole."""
+
+    def __init__(self, plan: Plan, stats):
+        self.replies, self.model, self.input_tokens = Replies(plan, stats), plan.model, len(plan.prompt_ids)
+        self.id = new_id("msg")
+
+    def message(self) -> dict:
+        [reply] = self.replies.whole()
+        blocks, stop_reason_, stop_sequence = self.finish(reply)
+        return message(self.id, self.model.name, blocks, stop_reason_, stop_sequence,
+                       usage(self.input_tokens, reply.tokens))
+
+    def events(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
+        held = self.replies.held
+        yield message_start(self.id, self.model.name, self.input_tokens)
+        if not held:
+            yield block_start(0, text_block(""))
+        yield ping()
+        reply = Reply(0)
+        for event in self.replies.events(cancelled):
+            if isinstance(event, Piece) and event.delta.text:
+                yield text_delta(0, event.delta.text)
+            elif isinstance(event, Finished):
+                reply = event.reply
+        blocks, stop_reason_, stop_sequence = self.finish(reply)
+        if held:
+            for index, block in enumerate(blocks):
+                yield from whole_block_events(index, block)
+        else:
+            yield block_stop(0)
+        yield message_delta(stop_reason_, stop_sequence, reply.tokens)
+        yield message_stop()
+
+    @staticmethod
+    def finish(reply: Reply) -> tuple[list[dict], str, Optional[str]]:
+        """The reply's content blocks (tool_use blocks when it is tool calls), stop reason and sequence."""
+        if reply.tool_calls:
+            return [tool_use_block(name, arguments) for name, arguments in reply.tool_calls], "tool_use", None
+        return [text_block(reply.text)], stop_reason(reply.finish_reason, reply.stop_sequence), reply.stop_sequence

@@ -1,0 +1,106 @@
+"""The one reply assembly of every chat-shaped dialect: a plan's deltas summed into replies, one per choice.
+
+A reply is text or tool calls. With tools offered (and a free choice), which one it is becomes known only at its
+end, so such a reply is held whole: no Piece of it is told, and its Finished carries all of it. Each dialect only
+formats what it is told:
+
+    Began(index)      a choice's first delta came (OpenAI's role chunk)
+    Piece(index, d)   a delta of a reply that is not held (the dialect decides which are worth a frame)
+    Finished(reply)   a choice ended: its text or tool calls, finish reason, stop sequence, tokens and logprobs
+
+    replies = Replies(plan, stats)
+    for event in replies.events(cancelled): ...      # streamed
+    for reply in replies.whole(): ...                # one body
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Union
+
+from gateway.chat.plan import Plan
+from gateway.chat.prompts import parse_tool_calls
+from gateway.engine.generation import Delta, TokenLogprob
+
+
+@dataclass
+class Reply:
+    """What one choice's deltas add up to."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = "stop"  # the engine's: "stop", "length" or "cancelled"
+    stop_sequence: Optional[str] = None  # which of the request's stop sequences ended it
+    tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: Optional[list[tuple[str, str]]] = None  # (name, arguments as JSON text) when the reply is calls
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.tokens += delta.token_count
+        self.logprobs += delta.logprobs
+        if delta.finish_reason:
+            self.finish_reason, self.stop_sequence = delta.finish_reason, delta.stop_sequence
+
+    @property
+    def ended_by(self) -> str:
+        """The finish reason as the client sees it: "tool_calls" for a reply that is calls."""
+        return "tool_calls" if self.tool_calls else self.finish_reason
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens (known when the request asked for logprobs)."""
+        return [item.token_id for item in self.logprobs]
+
+
+@dataclass(frozen=True)
+class Began:
+    index: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int
+    delta: Delta
+
+
+@dataclass(frozen=True)
+class Finished:
+    reply: Reply
+
+
+ReplyEvent = Union[Began, Piece, Finished]
+
+
+class Replies:
+    """The replies of one plan, as events while they come, or whole."""
+
+    def __init__(self, plan: Plan, stats):
+        self.plan, self.stats = plan, stats
+        self.held = plan.tools is not None  # with tools offered, a reply is a call or text: known at its end
+        self.replies: dict[int, Reply] = {}
+
+    @property
+    def tokens(self) -> int:
+        """Tokens generated so far, over every choice."""
+        return sum(reply.tokens for reply in self.replies.values())
+
+    def events(self, cancelled: Callable[[], bool] = lambda: False) -> Iterator[ReplyEvent]:
+        for index, delta in self.plan.run(cancelled, self.stats):
+            reply = self.replies.get(index)
+            if reply is None:
+                reply = self.replies[index] = Reply(index)
+                yield Began(index)
+            reply.add(delta)
+            if not self.held:
+                yield Piece(index, delta)
+            if delta.finish_reason:
+                if self.held:
+                    reply.tool_calls = parse_tool_calls(reply.text, self.plan.tools)
+                yield Finished(reply)
+
+    def whole(self) -> list[Reply]:
+        """Every choice's reply, in order, once all have ended."""
+        for _ in self.events():
+            pass
+        return [self.replies.get(index, Reply(index)) for index in range(self.plan.n)]

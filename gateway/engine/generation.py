@@ -1,0 +1,323 @@
+"""The one generation loop of the repository, over the served models and sessions of gateway/served.py.
+
+    request (schema) --API module--> GenerationRequest --Engine.generate--> Delta, Delta, ... (text + finish)
+
+Every API (HTTP, WebSocket, OpenAI) calls `Engine.generate`; none has a loop of its own. Each step sends
+only the new tokens through the swarm: the servers' caches hold the rest of the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from config import ModelConfig, Settings
+from gateway.errors import BadRequest, LengthExceeded, NotFound, from_exception
+from gateway.engine.lengths import check_max_length
+from gateway.engine.metrics import observe_token
+from gateway.engine.sampling import Sampler, SamplingParams
+from gateway.engine.served import CATALOGUE_SECONDS, GatewaySession, ServedModel
+from gateway.engine.stats import EngineStats, RequestStats
+from gateway.engine.sessions import SessionRegistry
+from gateway.engine.stops import StopMatcher
+from swarm.protocol import dht_prefix
+
+logger = logging.getLogger(__name__)
+
+DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    inputs: Optional[str]  # new text appended to the session (None: continue from where it stopped)
+    sampling: SamplingParams
+    max_new_tokens: Optional[int]  # None: until a stop or the session's length
+    max_length: Optional[int] = None  # a cap on the session's total length for this request
+    stop_sequences: tuple[str, ...] = ()
+    include_stop: bool = True  # Petals clients get the matched stop sequence in the text; OpenAI's don't
+    input_ids: tuple[int, ...] = ()  # new tokens given as ids (after `inputs`, if both are given)
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's own end-of-sequence tokens
+    logprobs: Optional[int] = None  # None: off; k: each token's log-probability and the k likeliest
+    constraint: Optional[Callable[[], object]] = None  # a fresh grammar.Constraint: structured output
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the likeliest tokens at this step, best first
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_count: int  # tokens generated for this piece of text
+    finish_reason: Optional[str] = None  # "stop" (end of sequence or a stop sequence), "length", "cancelled"
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stop_sequence: Optional[str] = None  # which of the request's stop sequences ended the reply (Anthropic says)
+
+
+class Engine:
+    def __init__(self, settings: Settings, connect: Optional[Callable[[ModelConfig], object]] = None):
+        """`connect(model_config) -> RemoteModel` builds a model's client half; the default joins the swarm."""
+        self.settings = settings
+        self.limits = settings.gateway.limits
+        self._connect = connect or self._connect_to_swarm
+        self._models: dict[str, ServedModel] = {}
+        self._models_lock = threading.Lock()
+        self._client = None  # one swarm client (a DHT node) for every model of this process
+        self._client_lock = threading.Lock()
+        self._catalogue: tuple[float, list[ModelConfig]] = (0.0, [])
+        self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout,
+                                        self.limits.max_sessions_per_client)
+        self.stats = EngineStats()
+
+    # ----------------------------------------------------------------------------------- models
+
+    def model_config(self, name: Optional[str]) -> ModelConfig:
+        """A configured model, else one the swarm's catalogue announces."""
+        config = self.settings.gateway.model(name)
+        if config is None:
+            config = next((model for model in self.discovered_models() if model.name == name), None)
+        if config is None:
+            served = ", ".join(model.name for model in (*self.settings.gateway.models, *self.discovered_models()))
+            raise NotFound(f"unknown model {name!r}; served models: {served}", field="model")
+        return config
+
+    def discovered_models(self) -> list[ModelConfig]:
+        """Models the swarm's servers announce that config.py does not name (refreshed every few seconds)."""
+        fetched_at, models = self._catalogue
+        if time.monotonic() - fetched_at < CATALOGUE_SECONDS or self._connect != self._connect_to_swarm:
+            return models
+        client = self.swarm_client()
+        configured = self.settings.gateway.models
+        known = {model.name for model in configured} | {model.dht_prefix or dht_prefix(model.path) for model in configured}
+        try:
+            records = client.catalogue()
+        except Exception:  # the catalogue is a convenience: the configured models are served regardless
+            logger.warning("could not read the swarm's model catalogue", exc_info=True)
+            records = []
+        models = [ModelConfig(name=record.name, path=record.source, dht_prefix=record.prefix)
+                  for record in records if record.name not in known and record.prefix not in known]
+        self._catalogue = (time.monotonic(), models)
+        return models
+
+    def listed_models(self) -> list[dict]:
+        """Every configured model (with whether the swarm covers it), and every discovered one it covers."""
+        listed = []
+        for config, configured in [(model, True) for model in self.settings.gateway.models] + \
+                                  [(model, False) for model in self.discovered_models()]:
+            entry = {"name": config.name, "max_session_length": config.max_session_length,
+                     "source": "config" if configured else "swarm"}
+            try:
+                entry.update(self.coverage(config.name), max_session_length=self.model(config.name).max_session_length)
+            except Exception as error:  # one unreachable model must not hide the others
+                entry.update(covered=False, error=from_exception(error).message)
+            if configured or entry["covered"]:
+                listed.append(entry)
+        return listed
+
+    def swarm_client(self):
+        with self._client_lock:
+            if self._client is None:
+                import torch
+
+                from swarm.client import SwarmClient
+
+                swarm = self.settings.swarm
+                if swarm.torch_threads:  # the embeddings, LM head and sampling of this process
+                    torch.set_num_threads(swarm.torch_threads)
+                self._client = SwarmClient(swarm.initial_peers, wire_dtype=getattr(torch, swarm.wire_dtype),
+                                           allowed_servers=swarm.allowed_servers,
+                                           spot_check_rate=swarm.spot_check_rate,
+                                           block_wait=swarm.block_wait_seconds)
+            return self._client
+
+    def model(self, name: Optional[str]) -> ServedModel:
+        config = self.model_config(name)
+        with self._models_lock:  # the first request to a model connects it; the others wait for that
+            if config.name not in self._models:
+                self._models[config.name] = ServedModel(config, self._connect(config))
+            return self._models[config.name]
+
+    def loaded_models(self) -> list[ServedModel]:
+        """The models this process has connected (Ollama's /api/ps); no lock: a model still connecting is not one."""
+        return list(self._models.values())
+
+    def _connect_to_swarm(self, config: ModelConfig):
+        import torch
+
+        from swarm.client import RemoteModel
+
+        gateway = self.settings.gateway  # where this process runs the model's embeddings, final norm and LM head
+        # errors name the model as clients do; its prefix is the one servers derive from their --model
+        return RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
+                                     config.dht_prefix, name=config.name, device=gateway.device,
+                                     dtype=getattr(torch, gateway.dtype))
+
+    def coverage(self, name: Optional[str]) -> dict:
+        """Whether the swarm now holds every block of the model, and how many servers serve it."""
+        remote = self.model(name).remote
+        coverage = remote.client.coverage(remote.prefix, remote.num_blocks)
+        return {"num_blocks": coverage.num_blocks, "servers": coverage.servers, "covered": coverage.covered,
+                "missing_blocks": coverage.missing_blocks}
+
+    def swarm_health(self, name: Optional[str]) -> dict:
+        """What the swarm looks like for one model: every server that announced a block of it (joining and
+        offline ones too), how many online servers hold each block, and the blocks none holds."""
+        remote = self.model(name).remote
+        health = remote.client.health(remote.prefix, remote.num_blocks)
+        return {
+            "num_blocks": health.num_blocks,
+            "coverage": health.servers_per_block,
+            "covered": health.covered,
+            "missing_ranges": [list(block_range) for block_range in health.missing],  # half-open [start, end)
+            "missing_blocks": health.missing_blocks,
+            "servers": [
+                {"peer_id": server.peer_id, "start": server.info.start, "end": server.info.end,
+                 "state": server.info.state.name.lower(), "throughput": server.info.throughput,
+                 "cache_tokens_free": server.info.cache_tokens_free, "version": server.info.version}
+                for server in health.servers
+            ],
+        }
+
+    # ----------------------------------------------------------------------------------- sessions
+
+    def open_session(self, model_name: Optional[str], max_length: int, expires: bool, owner: str = "") -> GatewaySession:
+        model = self.model(model_name)
+        check_max_length(model.config, max_length)
+        with self.sessions.reserve(owner):
+            session = GatewaySession(model, model.remote.session(max_length), max_length, expires, owner)
+            self.sessions.add(session)
+        return session
+
+    def close_session(self, session: GatewaySession) -> None:
+        self.sessions.remove(session)
+        session.close()
+
+    # ----------------------------------------------------------------------------------- the loop
+
+    def generate(self, session: GatewaySession, request: GenerationRequest,
+                 cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None) -> Iterator[Delta]:
+        """Append the request's inputs to the session and stream the reply. The caller holds session.lock.
+
+        `cancelled` is asked between tokens (a stop message, a client gone); `stats` collects the timings of
+        one API request across its choices (default: a record of its own in engine.stats)."""
+        if session.closed:
+            raise NotFound(f"inference session {session.id} is closed", field="session_id")
+        model = session.model
+        feed, used, budget = self._feed_and_budget(session, request)
+        detokenizer = _detokenizer(model, session.history + feed)
+        stopper = StopMatcher(request.stop_sequences, request.include_stop)
+        sampler = Sampler(request.sampling, model.vocab_size, context=session.history + feed)
+        constraint = request.constraint() if request.constraint else None
+        stop_ids = model.stop_ids | set(request.stop_token_ids)
+        stats = stats or self.stats.begin()
+        stats.prompt(len(feed))
+        session.reply_start = used
+
+        if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
+            self._step(session, feed)
+            session.pending = []
+            yield Delta("", 0, "length")
+            return
+        for count in range(1, budget + 1):
+            if cancelled():
+                yield Delta(_remaining_text(detokenizer, stopper), 0, "cancelled")
+                return
+            logits = self._step(session, feed)
+            # one clock for /stats, usage timings and the time-to-first-token / inter-token metrics
+            observe_token(model.name, stats.step_done(first=count == 1), first=count == 1)
+            token = sampler(logits, constraint.allowed() if constraint else None)
+            session.pending = feed = [token]
+            logprobs = (_logprob(logits, token, request.logprobs),) if request.logprobs is not None else ()
+
+            if token in stop_ids:
+                yield Delta(_remaining_text(detokenizer, stopper), 1, "stop", logprobs)
+                return
+            if constraint:
+                constraint.accept(token)
+            text, matched = stopper.push(detokenizer.push(token))
+            if matched or (constraint and constraint.is_finished()):
+                yield Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs,
+                            stop_sequence=matched)
+                return
+            if count == budget:
+                yield Delta(text + _remaining_text(detokenizer, stopper), 1, "length", logprobs)
+                return
+            yield Delta(text, 1, None, logprobs)
+
+    @staticmethod
+    def _feed_and_budget(session: GatewaySession, request: GenerationRequest) -> tuple[list[int], int, int]:
+        """The tokens to send first (the pending one, then the request's), the session's length once they
+        are in, and how many tokens the reply may have."""
+        new_ids = session.model.encode(request.inputs, at_start=not session.history) if request.inputs else []
+        feed = session.pending + new_ids + list(request.input_ids)
+        if not feed:
+            raise BadRequest("inputs: required to start a session's first generation", field="inputs")
+        limit = session.max_length if request.max_length is None else min(session.max_length, request.max_length)
+        used = len(session.history) + len(feed)
+        if used > limit:
+            raise LengthExceeded(
+                f"the inputs need {used} tokens, over the session's max_length of {limit}; "
+                "open a session with a larger max_length",
+                field="max_length" if request.max_length else "inputs",
+            )
+        budget = limit - used if request.max_new_tokens is None else min(request.max_new_tokens, limit - used)
+        return feed, used, budget
+
+    def rewind(self, session: GatewaySession, length: int) -> None:
+        """Forget everything after the first `length` tokens (another choice for the same prompt, a regenerate):
+        the servers overwrite their caches from there, so the prompt is not computed again."""
+        tokens = session.history + session.pending
+        if length <= 0:
+            session.history, session.pending = [], []
+        else:
+            session.history, session.pending = tokens[: length - 1], tokens[length - 1 : length]
+
+    @staticmethod
+    def _step(session: GatewaySession, feed: list[int]):
+        if session.closed:
+            raise NotFound(f"inference session {session.id} was closed", field="session_id")
+        logits = session.inference.step([feed], position=len(session.history))[0]  # (vocab,)
+        session.history.extend(feed)
+        session.last_used = time.monotonic()
+        return logits
+
+    # ----------------------------------------------------------------------------------- scoring
+
+    def token_logprobs(self, model_name: Optional[str], ids: list[int], top: int = 0) -> list[Optional[TokenLogprob]]:
+        """Each token's log-probability given the ones before it (None for the first), in one cache-less pass."""
+        logits = self.model(model_name).remote.forward([ids])[0]  # (length, vocab)
+        return [None] + [_logprob(logits[index - 1], ids[index], top) for index in range(1, len(ids))]
+
+    def embed(self, model_name: Optional[str], ids: list[int], layer: Optional[int]) -> list[float]:
+        """Mean-pooled hidden states after `layer` blocks (default: the last, after the final norm)."""
+        remote = self.model(model_name).remote
+        if layer is not None and layer > remote.num_blocks:
+            raise BadRequest(f"layer: at most {remote.num_blocks} for this model, got {layer}", field="layer")
+        return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
+
+
+def _logprob(logits, token: int, top: int) -> TokenLogprob:
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token, float(logprobs[token]), pairs)
+
+
+def _detokenizer(model: ServedModel, context: list[int]):
+    from swarm.client import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(model.tokenizer, context=context[-DETOKENIZER_CONTEXT:])
+
+
+def _remaining_text(detokenizer, stopper: StopMatcher) -> str:
+    """At the end of a reply, the text held back for an incomplete character or a possible stop sequence."""
+    text, matched = stopper.push(detokenizer.flush())
+    return text if matched else text + stopper.flush()

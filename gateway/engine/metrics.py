@@ -1,0 +1,25 @@
+"""The engine's Prometheus metrics: how fast tokens come, per model (served at /metrics by web/metrics.py).
+
+    gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
+    gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
+    gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+TIME_TO_FIRST_TOKEN = Histogram("gateway_time_to_first_token_seconds",
+                                "From the start of a generation (prompt sent) to its first token", ["model"],
+                                buckets=_LATENCY_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("gateway_inter_token_latency_seconds", "Between two tokens of one generation",
+                                ["model"], buckets=_LATENCY_BUCKETS)
+GENERATED_TOKENS = Counter("gateway_generated_tokens_total", "Tokens generated (rate() gives tokens/s)", ["model"])
+
+
+def observe_token(model: str, seconds: float, first: bool) -> None:
+    """One generated token: `seconds` since the generation started (the first) or since the token before."""
+    (TIME_TO_FIRST_TOKEN if first else INTER_TOKEN_LATENCY).labels(model).observe(seconds)
+    GENERATED_TOKENS.labels(model).inc()

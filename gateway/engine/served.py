@@ -1,0 +1,123 @@
+"""What the engine serves: a model's client half on the swarm (ServedModel), and inference sessions on it
+(GatewaySession). gateway/engine.py runs the one generation loop over them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from config import ModelConfig
+from gateway.errors import BadRequest
+
+logger = logging.getLogger(__name__)
+
+CATALOGUE_SECONDS = 5.0  # how long the swarm's model catalogue (and its servers' limits) is trusted before asking again
+UNKNOWN_CONTEXT = 2048  # a model whose config names no context (BLOOM's ALiBi has no trained maximum)
+
+
+class ServedModel:
+    """A model the gateway serves: the client half of it (embeddings, LM head, tokenizer) on the swarm."""
+
+    def __init__(self, config: ModelConfig, remote):
+        self.configured, self.remote = config, remote  # remote: swarm.client.RemoteModel
+        self.tokenizer = remote.tokenizer
+        self.stop_ids = remote.stop_token_ids  # the one stop rule (python -m swarm.client.generate's too)
+        self._grammars, self._grammars_lock = None, threading.Lock()
+        self._swarm_context: tuple[float, Optional[int]] = (-CATALOGUE_SECONDS, None)  # (when asked, answer)
+
+    @property
+    def name(self) -> str:
+        return self.configured.name
+
+    @property
+    def config(self) -> ModelConfig:
+        """The configured model, with its context length resolved (see max_session_length)."""
+        return replace(self.configured, max_session_length=self.max_session_length)
+
+    @property
+    def max_session_length(self) -> int:
+        """The longest session (prompt and reply) it serves: the configured one if set (an override), else what
+        the model was trained for, bounded by the longest session the swarm's servers can hold now."""
+        if self.configured.max_session_length is not None:
+            return self.configured.max_session_length
+        trained = getattr(self.remote.config, "max_position_embeddings", None) or UNKNOWN_CONTEXT
+        held = self._swarm_longest_session()
+        return min(trained, held) if held else trained
+
+    def _swarm_longest_session(self) -> Optional[int]:
+        asked_at, longest = self._swarm_context
+        if time.monotonic() - asked_at >= CATALOGUE_SECONDS:
+            remote = self.remote
+            try:
+                longest = remote.client.longest_session(remote.prefix, remote.num_blocks)
+            except Exception:  # servers unreachable now: the model's own context stands until they answer
+                logger.debug("could not ask the swarm how long a session it holds", exc_info=True)
+                longest = None
+            self._swarm_context = (time.monotonic(), longest)
+        return longest
+
+    @property
+    def vocab_size(self) -> int:
+        return self.remote.config.vocab_size
+
+    def grammars(self):
+        """What compiles grammars against this model's tokenizer, built on first use (it takes a moment)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from gateway.engine.grammar import TokenizerGrammars
+
+                self._grammars = TokenizerGrammars(self.tokenizer, self.vocab_size, eos_token_ids=self.stop_ids)
+            return self._grammars
+
+    def encode(self, text: str, at_start: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=at_start)["input_ids"]
+
+    def check_token_ids(self, ids: list[int], field: str) -> None:
+        """Token ids a client sent (a prompt, a context, ids to decode) must be in the vocabulary."""
+        if any(not 0 <= token < self.vocab_size for token in ids):
+            raise BadRequest(f"{field}: token ids must be in [0, {self.vocab_size})", field=field)
+
+
+@dataclass(eq=False)
+class GatewaySession:
+    """One inference session: the remote session on the servers, and what the gateway knows of it."""
+
+    model: ServedModel
+    inference: object  # swarm.client.InferenceSession: the session on the swarm's servers
+    max_length: int
+    expires: bool  # HTTP sessions expire when idle; a WebSocket's lives as long as its connection
+    owner: str = ""  # the client that opened it (access.client_id), for the per-client cap
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    history: list[int] = field(default_factory=list)  # token ids in the servers' caches
+    pending: list[int] = field(default_factory=list)  # the last sampled token, shown but not yet sent
+    reply_start: Optional[int] = None  # session length where the last reply began: regenerate rewinds there
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    @contextlib.contextmanager
+    def waits_told_to(self, hook: Optional[Callable[[str], None]]):
+        """Within the block, `hook(message)` is told whenever a step waits for a server of some blocks."""
+        inference = self.inference if hook is not None else None
+        if inference is not None:
+            inference.on_wait = hook
+        try:
+            yield
+        finally:
+            if inference is not None:
+                inference.on_wait = None
+
+    def close(self) -> None:
+        """Free the servers' caches; safe to call twice and from any thread."""
+        self.closed = True
+        inference, self.inference = self.inference, None
+        if inference is not None:
+            try:
+                inference.close()
+            except Exception:  # the servers free the cache when the stream breaks, too
+                logger.warning("closing session %s failed", self.id, exc_info=True)

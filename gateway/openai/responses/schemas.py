@@ -1,0 +1,125 @@
+"""The request shapes of OpenAI's Responses API (POST /v1/responses), as pydantic models.
+
+`input` is a text (one user message) or a list of items: messages (whose content is a text or input_text parts;
+an earlier reply's output_text parts may come back as input), function_call items (the model's earlier calls)
+and function_call_output items (what those calls returned). Tools are function tools in the Responses API's flat
+shape. Unknown fields are accepted and ignored, as on the rest of the OpenAI API; a bad field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import Discriminator, Field, Tag
+
+from gateway.chat.schemas import ExtensibleRequest
+
+
+class ResponsesTextPart(ExtensibleRequest):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+def _text_or_parts(value) -> str:
+    """"parts" for a list, else "text" (so that a wrong value is reported against one shape, not both)."""
+    return "parts" if isinstance(value, list) else "text"
+
+
+ResponsesContent = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[list[ResponsesTextPart], Tag("parts")]],
+    Discriminator(_text_or_parts),
+]
+
+
+class ResponsesMessageItem(ExtensibleRequest):
+    type: Literal["message"] = "message"  # OpenAI's "easy input message" leaves it out
+    role: Literal["user", "assistant", "system", "developer"]
+    content: ResponsesContent
+
+
+class ResponsesFunctionCallItem(ExtensibleRequest):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object, as text
+
+
+class ResponsesFunctionCallOutputItem(ExtensibleRequest):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: ResponsesContent
+
+
+def _item_kind(item) -> str:
+    """The item's type: "message" when a message leaves it out (or when the item is not even an object)."""
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", "message")
+
+
+ResponsesInputItem = Annotated[
+    Union[Annotated[ResponsesMessageItem, Tag("message")],
+          Annotated[ResponsesFunctionCallItem, Tag("function_call")],
+          Annotated[ResponsesFunctionCallOutputItem, Tag("function_call_output")]],
+    Discriminator(_item_kind),
+]
+
+
+def _input_kind(value) -> str:
+    """"items" for a list, else "text"."""
+    return "items" if isinstance(value, list) else "text"
+
+
+ResponsesInput = Annotated[
+    Union[Annotated[str, Field(min_length=1), Tag("text")],
+          Annotated[list[ResponsesInputItem], Field(min_length=1), Tag("items")]],
+    Discriminator(_input_kind),
+]
+
+
+class ResponsesFunctionTool(ExtensibleRequest):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesNamedToolChoice(ExtensibleRequest):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(ExtensibleRequest):
+    """text.format: plain text, any JSON object, or JSON valid against `schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponsesTextConfig(ExtensibleRequest):
+    format: Optional[ResponsesTextFormat] = None
+
+
+class ResponseCreateRequest(ExtensibleRequest):
+    model: Optional[str] = None
+    input: ResponsesInput  # a text (one user message), or a list of items
+    instructions: Optional[str] = None  # a system message before the input; not carried on to a follow-up
+    previous_response_id: Optional[str] = None  # continue that stored response's conversation
+    temperature: Optional[float] = Field(None, ge=0, le=100)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)  # vLLM's extra fields, as on chat completions
+    seed: Optional[int] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    text: Optional[ResponsesTextConfig] = None
+    tools: Optional[list[ResponsesFunctionTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # None: true
+    store: Optional[bool] = None  # None: true
+    stream: Optional[bool] = None
+    background: Optional[bool] = None  # run on after the reply, which comes at once; poll it, or cancel it
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None

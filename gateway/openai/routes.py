@@ -1,0 +1,182 @@
+"""The OpenAI-compatible API (a superset of MLC-LLM's, mistral.rs's and Ai00's): thin translators to the engine.
+
+`register` puts the routes under PREFIXES (OpenAI's /v1, and Ai00's /api/oai and /api/oai/v1), with the Responses
+API (responses/) beside them; `extras` holds the routes that live at the root (/tokenize, /detokenize, /stats,
+/verbose_stats). Errors take OpenAI's envelope (format.error_body) for the requests that `speaks` says are OpenAI's.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+
+from flask import Blueprint, jsonify, request
+
+from gateway.chat.params import requested_top_logprobs
+from gateway.chat.plan import plan_generation
+from gateway.chat.prompts import render_chat
+from gateway.engine.lengths import check_context_length
+from gateway.errors import BadRequest
+from gateway.openai import format as wire
+from gateway.openai.responses.routes import blueprint as responses_blueprint
+from gateway.openai.schemas import (
+    ChatCompletionRequest,
+    ChooseRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
+from gateway.openai.translate import plan_chat, prompt_token_lists
+from gateway.web.bodies import json_body
+from gateway.web.current_engine import get_engine
+from gateway.web.sse import event_stream
+
+blueprint = Blueprint("openai", __name__)
+extras = Blueprint("openai_extras", __name__)
+PREFIXES = ("/v1", "/api/oai", "/api/oai/v1")
+error_body = wire.error_body
+
+
+def register(app) -> None:
+    """Chat and text completions and the rest under each prefix; the Responses API where chat completions are."""
+    for prefix in PREFIXES:
+        app.register_blueprint(blueprint, url_prefix=prefix, name="openai" + prefix.replace("/", "_"))
+    app.register_blueprint(extras)
+    for prefix in PREFIXES:
+        app.register_blueprint(responses_blueprint, url_prefix=prefix,
+                               name="openai_responses" + prefix.replace("/", "_"))
+
+
+def speaks() -> bool:
+    """Whether this request's errors take OpenAI's envelope: its routes, and unknown paths under its prefixes."""
+    if request.blueprint is not None:
+        return request.blueprint.startswith("openai")
+    return request.path.startswith(tuple(prefix + "/" for prefix in PREFIXES))
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+
+@blueprint.post("/chat/completions")
+def chat_completions():
+    fields = json_body(ChatCompletionRequest)
+    engine = get_engine()
+    top = requested_top_logprobs(fields)
+    plan = plan_chat(engine, fields, logprobs=top)
+    include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
+    replies = wire.ChatCompletionReplies(plan, top, include_usage, engine.stats.begin())
+    if not fields.stream:
+        return jsonify(replies.completion())
+    return event_stream(replies.chunks, wire.error_body)
+
+
+@blueprint.post("/completions")
+def completions():
+    fields = json_body(CompletionRequest)
+    engine = get_engine()
+    model = engine.model(fields.model)
+    prompts = prompt_token_lists(model, fields.prompt)
+    if len(prompts) > engine.sessions.max_per_client:  # each prompt holds a session of its own while it runs
+        raise BadRequest(f"prompt: at most {engine.sessions.max_per_client} prompts in one request "
+                         "(MAX_SESSIONS_PER_CLIENT)", field="prompt")
+    plans = [plan_generation(engine, model, fields, ids, "prompt", logprobs=fields.logprobs) for ids in prompts]
+    include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
+    replies = wire.TextCompletionReplies(engine, plans, fields.logprobs, fields.echo, include_usage,
+                                         engine.stats.begin())
+    if not fields.stream:
+        return jsonify(replies.completion())
+    return event_stream(replies.chunks, wire.error_body)
+
+
+# ------------------------------------------------------------------------------------------ the rest
+
+
+@blueprint.get("/models")
+def models():
+    data = [{"id": model["name"], "object": "model", "created": 0, "owned_by": "swarm",
+             "max_model_len": model["max_session_length"]} for model in get_engine().listed_models()]
+    return jsonify(object="list", data=data)
+
+
+@blueprint.post("/embeddings")
+def embeddings():
+    fields = json_body(EmbeddingRequest)
+    engine = get_engine()
+    model = engine.model(fields.model)
+    if fields.input == "" or fields.input == []:
+        raise BadRequest("input: must not be empty", field="input")
+    token_lists = prompt_token_lists(model, fields.input)
+    for ids in token_lists:
+        if not ids:
+            raise BadRequest("input: must not be empty", field="input")
+        check_context_length(model.config, len(ids), 0, "input")
+    data = []
+    for index, ids in enumerate(token_lists):
+        vector = engine.embed(model.name, ids, fields.layer)
+        if fields.dimensions:
+            vector = vector[: fields.dimensions]
+        if fields.encoding_format == "base64":
+            vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": vector})
+    tokens = sum(len(ids) for ids in token_lists)
+    return jsonify(object="list", data=data, model=model.name,
+                   usage={"prompt_tokens": tokens, "total_tokens": tokens})
+
+
+@blueprint.post("/chooses")
+def chooses():
+    """Ai00: rank choices as continuations of the input by perplexity, best (lowest) first."""
+    fields = json_body(ChooseRequest)
+    engine = get_engine()
+    model = engine.model(fields.model)
+    context = model.encode("".join([fields.input] if isinstance(fields.input, str) else fields.input), at_start=True)
+    scored = []
+    for index, choice in enumerate(fields.choices):
+        continuation = model.encode(choice, at_start=False)
+        if not continuation:
+            raise BadRequest(f"choices[{index}]: must not be empty", field=f"choices[{index}]")
+        check_context_length(model.config, len(context) + len(continuation), 0, f"choices[{index}]")
+        logprobs = engine.token_logprobs(model.name, context + continuation)[len(context):]
+        if not context:
+            logprobs = logprobs[1:] or logprobs  # the very first token has no context to be scored against
+        values = [item.logprob for item in logprobs if item is not None]
+        scored.append((math.exp(-sum(values) / max(len(values), 1)), index, choice))
+    ranked = sorted(scored)
+    data = [{"object": "choice", "index": index, "rank": rank, "choice": choice, "perplexity": perplexity}
+            for rank, (perplexity, index, choice) in enumerate(ranked)]
+    return jsonify(object="list", data=data, model=model.name)
+
+
+@extras.post("/tokenize")
+def tokenize():
+    fields = json_body(TokenizeRequest)
+    model = get_engine().model(fields.model)
+    if fields.messages:
+        tokens = model.encode(render_chat(model.tokenizer, fields.messages, None), at_start=False)
+    else:
+        text = next((value for value in (fields.prompt, fields.text, fields.content) if value is not None), None)
+        if text is None:
+            raise BadRequest("prompt: give prompt (or text, content, messages)", field="prompt")
+        tokens = model.tokenizer(text, add_special_tokens=fields.add_special_tokens)["input_ids"]
+    return jsonify(tokens=tokens, count=len(tokens), max_model_len=model.config.max_session_length)
+
+
+@extras.post("/detokenize")
+def detokenize():
+    fields = json_body(DetokenizeRequest)
+    model = get_engine().model(fields.model)
+    model.check_token_ids(fields.tokens, "tokens")
+    text = model.tokenizer.decode(fields.tokens)
+    return jsonify(prompt=text, content=text)
+
+
+@extras.get("/stats")
+def stats():
+    return jsonify(get_engine().stats.summary())
+
+
+@extras.get("/verbose_stats")
+def verbose_stats():
+    return jsonify(get_engine().stats.verbose())

@@ -1,0 +1,58 @@
+"""The request shapes of the OpenAI-compatible API: OpenAI's own fields and those of MLC-LLM, mistral.rs and Ai00.
+
+What chat-shaped requests share (sampling fields, messages, tools, structured output) is in gateway/chat/schemas.py;
+unknown fields are accepted and ignored (logged once per name), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field
+
+from gateway.chat.schemas import ChatMessage, ExtensibleRequest, NamedToolChoice, SamplingFields, Tool
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    suffix: Optional[str] = None
+
+
+class EmbeddingRequest(ExtensibleRequest):
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    layer: Optional[int] = Field(None, ge=0)  # Ai00: use this layer's hidden states (0 = the embeddings)
+    dimensions: Optional[int] = Field(None, ge=1)
+
+
+class ChooseRequest(ExtensibleRequest):
+    input: Union[str, list[str]]
+    choices: list[str] = Field(min_length=1)
+    model: Optional[str] = None
+
+
+class TokenizeRequest(ExtensibleRequest):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    text: Optional[str] = None  # llama.cpp and MLC spell it content or text
+    content: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(ExtensibleRequest):
+    model: Optional[str] = None
+    tokens: list[int]
+
+

@@ -1,0 +1,41 @@
+"""OpenAI's requests in the engine's terms: a chat's messages and tools, a completion's prompts, planned once.
+
+    plan_chat(engine, fields)            a chat completion (and a Responses request, translated into one): the model,
+                                         the tool choice, the prompt rendered with the model's chat template, the plan
+    prompt_token_lists(model, prompt)    a completion's (or embedding's) prompt: text, texts, ids or lists of ids
+"""
+
+from __future__ import annotations
+
+from gateway.chat.params import offered_tools
+from gateway.chat.plan import Plan, chat_prompt_ids, plan_generation
+from gateway.engine.generation import Engine
+from gateway.engine.served import ServedModel
+from gateway.errors import BadRequest
+from gateway.openai.schemas import ChatCompletionRequest
+
+
+def plan_chat(engine: Engine, fields: ChatCompletionRequest, logprobs=None) -> Plan:
+    """A chat request planned: its messages rendered with the model's chat template, then checked and its session
+    opened (chat/plan.py); `logprobs`: None, or how many alternatives each token comes with."""
+    model = engine.model(fields.model)
+    tool_choice = offered_tools(fields.tool_choice, fields.tools, fields.parallel_tool_calls)
+    prompt_ids = chat_prompt_ids(model, fields.messages, tool_choice.tools)
+    return plan_generation(engine, model, fields, prompt_ids, "messages", tool_choice, logprobs)
+
+
+def prompt_token_lists(model: ServedModel, prompt) -> list[list[int]]:
+    """The token ids of each prompt of a completion: a text, a list of texts, a list of ids or a list of lists."""
+    if isinstance(prompt, str):
+        return [model.encode(prompt, at_start=True)]
+    if prompt and all(isinstance(item, int) for item in prompt):
+        lists = [list(prompt)]
+    elif prompt and all(isinstance(item, list) for item in prompt):
+        lists = [list(item) for item in prompt]
+    else:
+        lists = [model.encode(item, at_start=True) for item in prompt]
+    if not lists:
+        raise BadRequest("prompt: must not be empty", field="prompt")
+    for ids in lists:
+        model.check_token_ids(ids, "prompt")
+    return lists

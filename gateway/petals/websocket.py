@@ -1,0 +1,212 @@
+"""Petals Chat's WebSocket API, /api/v2/generate: one inference session per connection.
+
+    -> {type: "open_inference_session", model?, max_length}          <- {ok: true}
+    -> {type: "generate", inputs, max_new_tokens, stop_sequence?, ...} <- {ok, outputs, stop, token_count} ...
+       or {type: "generate", messages: [new chat turns], stream: true, max_reply_tokens?, regenerate?}
+    -> {type: "stop"}                    ends the reply being generated (its last frame has stop: true);
+                                         the session stays open for the next generate
+    -> {type: "close_inference_session"} <- {ok: true}
+
+With a stop_sequence (or extra_stop_sequences, or stream: true), generation goes on until a stop, the
+session's end or max_reply_tokens, in frames of max_new_tokens tokens each; otherwise one frame of at most
+max_new_tokens tokens. The last frame of a reply has stop: true and a finish_reason. While the swarm has no
+server for some blocks (servers restarting), a streamed reply waits (BLOCK_WAIT_SECONDS at most) and says so in
+a frame with empty outputs: {ok: true, outputs: "", stop: false, token_count: 0, waiting: "no server holds ..."}.
+Chat mode (`messages`) renders turns with the model's chat template and keeps the transcript, so each turn
+sends only its new text; `regenerate` rewinds the session to the start of the last reply.
+Any error is a frame {ok: false, error, code, traceback}, after which the connection stays usable.
+
+Limits: each message counts against the client's REQUESTS_PER_MINUTE (over it: an error frame, the connection
+stays); a connection whose client sends nothing for WS_IDLE_TIMEOUT seconds gets an idle_timeout frame and is
+closed (code 1000), which frees its session; a message over WS_MAX_MESSAGE_BYTES closes it with code 1009.
+A failure outside any one message (a bug) closes it with code 1011 and a clean reason; the log has the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from dataclasses import replace
+
+from flask import Blueprint
+from flask_sock import Sock
+from simple_websocket import ConnectionClosed
+from wsproto.frame_protocol import CloseReason
+
+from gateway.chat.prompts import render_chat
+from gateway.chat.schemas import ChatMessage
+from gateway.engine.generation import Engine
+from gateway.errors import BadRequest, IdleTimeout, from_exception
+from gateway.petals.format import error_body
+from gateway.petals.schemas import WsCloseSession, WsGenerate, WsOpenSession, WsStop, parse_ws_message
+from gateway.petals.translate import generation_request
+from gateway.web import metrics
+from gateway.web.access import client_id
+from gateway.web.bodies import load_json
+from gateway.web.current_engine import get_engine
+from gateway.web.limits import charge_request
+
+logger = logging.getLogger(__name__)
+blueprint = Blueprint("petals_ws", __name__)
+sock = Sock()
+
+
+@sock.route("/api/v2/generate", bp=blueprint)
+def generate_ws(ws):
+    Connection(ws, get_engine(), client_id()).serve()
+
+
+class Connection:
+    def __init__(self, ws, engine: Engine, client: str):
+        self.ws, self.engine, self.client = ws, engine, client
+        self.idle_timeout = engine.limits.ws_idle_timeout or None  # 0: never
+        self.session = None
+        self.chat = ChatTranscript(engine)
+        self.inbox: deque[str] = deque()  # messages that arrived while a reply was being generated
+
+    def serve(self) -> None:
+        try:
+            while (raw := self.next_message()) is not None:
+                self.answer(raw)
+        except ConnectionClosed:
+            raise  # flask-sock ends the connection quietly
+        except Exception as error:  # not one message's fault: say so in one clean line, log the rest
+            from_exception(error)
+            self.ws.close(reason=CloseReason.INTERNAL_ERROR, message="internal error (see the gateway's log)")
+        finally:
+            self.close_session()
+
+    def next_message(self):
+        """The next message, or None once the client has been idle for too long (the connection is then closed)."""
+        if self.inbox:
+            return self.inbox.popleft()
+        raw = self.ws.receive(timeout=self.idle_timeout)
+        if raw is None:
+            self.send(error_body(IdleTimeout(f"closing the connection after {self.idle_timeout:g} s without a "
+                                             "message (WS_IDLE_TIMEOUT); reconnect to go on")))
+            self.ws.close(reason=CloseReason.NORMAL_CLOSURE, message="idle timeout")
+        return raw
+
+    def answer(self, raw) -> None:
+        """Handle one message; any error is a frame, after which the connection goes on."""
+        try:
+            charge_request()
+            self.handle(raw)
+            metrics.count_ws_message(200)
+        except ConnectionClosed:
+            raise
+        except Exception as error:
+            api_error = from_exception(error)
+            metrics.count_ws_message(api_error.status)  # each message once, with its reply's status
+            self.send(error_body(api_error))
+
+    def handle(self, raw) -> None:
+        message = parse_ws_message(load_json(raw, "the message"))
+        if isinstance(message, WsOpenSession):
+            self.close_session()  # opening again starts a new conversation on the same connection
+            self.session = self.engine.open_session(message.model, message.max_length, expires=False, owner=self.client)
+            self.send({"ok": True})
+        elif isinstance(message, WsGenerate):
+            self.generate(message)
+        elif isinstance(message, WsCloseSession):
+            self.close_session()
+            self.send({"ok": True})
+        elif isinstance(message, WsStop):
+            pass  # nothing is being generated: there is nothing to stop
+
+    def generate(self, message: WsGenerate) -> None:
+        if self.session is None:
+            raise BadRequest("no inference session: send open_inference_session first", field="type")
+        streaming = message.stream or bool(message.stop_sequences())
+        request = generation_request(message, self.session.model.config, self.engine.limits.max_new_tokens, streaming)
+        if streaming and message.max_reply_tokens:
+            request = replace(request, max_new_tokens=message.max_reply_tokens)
+        chunk_size = (message.max_new_tokens or 1) if streaming else None
+        text, tokens, reply = "", 0, []
+        # a streamed reply's client reads any number of frames: it may be told of a wait (see waiting_frame)
+        waits = self.waiting_frame if streaming else None
+        with self.engine.sessions.use(self.session.id) as session, session.waits_told_to(waits):
+            if message.regenerate:
+                self.rewind_last_reply(session)
+            if message.messages is not None:
+                request = replace(request, inputs=self.chat.turns(session, message.messages))
+            for delta in self.engine.generate(session, request, cancelled=self.stop_requested):
+                text, tokens = text + delta.text, tokens + delta.token_count
+                reply.append(delta.text)
+                if delta.finish_reason or (chunk_size and tokens >= chunk_size):
+                    frame = {"ok": True, "outputs": text, "stop": delta.finish_reason is not None, "token_count": tokens}
+                    if delta.finish_reason:
+                        frame["finish_reason"] = delta.finish_reason
+                    self.send(frame)
+                    text, tokens = "", 0
+            self.chat.replied("".join(reply))
+
+    def waiting_frame(self, message: str) -> None:
+        """The swarm has no server for some blocks now; the reply goes on once one serves them. An empty output
+        frame, so that clients that only read outputs (Petals Chat appends them) are not thrown off. Only within
+        a streamed reply: elsewhere clients take the first frame after a message as its answer."""
+        self.send({"ok": True, "outputs": "", "stop": False, "token_count": 0, "waiting": message})
+
+    def rewind_last_reply(self, session) -> None:
+        if session.reply_start is None:
+            raise BadRequest("regenerate: there is no reply to regenerate yet", field="regenerate")
+        self.engine.rewind(session, session.reply_start)
+        self.chat.forget_last_reply()
+
+    def stop_requested(self) -> bool:
+        """Between two tokens: has the client asked to stop? Other messages wait in the inbox."""
+        while (raw := self.ws.receive(timeout=0)) is not None:
+            if _is_stop(raw):
+                return True
+            self.inbox.append(raw)
+        return False
+
+    def send(self, frame: dict) -> None:
+        try:
+            self.ws.send(json.dumps(frame, ensure_ascii=False))
+        except OSError:  # the client went away mid-reply: as for a close, not a failure of ours
+            raise ConnectionClosed() from None
+
+    def close_session(self) -> None:
+        self.chat = ChatTranscript(self.engine)
+        if self.session is not None:
+            session, self.session = self.session, None
+            self.engine.close_session(session)
+
+
+def _is_stop(raw) -> bool:
+    try:
+        message = load_json(raw, "the message")
+    except BadRequest:
+        return False  # answered in turn, from the inbox
+    return isinstance(message, dict) and message.get("type") == "stop"
+
+
+class ChatTranscript:
+    """Chat mode: the conversation so far, rendered with the model's chat template, so that each turn sends
+    the swarm only the text that the session does not hold yet."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.messages: list = []
+
+    def turns(self, session, new_messages: list) -> str:
+        """The new text for the session: the whole rendered transcript minus what the session already holds."""
+        self.messages += new_messages
+        tokenizer = session.model.tokenizer
+        rendered = render_chat(tokenizer, self.messages, None)
+        held = tokenizer.decode(session.history + session.pending)
+        if rendered.startswith(held):
+            return rendered[len(held):]
+        # the template rewrote an earlier turn (some trim or reformat replies): start the session over
+        self.engine.rewind(session, 0)
+        return rendered
+
+    def replied(self, text: str) -> None:
+        if self.messages:
+            self.messages.append(ChatMessage(role="assistant", content=text))
+
+    def forget_last_reply(self) -> None:
+        if self.messages and self.messages[-1].role == "assistant":
+            self.messages.pop()
