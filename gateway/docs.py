@@ -55,7 +55,7 @@ ROUTES = [
     ("/api/version", "get", None, "Ollama: the Ollama API version this gateway speaks (open without a key)"),
 ]
 
-# Every error reply, in the shape of its API (errors.py, openai_format.py); the fuzz test checks replies against them.
+# Every error reply, in the envelope of its dialect (each dialect's format.py); the fuzz test checks replies against them.
 ERROR_SCHEMAS = {
     "PetalsError": {"type": "object", "required": ["ok", "error", "code", "traceback"], "properties": {
         "ok": {"const": False}, "error": {"type": "string"}, "code": {"type": "string"},

@@ -1,4 +1,5 @@
-"""Anthropic's wire format, as pure functions: a message, the events of a streamed one, the error envelope.
+"""Anthropic's wire format: a message, the events of a streamed one and the error envelope as pure functions, and the
+one reply of a request (chat/reply.py) in it: MessageReply.
 
 A streamed message is, in order: message_start, then per content block content_block_start, content_block_delta
 (text_delta or input_json_delta) ... content_block_stop, a ping after the first block starts, then message_delta

@@ -1,7 +1,7 @@
 """The request shapes of Anthropic's Messages API (/v1/messages and /v1/messages/count_tokens), as pydantic models.
 
 Text, tool_use and tool_result content blocks are served; images, documents and server tools are refused with a 400
-that names them (the swarm serves text models). Unknown fields are accepted and ignored (json_bodies.py logs each
+that names them (the swarm serves text models). Unknown fields are accepted and ignored (web/bodies.py logs each
 name once), so that clients newer than this gateway (thinking, service_tier, cache_control, ...) still get a reply.
 """
 

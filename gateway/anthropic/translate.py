@@ -41,7 +41,7 @@ def tool_choice_of(fields: AnthropicCountTokensRequest) -> ToolChoice:
 
 
 def sampling_fields(fields: AnthropicMessagesRequest) -> SamplingFields:
-    """The sampling settings in the shape openai_params reads, once, into SamplingParams and the token budget."""
+    """The sampling settings in the shape chat/params.py reads, once, into SamplingParams and the token budget."""
     return SamplingFields(model=fields.model, temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k,
                           max_tokens=fields.max_tokens, stop=list(fields.stop_sequences or []))
 

@@ -6,7 +6,7 @@ guided_regex, guided_choice and guided_grammar. A request sets at most one of th
 each constrain the reply, and no reply need satisfy both.
 
 A choice among strings becomes a regular expression that matches exactly one of them, each escaped, so that the
-engine enforces every kind through the same llguidance constraint (grammar.py).
+engine enforces every kind through the same llguidance constraint (engine/grammar.py).
 """
 
 from __future__ import annotations

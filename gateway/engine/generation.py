@@ -1,8 +1,8 @@
-"""The one generation loop of the repository, over the served models and sessions of gateway/served.py.
+"""The one generation loop of the repository, over the served models and sessions of served.py.
 
-    request (schema) --API module--> GenerationRequest --Engine.generate--> Delta, Delta, ... (text + finish)
+    request (schema) --dialect--> GenerationRequest --Engine.generate--> Delta, Delta, ... (text + finish)
 
-Every API (HTTP, WebSocket, OpenAI) calls `Engine.generate`; none has a loop of its own. Each step sends
+Every dialect (Petals, OpenAI, Anthropic, Ollama) calls `Engine.generate`; none has a loop of its own. Each step sends
 only the new tokens through the swarm: the servers' caches hold the rest of the session.
 """
 

@@ -1,5 +1,5 @@
 """What the engine serves: a model's client half on the swarm (ServedModel), and inference sessions on it
-(GatewaySession). gateway/engine.py runs the one generation loop over them."""
+(GatewaySession). generation.py runs the one generation loop over them."""
 
 from __future__ import annotations
 

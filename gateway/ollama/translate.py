@@ -1,6 +1,6 @@
-"""Ollama's request fields converted once into the terms the OpenAI API already speaks to the engine: `options` into
-SamplingFields (so that openai_params turns them into SamplingParams, a token budget and stops, exactly as it
-does for OpenAI's requests), `format` into a response_format, messages into ChatMessages for prompts.render_chat.
+"""Ollama's request fields converted once into chat's terms: `options` into SamplingFields (so that chat/params.py
+turns them into SamplingParams, a token budget and stops, exactly as it does for OpenAI's requests), `format` into a
+response_format, messages into ChatMessages for chat/prompts.py; then a reply planned (plan_reply).
 
     options.temperature, top_k, top_p, min_p, typical_p   the same names
     options.repeat_penalty                                 repetition_penalty

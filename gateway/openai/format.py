@@ -145,8 +145,10 @@ class ChatCompletionReplies:
         self.request_id = new_id("chatcmpl")
 
     def completion(self) -> dict:
-        choices = [chat_choice(reply.index, *self.message(reply), self.logprobs(reply.logprobs))
-                   for reply in self.replies.whole()]
+        choices = []
+        for reply in self.replies.whole():
+            content, calls = self.message(reply)
+            choices.append(chat_choice(reply.index, content, reply.ended_by, self.logprobs(reply.logprobs), calls))
         usage_ = usage(self.prompt_tokens, self.replies.tokens, self.stats.timing())
         return chat_completion(self.request_id, self.model.name, choices, usage_)
 
@@ -169,7 +171,7 @@ class ChatCompletionReplies:
         """A reply's end: the whole reply first when it was held back, then its finish_reason."""
         reply = finished.reply
         if self.replies.held:
-            content, calls, _ = self.message(reply)
+            content, calls = self.message(reply)
             if calls:
                 yield self.chunk(reply.index, {"tool_calls": [{"index": number, **call}
                                                               for number, call in enumerate(calls)]})
@@ -178,11 +180,11 @@ class ChatCompletionReplies:
         yield self.chunk(reply.index, {}, finish_reason=reply.ended_by)
 
     @staticmethod
-    def message(reply: Reply) -> tuple[Optional[str], Optional[list[dict]], str]:
-        """(content, tool calls, finish_reason) of a whole reply."""
+    def message(reply: Reply) -> tuple[Optional[str], Optional[list[dict]]]:
+        """(content, tool calls) of a whole reply."""
         if reply.tool_calls:
-            return None, [tool_call(name, arguments) for name, arguments in reply.tool_calls], reply.ended_by
-        return reply.text, None, reply.ended_by
+            return None, [tool_call(name, arguments) for name, arguments in reply.tool_calls]
+        return reply.text, None
 
     def logprobs(self, items: list) -> Optional[dict]:
         return chat_logprobs(self.model.tokenizer, items) if self.top is not None else None

@@ -8,7 +8,7 @@
   handshake from a page must come from an allowed origin, or from the gateway's own pages; clients that send no
   Origin (not browsers) are let through, and the keys guard them.
 - A caller is its API key when keys are configured (a fingerprint, never the key itself), else its address;
-  the per-client limits (limits.py, sessions.py) count by that. Behind reverse proxies, TRUSTED_PROXIES says
+  the per-client limits (web/limits.py, engine/sessions.py) count by that. Behind reverse proxies, TRUSTED_PROXIES says
   how many X-Forwarded-For hops to believe for the address.
 """
 

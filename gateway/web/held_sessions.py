@@ -1,7 +1,7 @@
 """The inference sessions a request opens for itself, closed whatever becomes of the request.
 
 The OpenAI-style APIs (OpenAI's, Anthropic's, Ollama's, the Responses API) open their sessions before they
-answer, one per prompt (openai_choices.Choices), so that a refusal (429, 503) is a status rather than an event in
+answer, one per prompt (chat/plan.py Plan), so that a refusal (429, 503) is a status rather than an event in
 a stream. Those sessions then belong to the request until its reply has run, and every way a request can end
 must close them: a later prompt failing a check or over a limit, a generation raising, a client leaving
 mid-stream, a stream never read at all. A session that is not closed holds its slot under MAX_SESSIONS and

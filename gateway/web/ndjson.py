@@ -5,7 +5,7 @@ Unlike sse.py, there is no producer thread: NDJSON has no comment line, so a sil
 keep-alives, and a thread would have nothing to do but wait. The lines are produced as gunicorn writes them; when
 a write fails, gunicorn closes this generator, which closes the API's, and so the engine's (whose `finally` frees
 the swarm session). Each step runs in a copy of the request's context, so that its log lines keep the request id.
-The stream takes over the sessions its request opened (held_sessions.py) and closes what is left of them when
+The stream takes over the sessions its request opened (web/held_sessions.py) and closes what is left of them when
 gunicorn closes the response, whether it was read to its end, cut short, or never read at all.
 """
 

@@ -1,7 +1,7 @@
 """Server-sent events for streamed replies: keep-alive comments on long pauses, an error as a final event,
 and a client that goes away cancels the generation (which then closes its swarm session).
 
-The stream takes over the sessions its request opened (held_sessions.py): the producer closes whatever is left
+The stream takes over the sessions its request opened (web/held_sessions.py): the producer closes whatever is left
 of them when it ends, and a stream that never starts (a client gone before the first write) closes them when
 gunicorn closes the response.
 

@@ -138,3 +138,89 @@ def test_no_two_modules_differ_by_one_letter():
         return any(long[:index] + long[index + 1:] == short for index in range(len(long)))
 
     assert [(a, b) for a in names for b in names if a < b and one_letter_apart(a, b)] == []
+
+
+# ------------------------------------------------------------------------------------------ the gateway's packages
+
+DIALECTS = ("petals", "openai", "anthropic", "ollama")  # gateway/<dialect>/: none imports another
+FLASK = ("flask", "flask_sock", "flask_cors", "simple_websocket")
+
+
+def modules_under(root: Path, *packages: str) -> dict[str, Path]:
+    """module name -> file, for every module of the packages (paths relative to `root`)."""
+    files = [path for package in packages
+             for path in ([root / package] if package.endswith(".py") else sorted((root / package).rglob("*.py")))]
+    return {".".join(path.relative_to(root).with_suffix("").parts[:-1] if path.name == "__init__.py"
+                     else path.relative_to(root).with_suffix("").parts): path for path in files}
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """What a file imports: the known modules it names (a from-import of a submodule counts as that submodule),
+    and the top-level names of everything else (flask, torch, ...)."""
+    found = set()
+    for module, names in imported_modules(path):
+        submodules = {f"{module}.{name}" for name in names} & known.keys()
+        found |= submodules or ({module} if module in known else {module.split(".")[0]})
+    return found
+
+
+def dialect_of(module: str):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "gateway" and parts[1] in DIALECTS else None
+
+
+def dialects_importing_dialects(root: Path) -> list[str]:
+    known = modules_under(root, "gateway")
+    return [f"{module} imports {target}" for module, path in known.items() if dialect_of(module)
+            for target in imports_of(path, known) if dialect_of(target) not in (None, dialect_of(module))]
+
+
+def engine_modules_reaching_flask(root: Path) -> list[str]:
+    """Engine modules that import Flask, directly or through any module of the gateway they import."""
+    known = modules_under(root, "gateway")
+    edges = {module: imports_of(path, known) for module, path in known.items()}
+    found = []
+    for start in (module for module in known if module.startswith("gateway.engine")):
+        seen, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            for target in edges.get(module, ()):
+                if target in FLASK:
+                    found.append(f"{start} reaches {target} through {module}")
+                elif target in known and target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+    return found
+
+
+def test_no_dialect_imports_another():
+    assert dialects_importing_dialects(ROOT) == []
+
+
+def test_the_engine_never_imports_flask():
+    assert engine_modules_reaching_flask(ROOT) == []
+
+
+def plant(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_gateway_checks_can_fail(tmp_path):
+    """A dialect importing another, and the engine reaching Flask through a module it imports, are both found."""
+    root = plant(tmp_path, {
+        "gateway/__init__.py": "", "gateway/engine/__init__.py": "", "gateway/web/__init__.py": "",
+        "gateway/openai/__init__.py": "", "gateway/ollama/__init__.py": "",
+        "gateway/engine/loop.py": "from gateway.web import bodies\n",
+        "gateway/web/bodies.py": "def f():\n    from flask import request\n",
+        "gateway/ollama/routes.py": "from gateway.openai.format import error_body\nfrom gateway.ollama import format\n",
+        "gateway/ollama/format.py": "", "gateway/openai/format.py": "",
+    })
+    assert dialects_importing_dialects(root) == ["gateway.ollama.routes imports gateway.openai.format"]
+    assert engine_modules_reaching_flask(root) == ["gateway.engine.loop reaches flask through gateway.web.bodies"]
+    (root / "gateway/engine/loop.py").write_text("import torch\n")
+    (root / "gateway/ollama/routes.py").write_text("from gateway.chat import plan\n")
+    assert dialects_importing_dialects(root) == [] and engine_modules_reaching_flask(root) == []

@@ -1,0 +1,13 @@
+"""What the chat-shaped dialects share (OpenAI's chat and text completions, the Responses API, Anthropic's Messages,
+Ollama's chat and generate): each translates its request into these terms once, and formats the replies it gets back.
+
+In data-flow order:
+
+    schemas.py     the shared request fields: sampling, stops, structured output, chat messages, tools
+    params.py      those fields -> SamplingParams, a token budget, stops, logprobs, the ToolChoice, the grammar
+    structured.py  which structured output a request asks for (response_format, grammar, vLLM's guided_*)
+    prompts.py     chat messages -> a prompt with the model's chat template; tool calls out of a reply's text
+    plan.py        everything checked and the session open before a reply starts: a Plan of n choices
+    reply.py       the one reply assembly: a plan's deltas summed into replies (text or tool calls, held whole when
+                   tools are offered, finish reason, counts), told as events that each dialect only formats
+"""

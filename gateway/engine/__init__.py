@@ -1,0 +1,16 @@
+"""The engine: the one generation loop of the gateway, over the models it serves and the sessions open on them.
+It never imports Flask: the dialects (and tools, and tests) drive it the same way.
+
+In data-flow order:
+
+    generation.py  Engine: the served models (configured, or discovered in the swarm), sessions opened and closed,
+                   and the loop itself: GenerationRequest -> Delta, Delta, ... (text, finish reason, logprobs)
+    served.py      ServedModel (a model's client half: embeddings, LM head, tokenizer) and GatewaySession
+    sessions.py    the open sessions: caps overall and per client, idle expiry, one request at a time
+    lengths.py     a request's token budget and context length checked, each a 400 naming its field
+    sampling.py    SamplingParams, the one form every dialect's fields converge to, and the Sampler per sequence
+    grammar.py     structured output: a token mask per step from a JSON schema, grammar or regex (llguidance)
+    stops.py       stop sequences matched across token boundaries, never shown half
+    stats.py       prefill and decode speeds of recent requests (MLC's /stats, mistral.rs's usage extras)
+    metrics.py     time to first token, inter-token latency and generated tokens (Prometheus)
+"""
