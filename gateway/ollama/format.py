@@ -52,9 +52,10 @@ def part(shape: str, model: str, text: str, logprobs: Optional[list[dict]] = Non
     return line
 
 
-def done(shape: str, model: str, text: str, finish_reason: str, durations: dict, **extra) -> dict:
-    """The last line of a streamed reply (empty text), or a whole reply: `extra` holds tool_calls, logprobs, context."""
-    tool_calls, logprobs, context = extra.get("tool_calls"), extra.get("logprobs"), extra.get("context")
+def done(shape: str, model: str, text: str, finish_reason: str, durations: dict,
+         tool_calls: Optional[list[dict]] = None, logprobs: Optional[list[dict]] = None,
+         context: Optional[list[int]] = None) -> dict:
+    """The last line of a streamed reply (empty text), or a whole reply (with its tool calls and logprobs)."""
     line = {**_line(shape, model, text, tool_calls), "done": True, "done_reason": DONE_REASONS[finish_reason],
             **durations}
     if context is not None:

@@ -189,8 +189,10 @@ class ChatCompletionReplies:
     def logprobs(self, items: list) -> Optional[dict]:
         return chat_logprobs(self.model.tokenizer, items) if self.top is not None else None
 
-    def chunk(self, index: int, delta: dict, **kw) -> dict:
-        return chat_chunk(self.request_id, self.model.name, index, delta, with_usage_field=self.include_usage, **kw)
+    def chunk(self, index: int, delta: dict, finish_reason: Optional[str] = None,
+              logprobs: Optional[dict] = None) -> dict:
+        return chat_chunk(self.request_id, self.model.name, index, delta, finish_reason, logprobs,
+                          with_usage_field=self.include_usage)
 
 
 class TextCompletionReplies:

@@ -214,6 +214,7 @@ def test_gateway_metrics(gateway):
                                            max_tokens=3, temperature=0)
     generated = 4 + 3 + reply.usage.completion_tokens
     session_id = requests.post(gateway.url + "/api/v1/open_inference_session", json={"max_length": 16}).json()["session_id"]
+    assert requests.get(gateway.url + "/health").status_code == 200  # a poller's, not an API's request
 
     after = scrape(gateway.url + "/metrics")
     grew = lambda api, status: requests_of(after, api, status) - requests_of(before, api, status)
