@@ -12,7 +12,7 @@ import torch
 from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, pages_for
-from swarm.server.sessions import ServerSession, int_field
+from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
 
@@ -33,11 +33,7 @@ class Backend:
         self.hidden_size = span.config.hidden_size
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self.scheduler = Scheduler(lambda: self.span, **batching)
-        self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
-        self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
-        self.sessions: set[ServerSession] = set()
-        self.sessions_by_id: dict[str, ServerSession] = {}  # those a previous server may push steps to
-        self.sessions_by_peer: Counter[str] = Counter()
+        self.sessions = OpenSessions()
         self.cache_by_peer: Counter[str] = Counter()  # cache slots each peer's sessions hold or wait for (> 0)
         # forwards longer than a chunk run one at a time: each holds a temporary cache (see _forward_in_chunks)
         self._long_forwards = asyncio.Semaphore(1)
@@ -57,8 +53,8 @@ class Backend:
             "quantization": self.span.quantization,
             "device": str(self.span.device),
             "cache_tokens_free": self.budget.free,
-            "positions_served": self.positions_served,
-            "steps_pushed": self.steps_pushed,
+            "positions_served": self.sessions.positions_served,
+            "steps_pushed": self.sessions.steps_pushed,
             "version": PROTOCOL_VERSION,
             "loaded_names": self.span.loaded_names,
         }
@@ -111,15 +107,19 @@ class Backend:
         session_id = metadata.get("session_id")
         if session_id is not None and not (isinstance(session_id, str) and 16 <= len(session_id) <= 64):
             raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
-        if session_id in self.sessions_by_id:
+        if session_id in self.sessions.by_id:
             raise BadRequestError("field 'session_id' is already in use")
         if max_length * batch_size > self.limits.max_session_tokens:
             raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
                                    f"server's limit of {self.limits.max_session_tokens} tokens per session")
-        if self.sessions_by_peer[peer_id] >= self.limits.max_sessions_per_peer:
-            raise ServerLimitError(f"peer {peer_id} has {self.sessions_by_peer[peer_id]} sessions open on this "
+        if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer:
+            raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
                                    f"server already, its limit per peer")
-        session = ServerSession(self, start, end, max_length, batch_size, peer_id, session_id)
+        services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.run, self.take_cache,
+                                  self.give_back_cache, self.limits.session_idle_timeout)
+        # an empty cache: it takes pages as the session grows
+        session = ServerSession(services, self.span.new_cache(batch_size), start, end, max_length, batch_size,
+                                peer_id, session_id)
         try:
             await session.reserve(1)
         except BaseException:
@@ -176,7 +176,7 @@ class Backend:
     def accept_push(self, tensors: list, metadata: dict) -> None:
         """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
         session_id = metadata.get("session_id")
-        session = self.sessions_by_id.get(session_id) if isinstance(session_id, str) else None
+        session = self.sessions.by_id.get(session_id) if isinstance(session_id, str) else None
         if session is None:
             raise BadRequestError("no open session has this 'session_id'")
         session.pushed(tensors, metadata)

@@ -230,7 +230,7 @@ class BlockHandler(BlockRPC):
     def _own_session(self, entry, peer_id: str):
         if not isinstance(entry, dict) or not isinstance(entry.get("session_id"), str):
             raise BadRequestError("each step must be a map with a 'session_id'")
-        session = self.backend.sessions_by_id.get(entry["session_id"])
+        session = self.backend.sessions.by_id.get(entry["session_id"])
         if session is None or session.peer_id != peer_id:  # another peer's session reads as no session at all
             raise SessionClosedError("this server holds no session of yours with this 'session_id' (it ended, "
                                      "or the server closed it: idle too long, or to make room)")
