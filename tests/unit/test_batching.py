@@ -264,8 +264,6 @@ def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
     """The CUDA decode path's rounds (padded to a bucket of sequences and keys, over static tensors), run
     eagerly on the CPU: the same outputs and caches as unpadded eager rounds, round after round, with padding
     that never touches the zero page."""
-    from swarm.server.graphs import DecodeGraphs
-
     span = family_span
     pasts = [3 + 9 * index for index in range(sessions)]  # different lengths, across page boundaries
     eager_caches, graph_caches = [span.new_cache(1, 96) for _ in pasts], [span.new_cache(1, 96) for _ in pasts]
@@ -273,7 +271,7 @@ def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
         prompt = batch_hidden(span, 1, past)
         span(prompt, 0, eager)
         span(prompt, 0, graphed)
-    graphs = DecodeGraphs(span, capture=False)
+    graphs = span.new_graphs(capture=False)
     try:
         for step in range(PAGE_TOKENS + 2):  # some sessions cross into a new page on the way
             hidden = batch_hidden(span, sessions, 1).reshape(1, sessions, -1)
@@ -295,11 +293,9 @@ def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
 
 
 def test_rounds_a_graph_cannot_serve_run_eagerly(llama_span):
-    from swarm.server.graphs import DecodeGraphs
-
     span = llama_span
     span.new_pool(1024)  # the tests above leave their caches' pages taken
-    graphs = DecodeGraphs(span, capture=False)
+    graphs = span.new_graphs(capture=False)
     cache = span.new_cache(1, 64)
     try:
         prefill = [Segment(1, 4, 0, cache)]
