@@ -4,7 +4,9 @@
 - the gateway uses only the swarm's public API: swarm.client's exported names and swarm.protocol;
 - config.py is the only reader of the environment;
 - modules stay under 400 lines and functions under 50 (in swarm/ and gateway/);
-- one class per name across the product's code.
+- one class per name across the product's code;
+- no import cycles in ACYCLIC_ROOTS: dependencies between modules go one way, even where an import is lazy or
+  only for type checking.
 """
 
 from __future__ import annotations
@@ -12,35 +14,43 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ["swarm", "gateway", "bench", "config.py", "app.py", "gunicorn.conf.py"]
 GATEWAY_MAY_IMPORT = {"swarm.client", "swarm.protocol"}
+ACYCLIC_ROOTS = ["swarm", "bench", "config.py", "app.py", "gunicorn.conf.py"]  # the import graph over them is a DAG
 
 
-def python_files(*roots: str) -> list[Path]:
+def python_files(*roots: str, base: Path = ROOT) -> list[Path]:
     files = []
     for root in roots:
-        path = ROOT / root
+        path = base / root
         files.extend([path] if path.suffix == ".py" else sorted(path.rglob("*.py")))
     return files
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, base: Path = ROOT) -> str:
+    parts = path.relative_to(base).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) of every import in the file, at any depth (lazy imports inside functions too)."""
+def imported_modules(path: Path, package: str | None = None) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import in the file, at any depth (lazy imports inside functions too, and those
+    under TYPE_CHECKING). Relative imports are resolved against `package` (the file's own), skipped without it."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.extend((alias.name, []) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.ImportFrom) and (node.level == 0 or package is not None):
+            module = node.module or ""
+            if node.level:
+                parent = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = f"{parent}.{module}" if module else parent
+            if module:
+                found.append((module, [alias.name for alias in node.names]))
     return found
 
 
@@ -138,3 +148,97 @@ def test_no_two_modules_differ_by_one_letter():
         return any(long[:index] + long[index + 1:] == short for index in range(len(long)))
 
     assert [(a, b) for a in names for b in names if a < b and one_letter_apart(a, b)] == []
+
+
+# ---------------------------------------------------------------------------------------------- import cycles
+
+
+def import_graph(files: list[Path], base: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules among `files` that it imports. `from pkg import name` imports the module pkg.name
+    if there is one, else pkg (a name defined in pkg/__init__.py, which may re-export it from a submodule);
+    an import of something inside a module (a.b.C) counts as an import of that module (a.b)."""
+    modules = {module_name(file, base): file for file in files}
+    graph = {}
+    for module, file in modules.items():
+        package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for imported, names in imported_modules(file, package):
+            for target in [f"{imported}.{name}" if f"{imported}.{name}" in modules else imported
+                           for name in names] or [imported]:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                targets.add(target)
+        graph[module] = targets - {"", module}
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components (Tarjan's algorithm, iterative: no recursion limit), each
+    sorted. A component of more than one node is a cycle, or several sharing nodes."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(node: str) -> tuple[str, Iterator[str]]:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        return node, iter(sorted(graph[node]))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        path = [visit(root)]
+        while path:
+            node, successors = path[-1]
+            successor = next(successors, None)
+            if successor is not None:
+                if successor not in index:
+                    path.append(visit(successor))
+                elif successor in stack:  # a way back to a node still on the current search's stack
+                    low[node] = min(low[node], index[successor])
+                continue
+            path.pop()
+            if path:
+                low[path[-1][0]] = min(low[path[-1][0]], low[node])
+            if low[node] == index[node]:  # node is the first of its component: the rest lie above it
+                component = stack[stack.index(node):]
+                del stack[stack.index(node):]
+                components.append(sorted(component))
+    return components
+
+
+def import_cycles(files: list[Path], base: Path = ROOT) -> list[str]:
+    """Each group of modules that import one another, told as who imports whom within it."""
+    graph = import_graph(files, base)
+    return ["; ".join(f"{module} imports {', '.join(sorted(graph[module] & set(component)))}"
+                      for module in component)
+            for component in strongly_connected(graph) if len(component) > 1]
+
+
+def test_no_import_cycles():
+    assert import_cycles(python_files(*ACYCLIC_ROOTS)) == []
+
+
+def test_the_cycle_check_sees_type_checking_lazy_relative_and_package_imports(tmp_path):
+    """A cycle through a TYPE_CHECKING import, a lazy relative one and a package's re-export is found; once
+    the dependency goes one way, nothing is."""
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "__init__.py").write_text("from planted.first import First\n")  # a re-export
+    (package / "first.py").write_text("from planted import second\n\nclass First:\n    pass\n")
+    (package / "second.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                       "    from planted.third import Third\n")
+    (package / "third.py").write_text("def later():\n    from . import first\n")
+    (tmp_path / "tool.py").write_text("import planted\n")  # uses the package: no cycle of its own
+
+    def cycles() -> list[str]:
+        return import_cycles(python_files("planted", "tool.py", base=tmp_path), base=tmp_path)
+
+    assert cycles() == ["planted.first imports planted.second; planted.second imports planted.third; "
+                        "planted.third imports planted.first"]
+    (package / "third.py").write_text("def later():\n    from planted import First\n")  # through __init__
+    assert cycles() == ["planted imports planted.first; planted.first imports planted.second; "
+                        "planted.second imports planted.third; planted.third imports planted"]
+    (package / "third.py").write_text("class Third:\n    pass\n")
+    assert cycles() == []
