@@ -69,9 +69,9 @@ class Backend:
             raise SessionLengthError(f"sequence of {length} tokens exceeds {self.max_positions} positions")
         chunk = self.scheduler.prefill_chunk_tokens
         if length <= chunk:  # a sequence fits a chunk: no cache needed, a chunk's worth of rows at a time
-            per_work = chunk // length
-            parts = await asyncio.gather(*(self.scheduler.run(hidden[first : first + per_work], 0, start, end)
-                                           for first in range(0, rows, per_work)))
+            rows_per_job = chunk // length
+            parts = await asyncio.gather(*(self.scheduler.submit(hidden[first : first + rows_per_job], 0, start, end)
+                                           for first in range(0, rows, rows_per_job)))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         async with self._long_forwards:
             return await self._forward_in_chunks(hidden, start, end)
@@ -96,7 +96,7 @@ class Backend:
             cache.release()
             self.budget.give_back(rows * positions)
 
-        return await self.scheduler.run(hidden, 0, start, end, cache, on_settled=give_back)
+        return await self.scheduler.submit(hidden, 0, start, end, cache, on_settled=give_back)
 
     async def open_session(self, metadata: dict, peer_id: str) -> ServerSession:
         """A new session for peer `peer_id`, holding its first page of cache (refused with CacheFullError if
@@ -115,7 +115,7 @@ class Backend:
         if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer:
             raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
                                    f"server already, its limit per peer")
-        services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.run, self.take_cache,
+        services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.submit, self.take_cache,
                                   self.give_back_cache, self.limits.session_idle_timeout)
         # an empty cache: it takes pages as the session grows
         session = ServerSession(services, self.span.new_cache(batch_size), start, end, max_length, batch_size,

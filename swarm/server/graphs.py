@@ -65,7 +65,7 @@ class RoundTensors:
 
     def batch(self, pool, first_layer: int) -> PackedBatch:
         group = Group(True, self.query_tokens, self.key_index, self.query_positions, self.key_positions,
-                      self.key_valid, None, self.destination, self.write_slots, whole_round=True)
+                      self.key_valid, None, self.destination, self.write_slots, decode_only=True)
         return PackedBatch(self.positions, [group], pool, first_layer)
 
 
@@ -118,7 +118,7 @@ class CapturedRound:
             with torch.cuda.graph(self.graph, pool=memory_pool):
                 self.output = self.forward()  # lives in the graph's memory: each replay overwrites it
 
-    def run(self, hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:
+    def replay(self, hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:
         """The padded round's outputs (1, bucket, hidden); the first hidden.shape[1] are the real ones."""
         self.hidden[:, : hidden.shape[1]].copy_(hidden)
         self.inputs.copy_from(inputs)
@@ -142,8 +142,9 @@ class DecodeGraphs:
         self.memory_pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
         self.failed = False  # a round could not be captured: every round runs eagerly
 
-    def run(self, hidden: torch.Tensor, segments: list[Segment], start: int, end: int) -> Optional[torch.Tensor]:
-        """The round's outputs (1, tokens, hidden), or None when it must run eagerly."""
+    def replay(self, hidden: torch.Tensor, segments: list[Segment], start: int, end: int) -> Optional[torch.Tensor]:
+        """The round's outputs (1, tokens, hidden) from its bucket's graph (captured on the bucket's first round),
+        or None when it must run eagerly."""
         if self.failed or not all(segment.cache is not None and segment.length == 1 for segment in segments):
             return None
         sequences = sum(segment.rows for segment in segments)
@@ -162,7 +163,7 @@ class DecodeGraphs:
                                exc_info=True)
                 self.failed = True
                 return None
-        return self.rounds[key].run(hidden, inputs)[:, :sequences]
+        return self.rounds[key].replay(hidden, inputs)[:, :sequences]
 
     def _forward(self, start: int, end: int) -> Callable[[torch.Tensor, RoundTensors], torch.Tensor]:
         def forward(hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:

@@ -155,19 +155,19 @@ class BlockHandler(BlockRPC):
             await _linger(requests)
             return
         replies: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.ensure_future(self._answer_step_messages(requests, context.remote_id.to_base58(), replies))
+        reader = asyncio.ensure_future(self._read_step_messages(requests, context.remote_id.to_base58(), replies))
         try:
             while (response := await replies.get()) is not None:
                 yield response
         finally:
             reader.cancel()  # the client hung up: the steps still running stop (their sessions stay open)
 
-    async def _answer_step_messages(self, requests: AsyncIterator, peer_id: str, replies: asyncio.Queue) -> None:
+    async def _read_step_messages(self, requests: AsyncIterator, peer_id: str, replies: asyncio.Queue) -> None:
         running: set[asyncio.Task] = set()
 
         async def answer(request):
             try:
-                replies.put_nowait(await self._run_step_message(request, peer_id))
+                replies.put_nowait(await self._reply_to_step_message(request, peer_id))
             except Exception as error:  # a bug here must cost one message, never the stream
                 replies.put_nowait(error_reply(error))
 
@@ -182,7 +182,7 @@ class BlockHandler(BlockRPC):
                 task.cancel()
             replies.put_nowait(None)
 
-    async def _run_step_message(self, request, peer_id: str):
+    async def _reply_to_step_message(self, request, peer_id: str):
         """One message's steps, run at once; the reply, and the outputs pushed on to the next servers."""
         message_id = None
         try:

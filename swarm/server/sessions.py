@@ -135,7 +135,7 @@ class ServerSession:
                 return early.result.result()
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
-        return await self._run(tensors, metadata)
+        return await self._step_in_turn(tensors, metadata)
 
     def pushed(self, tensors: list, metadata: dict) -> None:
         step_id = metadata.get("step_id")
@@ -147,18 +147,18 @@ class ServerSession:
             return
         self._newest_step = step_id
         self.server.open_sessions.steps_pushed += 1
-        started = asyncio.ensure_future(self._run(tensors, metadata))
+        started = asyncio.ensure_future(self._step_in_turn(tensors, metadata))
         started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
         self._early = EarlyStep(step_id, tensors, self.length, started)
 
-    async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
+    async def _step_in_turn(self, tensors: list, metadata: dict) -> torch.Tensor:
         async with self._one_step_at_a_time:
             try:
-                return await self._run_step(tensors, metadata)
+                return await self._compute_step(tensors, metadata)
             finally:
                 self.last_active = time.monotonic()
 
-    async def _run_step(self, tensors: list, metadata: dict) -> torch.Tensor:
+    async def _compute_step(self, tensors: list, metadata: dict) -> torch.Tensor:
         if self.evicted:
             raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
         if self._closed:

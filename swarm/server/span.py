@@ -28,7 +28,7 @@ DEFAULT_POOL_TOKENS = 16384  # a span's pool when no backend sized it (tests, th
 
 
 class BlockSpan(nn.Module):
-    """Blocks [start, end) of a model, run over the new positions of a session (or a whole sequence)."""
+    """Blocks [start, end) of a model, computed over the new positions of sessions (or cache-less sequences)."""
 
     def __init__(self, config, start: int, end: int, layers: list, family: Family, loaded_names: list[str],
                  dtype: torch.dtype = torch.float32, quantization: Optional[str] = None):
@@ -104,7 +104,7 @@ class BlockSpan(nn.Module):
             if segment.cache is not None:
                 segment.cache.fit(segment.position + segment.length)  # a no-op where the session reserved them
         if self.graphs is not None:
-            output = self.graphs.run(hidden, segments, start, end)
+            output = self.graphs.replay(hidden, segments, start, end)
             if output is not None:
                 return output
             if self.graphs.failed:  # a layer that cannot be captured: eager from now on
