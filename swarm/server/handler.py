@@ -95,9 +95,6 @@ class BlockHandler(BlockRPC):
             self._check_caller(context)
             tensors, metadata = unpack(request)
             pushes = metadata.get("pushes")
-            if pushes is None:  # one step
-                self.backend.accept_push(tensors, metadata)
-                return reply()
             if not isinstance(pushes, list) or len(pushes) != len(tensors):
                 raise BadRequestError("field 'pushes' must be a list of maps, one per tensor")
             return reply(metadata={"results": [self._accept_one_push(entry, tensor)
@@ -117,6 +114,8 @@ class BlockHandler(BlockRPC):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A session's stream: its first message opens the session, and the session lasts as long as the stream
+        (or until the server closes it: idle, or to make room). Its steps go through rpc_steps."""
         try:
             opening = await anext(requests)
             self._check_caller(context)
@@ -130,16 +129,9 @@ class BlockHandler(BlockRPC):
             return
         try:
             yield reply(metadata={"ok": True})
-            async for request in _until(session.ended, requests):  # old clients' steps; new ones use rpc_steps
-                try:
-                    tensors, metadata = unpack(request)
-                    push_to = _push_target(metadata)  # checked first: a step must not run, then be refused
-                    output = await session.step(tensors, metadata)
-                    if push_to is not None:
-                        self._push([_push_of(push_to, metadata, output)])
-                    yield reply((output,))
-                except Exception as error:  # a refused step leaves the session as it was
-                    yield error_reply(error)
+            async for _ in _until(session.ended, requests):  # the stream holds the session open; it carries no steps
+                yield error_reply(BadRequestError("an inference stream carries only its opening: steps go through "
+                                                  "rpc_steps"))
         finally:
             session.close()
 
@@ -253,8 +245,7 @@ class BlockHandler(BlockRPC):
 
     async def _send_pushes(self, peer: PeerID, items: list[tuple[dict, torch.Tensor]]) -> None:
         entries, outputs = [entry for entry, _ in items], tuple(output for _, output in items)
-        # one step travels in the single form, which servers of every version take
-        message = pack(outputs, entries[0] if len(items) == 1 else {"pushes": entries})
+        message = pack(outputs, {"pushes": entries})
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(items)
         try:
@@ -263,8 +254,8 @@ class BlockHandler(BlockRPC):
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._push_failed(peer, len(items), "unreachable", repr(error))
             return
-        results = metadata.get("results") if len(items) > 1 else [metadata]
-        if not isinstance(results, list):
+        results = metadata.get("results")
+        if not isinstance(results, list):  # the whole message was refused (or the reply is malformed)
             results = [metadata] * len(items)
         refusals = [error for error in map(_error_of, results) if error is not None]
         if refusals:
