@@ -1,5 +1,6 @@
 """The block server's backend: what the RPC handlers call. It checks every request against the span and the
-limits on one client, opens sessions within the cache budget, and queues work for the compute thread."""
+limits on one client, opens sessions within the cache budget (each gets ServerServices: what it uses of the
+server), and submits cache-less forwards to the compute thread as jobs (sessions submit their steps)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class Backend:
-    """What the RPC handlers call: validates requests against the span and the limits, queues them for the
+    """What the RPC handlers call: validates requests against the span and the limits, submits them to the
     compute thread (swarm/server/batching.py), and keeps the sessions' caches within the budget."""
 
     def __init__(self, span: BlockSpan, budget: CacheBudget, limits: ServerLimits = ServerLimits(), **batching):
@@ -60,8 +61,9 @@ class Backend:
         }
 
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
-        """Whole sequences through blocks [start, end), no cache kept. They go through the compute thread's
-        rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at most."""
+        """Cache-less sequences (from position 0, nothing kept) through blocks [start, end). They go through the
+        compute thread's rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at
+        most."""
         start, end = self._block_range(metadata)
         hidden = self.check_hidden_states(tensors)
         rows, length = hidden.shape[:2]
@@ -77,7 +79,7 @@ class Backend:
             return await self._forward_in_chunks(hidden, start, end)
 
     async def _forward_in_chunks(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """A forward longer than a chunk, run like a prompt through a temporary cache of its whole length: the
+        """A forward longer than a chunk, computed like a prompt through a temporary cache of its length: the
         same outputs as one unchunked pass. The cache comes from the budget like a session's, waiting up to
         --cache-wait, then refused with CacheFullError: the pool is the only memory attention reads keys from,
         and a server must not hold more than its operator gave it. One such forward at a time, so that a

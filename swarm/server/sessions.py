@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 class OpenSessions:
     """The server's open sessions: every one (idle ones may be closed to make room), those a previous server
-    may push steps to (by id), how many each peer has open, and what they have run."""
+    may push steps to (by id), how many each peer has open, and what they have computed."""
 
     def __init__(self):
         self._all: set[ServerSession] = set()
@@ -73,8 +73,8 @@ class EarlyStep:
     position: int
     result: asyncio.Future
 
-    def ran(self, tensors: list, metadata: dict) -> bool:
-        """Whether it ran these inputs, successfully: then its result is the client's step's result."""
+    def answers(self, tensors: list, metadata: dict) -> bool:
+        """Whether it computed these inputs, successfully: then its result is the client's step's result."""
         if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
             return False
         position = metadata.get("position")
@@ -131,7 +131,7 @@ class ServerSession:
         early, self._early = self._early, None
         if early is not None:
             await asyncio.wait([early.result])  # its result, or a stale push finished: steps never overlap
-            if early.step_id == step_id and early.ran(tensors, metadata):
+            if early.step_id == step_id and early.answers(tensors, metadata):
                 return early.result.result()
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
