@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 from bench.shapes import SHAPES
-from bench.span_round import ROUND_SESSIONS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -19,6 +18,7 @@ QUICK = {"tokens": 32, "rounds": 1, "concurrency": (1, 4), "concurrency_tokens":
 # a GPU's batches are cheap up to many more rows: its levels reach further, and 16-bit is its native dtype
 GPU_CONCURRENCY = {"full": (1, 8, 32, 64), "quick": (1, 8)}
 DEFAULT_DTYPES = {"cpu": ("float32",), "cuda": ("bfloat16",)}
+ROUND_SESSIONS = (1, 8, 32, 64)  # sessions per decode round of the span alone (bench/span_round.py)
 # the span's own cache pool (no server sized it) holds 64 sessions of the decode rounds' lengths
 MOST_ROUND_SESSIONS = 64
 

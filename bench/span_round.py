@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-ROUND_SESSIONS = (1, 8, 32, 64)
+from bench.options import ROUND_SESSIONS, parse_round_options
+
 SHORTEST_PREFILL = 8  # session lengths are SHORTEST_PREFILL .. SHORTEST_PREFILL + 63
 # rounds of a small model take milliseconds, and a shared machine's noise comes in bursts as long: such rounds
 # repeat until this many seconds were timed (at most MAX_REPEATS times), so that their median holds still
@@ -141,7 +142,6 @@ def _synchronize(device: torch.device) -> None:
 
 def main(argv=None) -> None:
     """A quick run of this measurement alone, on the tiny model and on the chosen one."""
-    from bench.options import parse_round_options
     from bench.report import decode_round_lines, decode_round_target
     from config import SwarmSettings
 

@@ -46,13 +46,17 @@ def parse_block_range(text: str) -> tuple[int, int]:
 
 
 def multiaddr(text: str) -> str:
-    """An --initial-peers value, checked before anything starts."""
-    from swarm.dht import parse_multiaddr
+    """An --initial-peers value (e.g. /ip4/127.0.0.1/tcp/31337/p2p/Qm...), checked before anything starts: the
+    error names what is wrong."""
+    from hivemind.utils.multiaddr import Multiaddr
 
     try:
-        return parse_multiaddr(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error))
+        address = Multiaddr(text)
+    except Exception as error:  # multiaddr raises several unrelated types for bad input
+        raise argparse.ArgumentTypeError(f"malformed multiaddr {text!r}: {error}") from None
+    if not any(protocol.name in ("p2p", "ipfs") for protocol in address.protocols()):
+        raise argparse.ArgumentTypeError(f"multiaddr {text!r} lacks the peer id part (/p2p/...)")
+    return text
 
 
 def setup_logging(verbose: bool = False) -> None:

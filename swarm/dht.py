@@ -38,19 +38,6 @@ class EventLoop:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
 
-def parse_multiaddr(text: str) -> str:
-    """Validate a peer's multiaddr (e.g. /ip4/127.0.0.1/tcp/31337/p2p/Qm...); ValueError names what is wrong."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    try:
-        address = Multiaddr(text)
-    except Exception as error:  # multiaddr raises several unrelated types for bad input
-        raise ValueError(f"malformed multiaddr {text!r}: {error}") from None
-    if not any(protocol.name in ("p2p", "ipfs") for protocol in address.protocols()):
-        raise ValueError(f"multiaddr {text!r} lacks the peer id part (/p2p/...)")
-    return text
-
-
 async def start_node(
     initial_peers: Iterable[str] = (),
     host: str = "127.0.0.1",

@@ -4,10 +4,10 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
 
     rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
                          loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed}
-    rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less, whole sequences
-    rpc_inference  a stream: first {start, end, max_length, batch_size, session_id?} -> {ok}
-                   then per step [hidden] {position, step_id?, push_to?: {peer_id, session_id}} -> [hidden]
-                   closing the request stream ends the session and frees its cache
+    rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less sequences
+    rpc_inference  a stream per session: {start, end, max_length, batch_size, session_id?} -> {ok}; it carries
+                   nothing more (any other message is refused), and closing it ends the session and frees its
+                   cache; the server ending it means it closed the session
     rpc_steps      a stream, one per (client, server), that steps the client's open sessions (opened by
                    rpc_inference): each request carries the steps of several sessions, each reply answers one
                    request (replies may come out of order: message_id pairs them)
@@ -17,11 +17,10 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
                               {error}, ... n]}; a request that is no list of steps: {message_id?, error}
                    a session is stepped only by the peer that opened it, one step at a time (else the step
                    is refused); one step's error leaves the others of its message as they were
-    rpc_push       [hidden] {session_id, step_id, position} -> {}: a step's inputs, pushed by the previous
-                   server of the chain (named by the client in push_to) as soon as it has them, so that the
-                   next server starts before the client's copy of the same inputs arrives;
-                   or [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} ->
-                   {results: [{} or {error}, ... n]}: the outputs of several steps, to one server at once
+    rpc_push       [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} -> {results: [{}
+                   or {error}, ... n]}: steps' inputs, pushed by the previous server of their chains (named by
+                   the clients in push_to) as soon as it has them, so that the next server starts before the
+                   clients' copies of the same inputs arrive; one message per next server, however many steps
 
 A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
 broken stream, so the client can raise the same SwarmError the server raised. The server implements

@@ -9,6 +9,7 @@ In data-flow order:
     stubs.py         the client's end of the block servers' RPC (swarm/wire.py): info, forward, inference streams,
                      and the per-server step channels that carry all sessions' steps to a server as one message
     remote_session.py  RemoteSession: hidden states through the chain; on a failure ban, re-route, replay
+                     (what it uses of its SwarmClient comes as ClientServices: it never imports swarm_client)
     spot_check.py    now and then, other servers recompute a hop of a step; a liar is banned
     head.py          the client's weights: embeddings, final norm, LM head (from the family's ClientSide)
     coalesce.py      concurrent row-wise calls merged into one (the LM head of sessions decoding at once)

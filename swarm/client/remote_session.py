@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
 from swarm.client import metrics
+from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
-from swarm.client.stubs import InferenceStream
+from swarm.client.spot_check import SpotChecker
+from swarm.client.stubs import InferenceStream, StepChannels
+from swarm.dht import EventLoop
 from swarm.protocol import (
     PAGE_TOKENS,
     CacheFullError,
@@ -23,9 +26,6 @@ from swarm.protocol import (
     SessionClosedError,
     SessionLengthError,
 )
-
-if TYPE_CHECKING:
-    from swarm.client.swarm_client import SwarmClient
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,26 @@ class Route:
     prefix: str
     num_blocks: int
     model_name: str
+
+
+@dataclass(frozen=True)
+class ClientServices:
+    """What a session uses of its client (SwarmClient builds it; this module never imports swarm_client.py)."""
+
+    loop: EventLoop  # runs the network calls, from the session's thread
+    p2p: object  # the client's libp2p endpoint, which streams to servers open through
+    step_channels: StepChannels  # the steps of all the client's sessions on one server travel together
+    bans: Bans  # shared by the client's sessions: a server one of them saw fail, the others avoid too
+    load: PeerLoad
+    spot_checks: SpotChecker
+    # SwarmClient.chain and wait_for_chain: the best chain over some blocks, at once or waiting for missing ones
+    find_chain: Callable[..., list[ChainLink]]
+    wait_for_chain: Callable[..., list[ChainLink]]
+    wire_dtype: torch.dtype  # what hidden states travel as
+    open_timeout: float  # for opening a stream
+    step_timeout: float  # for a step, plus STEP_SECONDS_PER_TOKEN per position
+    max_retries: int  # replacements tried for a failed server
+    block_wait: float  # how long routing waits for missing blocks (0: it fails at once)
 
 
 @dataclass
@@ -69,9 +89,9 @@ class RemoteSession:
     `on_wait(message)`, if set, once per wait.
     """
 
-    def __init__(self, client: SwarmClient, route: Route, max_length: int, batch_size: int = 1,
+    def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
                  on_wait: Optional[Callable[[str], None]] = None):
-        self.client, self.route, self.max_length, self.batch_size = client, route, max_length, batch_size
+        self.services, self.route, self.max_length, self.batch_size = services, route, max_length, batch_size
         self.on_wait = on_wait
         self.position = 0  # tokens already in the servers' caches
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
@@ -94,9 +114,9 @@ class RemoteSession:
             raise SessionLengthError(
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
-        output, index = hidden.to(self.client.wire_dtype), 0
+        output, index = hidden.to(self.services.wire_dtype), 0
         self._steps += 1
-        check = self.client.spot_checks.plan(self.route, self.chain)
+        check = self.services.spot_checks.plan(self.route, self.chain)
         while index < len(self.hops):
             hop = self.hops[index]
             hop.record(output, position)
@@ -104,7 +124,7 @@ class RemoteSession:
             try:
                 hop_output = self._step_hop(hop, output, position, following)
                 if check is not None and check.link == hop.link:
-                    self.client.spot_checks.verify(check, hop.inputs, hop_output)  # raises if the hop lied
+                    self.services.spot_checks.verify(check, hop.inputs, hop_output)  # raises if the hop lied
                 output = hop_output
                 index += 1
             # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
@@ -116,12 +136,12 @@ class RemoteSession:
     def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int, following: Optional[Hop] = None) -> torch.Tensor:
         """One server's step; it pushes its outputs on to `following`'s server (which then starts at once), and
         they come back here too: to be sent on anyway, and kept for a replay should `following` fail."""
-        timeout = self.client.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
+        timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
         began = time.perf_counter()
         push_to = following.stream if following is not None else None
-        output = self.client.loop.run(hop.stream.step(hidden, position, timeout, self._steps, push_to))
+        output = self.services.loop.run(hop.stream.step(hidden, position, timeout, self._steps, push_to))
         if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
-            self.client.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
+            self.services.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
         return output
 
     def _fail_over(self, index: int, error: Exception, new_positions: int) -> tuple[torch.Tensor, int]:
@@ -137,16 +157,16 @@ class RemoteSession:
         # a full cache is no fault: that server is only avoided, and keeps the session if no other can take it
         cache_full = isinstance(error, CacheFullError)
         if not cache_full and not isinstance(error, SessionClosedError):  # a closed session is no fault either
-            self.client.bans.ban(failed.link.peer_id)
+            self.services.bans.ban(failed.link.peer_id)
         last_error: Exception = error
-        for attempt in range(self.client.max_retries):
+        for attempt in range(self.services.max_retries):
             if attempt:
                 metrics.RETRIES.inc()
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))  # backoff: a replacement may still be starting
             try:
                 replacement = self._open_hops(start, end, full={failed.link.peer_id} if cache_full else ())
             except MissingBlocksError as missing:
-                if self.client.block_wait > 0:  # _open_hops has waited for the blocks already
+                if self.services.block_wait > 0:  # _open_hops has waited for the blocks already
                     raise
                 last_error = missing
                 continue
@@ -170,14 +190,14 @@ class RemoteSession:
             try:
                 hidden = self._step_hop(hop, hidden, 0)
             except SERVER_FAULTS:
-                self.client.bans.ban(hop.link.peer_id)
+                self.services.bans.ban(hop.link.peer_id)
                 raise
         return hidden
 
     def _open_hops(self, start: int, end: int, full: Collection[str] = ()) -> list[Hop]:
         """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any
         found full or unreachable on the way)."""
-        client = self.client
+        services = self.services
         full, unreachable = set(full), set()  # full: its cache (or a limit), or it does not serve us
         last_refusal = ""
         while True:
@@ -185,11 +205,11 @@ class RemoteSession:
             hops: list[Hop] = []
             try:
                 for link in chain:
-                    stream = InferenceStream(client.node.p2p, link.peer_id, link.start, link.end, client.timeout,
-                                             client.step_channels)
+                    stream = InferenceStream(services.p2p, link.peer_id, link.start, link.end, services.open_timeout,
+                                             services.step_channels)
                     hops.append(Hop(link, stream))
-                    client.load.opened(link.peer_id)
-                    client.loop.run(stream.open(self.max_length, self.batch_size))
+                    services.load.opened(link.peer_id)
+                    services.loop.run(stream.open(self.max_length, self.batch_size))
                 return hops
             except BaseException as error:
                 for hop in hops:  # the servers already opened free their cache at once
@@ -200,7 +220,7 @@ class RemoteSession:
                 logger.info("routing around server %s: %s", link.peer_id, error)
                 if isinstance(error, SERVER_FAULTS):
                     unreachable.add(link.peer_id)
-                    client.bans.ban(link.peer_id)
+                    services.bans.ban(link.peer_id)
                 else:
                     full.add(link.peer_id)
                     last_refusal = f" (the last one: {error})"
@@ -208,22 +228,22 @@ class RemoteSession:
     def _route(self, start: int, end: int, full: set[str], unreachable: set[str], last_refusal: str) -> list[ChainLink]:
         """The best chain over blocks [start, end) around those servers; while no server holds some of the
         blocks, wait for one (the client's block_wait at most)."""
-        client, route = self.client, self.route
+        services, route = self.services, self.route
         # servers take cache a page at a time as the session grows: what matters is room for the first
         routing = dict(exclude=full | unreachable, end=end, start=start,
                        min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
         if not full:
-            return client.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,
+            return services.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,
                                          on_wait=self.on_wait)
         try:  # no waiting: servers could serve, were their caches not full
-            return client.chain(route.prefix, route.num_blocks, route.model_name, **routing)
+            return services.find_chain(route.prefix, route.num_blocks, route.model_name, **routing)
         except MissingBlocksError:  # servers with a full cache could have served: the error worth reporting
             raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
                                  f"{route.model_name} has a full cache or failed{last_refusal}") from None
 
     def _close_hop(self, hop: Hop) -> None:
-        self.client.load.opened(hop.link.peer_id, -1)
-        self.client.loop.run(hop.stream.close())
+        self.services.load.opened(hop.link.peer_id, -1)
+        self.services.loop.run(hop.stream.close())
 
     def close(self) -> None:
         for hop in self.hops:

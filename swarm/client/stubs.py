@@ -49,13 +49,11 @@ async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end:
 
 class InferenceStream:
     """The client's end of one server's inference session: its stream opens the session and, closed, ends it;
-    its steps go through the client's step channel to that server (with no channels given, through the stream,
-    one message each)."""
+    its steps go through the client's step channel to that server."""
 
-    def __init__(self, p2p, peer_id: str, start: int, end: int, timeout: float,
-                 channels: Optional["StepChannels"] = None):
+    def __init__(self, p2p, peer_id: str, start: int, end: int, timeout: float, channels: StepChannels):
         self.p2p, self.peer_id, self.start, self.end, self.timeout = p2p, peer_id, start, end, timeout
-        self.channels = channels  # the client's step channels; without them, steps go through this stream
+        self.channels = channels  # the client's step channels, one per server
         self.session_id = secrets.token_hex(16)  # what the previous server of the chain pushes steps to
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses = None
@@ -76,15 +74,11 @@ class InferenceStream:
         timeout the session must not be stepped here again: the server may have run the step, or may yet).
         With `push_to`, the server also pushes the outputs to that stream's server, which starts step `step_id`
         before the client sends it."""
-        metadata = {"position": position, "step_id": step_id}
+        entry = {"session_id": self.session_id, "position": position, "step_id": step_id}
         if push_to is not None:
-            metadata["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
-        if self.channels is not None:
-            channel = self.channels.get(self.peer_id)
-            return await channel.step(hidden, {"session_id": self.session_id, **metadata}, timeout or self.timeout,
-                                      f"blocks {self.start}:{self.end}")
-        tensors, _ = await self._exchange(pack((hidden,), metadata), timeout or self.timeout)
-        return tensors[0]
+            entry["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
+        channel = self.channels.get(self.peer_id)
+        return await channel.step(hidden, entry, timeout or self.timeout, f"blocks {self.start}:{self.end}")
 
     async def close(self) -> None:
         self._requests.put_nowait(None)  # ends the request stream: the server frees the cache

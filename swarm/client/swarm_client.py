@@ -18,7 +18,7 @@ from swarm import dht
 from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink, choose_chain, longest_session
-from swarm.client.remote_session import RemoteSession, Route
+from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
 from swarm.client.stubs import StepChannels, call_forward, call_info
 from swarm.protocol import (
@@ -195,9 +195,17 @@ class SwarmClient:
     def open_session(
         self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1,
         on_wait: Optional[Callable[[str], None]] = None,
-    ) -> "RemoteSession":
+    ) -> RemoteSession:
         """A session over every block; `on_wait(message)` is told when it waits for a server of some blocks."""
-        return RemoteSession(self, Route(prefix, num_blocks, model_name), max_length, batch_size, on_wait)
+        return RemoteSession(self._services(), Route(prefix, num_blocks, model_name), max_length, batch_size, on_wait)
+
+    def _services(self) -> ClientServices:
+        """What a session uses of this client: its settings as they are now, its shared state, its routing."""
+        return ClientServices(
+            loop=self.loop, p2p=self.node.p2p, step_channels=self.step_channels, bans=self.bans, load=self.load,
+            spot_checks=self.spot_checks, find_chain=self.chain, wait_for_chain=self.wait_for_chain,
+            wire_dtype=self.wire_dtype, open_timeout=self.timeout, step_timeout=self.step_timeout,
+            max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
         self.loop.run(self.step_channels.close())

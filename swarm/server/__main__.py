@@ -4,6 +4,6 @@ from swarm.server.settings import parse_settings
 
 settings = parse_settings()
 
-from swarm.server.main import run  # noqa: E402  (heavy: torch, transformers, hivemind)
+from swarm.server.main import launch  # noqa: E402  (heavy: torch, transformers, hivemind)
 
-run(settings)
+launch(settings)

@@ -4,9 +4,12 @@ A round packs the new tokens of several requests side by side (segments: decode 
 cache-less forwards), hidden states (1, tokens, hidden). Projections and MLPs run once over all of them;
 attention runs per *group* of sequences, never per session:
 
-    decode   sequences with one new query each, keys gathered from the pool    (n, heads, 1, keys)
-    prefill  sequences with a chunk of queries, keys gathered from the pool    (n, heads, chunk, keys)
-    whole    cache-less sequences, keys from the round's own new tokens        (n, heads, length, length)
+    decode     sequences with one new query each, keys gathered from the pool    (n, heads, 1, keys)
+    prefill    sequences with a chunk of queries, keys gathered from the pool    (n, heads, chunk, keys)
+    cacheless  sequences with no cache, keys from the round's own new tokens     (n, heads, length, length)
+
+A round of decode steps only (one group, sequence i is packed token i: `decode_only`) needs no reordering of
+queries or outputs at all, and is what CUDA graphs capture (swarm/server/graphs.py).
 
 Everything a group needs (which packed token each query is, which pool slot each key is, the masks) is
 computed once per round, as tensors, and shared by every layer. Per layer and group: a gather of the
@@ -38,7 +41,7 @@ class Segment:
     rows: int
     length: int
     position: int
-    cache: Optional[SessionCache]  # None: whole sequences, nothing kept (position is then 0)
+    cache: Optional[SessionCache]  # None: cache-less sequences, nothing kept (position is then 0)
 
     @property
     def tokens(self) -> int:
@@ -58,7 +61,7 @@ class Group:
     real_queries: Optional[torch.Tensor]  # (real queries,) flat indices of the unpadded ones; None: all real
     destination: torch.Tensor  # (real queries,) the packed tokens they answer for
     write_slots: Optional[torch.Tensor]  # (real queries,) pool slots their keys/values go to (pool groups)
-    whole_round: bool = False  # one query per sequence, token i for sequence i, and nothing else in the round
+    decode_only: bool = False  # the round's only group, of decode steps: sequence i's one query is packed token i
     masks: dict = field(default_factory=dict)  # window -> what scaled_dot_product_attention gets as attn_mask
 
 
@@ -87,7 +90,7 @@ class PackedBatch:
         (1, tokens, heads * head_dim): the new keys/values go to the pool, each query sees its own past."""
         queries, keys, values = queries[0], keys[0], values[0]
         pool_keys, pool_values = self.pool.layer(self.first_layer + index) if self.pool is not None else (None, None)
-        if len(self.groups) == 1 and self.groups[0].whole_round:  # a decode round: no reordering to do
+        if len(self.groups) == 1 and self.groups[0].decode_only:  # no reordering to do
             return self._attend_group(self.groups[0], queries, keys, values, pool_keys, pool_values, window,
                                       scale)[None]
         output = queries.new_empty(queries.shape[0], queries.shape[1] * queries.shape[2])  # (tokens, heads*dim)
@@ -100,13 +103,13 @@ class PackedBatch:
     def _attend_group(group: Group, queries, keys, values, pool_keys, pool_values, window, scale) -> torch.Tensor:
         """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination."""
         if group.from_pool:
-            new_keys, new_values = (keys, values) if group.whole_round else \
+            new_keys, new_values = (keys, values) if group.decode_only else \
                 (keys.index_select(0, group.destination), values.index_select(0, group.destination))
             pool_keys.index_copy_(0, group.write_slots, new_keys)
             pool_values.index_copy_(0, group.write_slots, new_values)
         key_source, value_source = (pool_keys, pool_values) if group.from_pool else (keys, values)
         attended = F.scaled_dot_product_attention(
-            queries[:, None].transpose(1, 2) if group.whole_round else _gather(queries, group.query_tokens),
+            queries[:, None].transpose(1, 2) if group.decode_only else _gather(queries, group.query_tokens),
             _gather(key_source, group.key_index, group.from_pool),  # (n, kv_heads, keys, head_dim)
             _gather(value_source, group.key_index, group.from_pool),  # queries: (n, heads, queries, head_dim)
             attn_mask=group.masks[window],
@@ -146,13 +149,14 @@ def _sequences(segments: list[Segment]):
 
 
 def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> list[Group]:
-    kinds = {"decode": [], "prefill": [], "whole": []}
+    kinds = {"decode": [], "prefill": [], "cacheless": []}
     for sequence in _sequences(segments):
         segment = sequence[0]
-        kinds["whole" if segment.cache is None else "decode" if segment.length == 1 else "prefill"].append(sequence)
-    groups = [_group(sequences, kind != "whole", pool, device) for kind, sequences in kinds.items() if sequences]
-    if len(groups) == 1 and kinds["decode"]:  # a decode round: sequence i is packed token i
-        groups[0].whole_round = True
+        kind = "cacheless" if segment.cache is None else "decode" if segment.length == 1 else "prefill"
+        kinds[kind].append(sequence)
+    groups = [_group(sequences, kind != "cacheless", pool, device) for kind, sequences in kinds.items() if sequences]
+    if len(groups) == 1 and kinds["decode"]:  # sequence i is packed token i
+        groups[0].decode_only = True
     return groups
 
 

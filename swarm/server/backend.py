@@ -1,5 +1,6 @@
 """The block server's backend: what the RPC handlers call. It checks every request against the span and the
-limits on one client, opens sessions within the cache budget, and queues work for the compute thread."""
+limits on one client, opens sessions within the cache budget (each gets ServerServices: what it uses of the
+server), and submits cache-less forwards to the compute thread as jobs (sessions submit their steps)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, pages_for
-from swarm.server.sessions import ServerSession, int_field
+from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class Backend:
-    """What the RPC handlers call: validates requests against the span and the limits, queues them for the
+    """What the RPC handlers call: validates requests against the span and the limits, submits them to the
     compute thread (swarm/server/batching.py), and keeps the sessions' caches within the budget."""
 
     def __init__(self, span: BlockSpan, budget: CacheBudget, limits: ServerLimits = ServerLimits(), **batching):
@@ -33,11 +34,7 @@ class Backend:
         self.hidden_size = span.config.hidden_size
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self.scheduler = Scheduler(lambda: self.span, **batching)
-        self.positions_served = 0  # positions run through inference sessions: shows what clients re-send
-        self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
-        self.sessions: set[ServerSession] = set()
-        self.sessions_by_id: dict[str, ServerSession] = {}  # those a previous server may push steps to
-        self.sessions_by_peer: Counter[str] = Counter()
+        self.sessions = OpenSessions()
         self.cache_by_peer: Counter[str] = Counter()  # cache slots each peer's sessions hold or wait for (> 0)
         # forwards longer than a chunk run one at a time: each holds a temporary cache (see _forward_in_chunks)
         self._long_forwards = asyncio.Semaphore(1)
@@ -57,15 +54,16 @@ class Backend:
             "quantization": self.span.quantization,
             "device": str(self.span.device),
             "cache_tokens_free": self.budget.free,
-            "positions_served": self.positions_served,
-            "steps_pushed": self.steps_pushed,
+            "positions_served": self.sessions.positions_served,
+            "steps_pushed": self.sessions.steps_pushed,
             "version": PROTOCOL_VERSION,
             "loaded_names": self.span.loaded_names,
         }
 
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
-        """Whole sequences through blocks [start, end), no cache kept. They go through the compute thread's
-        rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at most."""
+        """Cache-less sequences (from position 0, nothing kept) through blocks [start, end). They go through the
+        compute thread's rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at
+        most."""
         start, end = self._block_range(metadata)
         hidden = self.check_hidden_states(tensors)
         rows, length = hidden.shape[:2]
@@ -73,15 +71,15 @@ class Backend:
             raise SessionLengthError(f"sequence of {length} tokens exceeds {self.max_positions} positions")
         chunk = self.scheduler.prefill_chunk_tokens
         if length <= chunk:  # a sequence fits a chunk: no cache needed, a chunk's worth of rows at a time
-            per_work = chunk // length
-            parts = await asyncio.gather(*(self.scheduler.run(hidden[first : first + per_work], 0, start, end)
-                                           for first in range(0, rows, per_work)))
+            rows_per_job = chunk // length
+            parts = await asyncio.gather(*(self.scheduler.submit(hidden[first : first + rows_per_job], 0, start, end)
+                                           for first in range(0, rows, rows_per_job)))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         async with self._long_forwards:
             return await self._forward_in_chunks(hidden, start, end)
 
     async def _forward_in_chunks(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """A forward longer than a chunk, run like a prompt through a temporary cache of its whole length: the
+        """A forward longer than a chunk, computed like a prompt through a temporary cache of its length: the
         same outputs as one unchunked pass. The cache comes from the budget like a session's, waiting up to
         --cache-wait, then refused with CacheFullError: the pool is the only memory attention reads keys from,
         and a server must not hold more than its operator gave it. One such forward at a time, so that a
@@ -100,7 +98,7 @@ class Backend:
             cache.release()
             self.budget.give_back(rows * positions)
 
-        return await self.scheduler.run(hidden, 0, start, end, cache, on_settled=give_back)
+        return await self.scheduler.submit(hidden, 0, start, end, cache, on_settled=give_back)
 
     async def open_session(self, metadata: dict, peer_id: str) -> ServerSession:
         """A new session for peer `peer_id`, holding its first page of cache (refused with CacheFullError if
@@ -111,15 +109,19 @@ class Backend:
         session_id = metadata.get("session_id")
         if session_id is not None and not (isinstance(session_id, str) and 16 <= len(session_id) <= 64):
             raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
-        if session_id in self.sessions_by_id:
+        if session_id in self.sessions.by_id:
             raise BadRequestError("field 'session_id' is already in use")
         if max_length * batch_size > self.limits.max_session_tokens:
             raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
                                    f"server's limit of {self.limits.max_session_tokens} tokens per session")
-        if self.sessions_by_peer[peer_id] >= self.limits.max_sessions_per_peer:
-            raise ServerLimitError(f"peer {peer_id} has {self.sessions_by_peer[peer_id]} sessions open on this "
+        if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer:
+            raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
                                    f"server already, its limit per peer")
-        session = ServerSession(self, start, end, max_length, batch_size, peer_id, session_id)
+        services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.submit, self.take_cache,
+                                  self.give_back_cache, self.limits.session_idle_timeout)
+        # an empty cache: it takes pages as the session grows
+        session = ServerSession(services, self.span.new_cache(batch_size), start, end, max_length, batch_size,
+                                peer_id, session_id)
         try:
             await session.reserve(1)
         except BaseException:
@@ -176,7 +178,7 @@ class Backend:
     def accept_push(self, tensors: list, metadata: dict) -> None:
         """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
         session_id = metadata.get("session_id")
-        session = self.sessions_by_id.get(session_id) if isinstance(session_id, str) else None
+        session = self.sessions.by_id.get(session_id) if isinstance(session_id, str) else None
         if session is None:
             raise BadRequestError("no open session has this 'session_id'")
         session.pushed(tensors, metadata)

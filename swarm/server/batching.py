@@ -1,16 +1,17 @@
 """Continuous batching on a block server: every step waiting for the compute thread runs in one forward.
 
-Requests arrive on the event loop (one step per session at a time, plus cache-less forwards) and queue here.
-The compute thread takes, in each round, every waiting decode step of one block range and as much of the
-waiting prefills as the round's token budget leaves, packs their tokens side by side (swarm/server/attention.py)
-and runs them through the span at once: the weights are read once for all of them. A long prompt goes
-through in chunks of at most `prefill_chunk_tokens`, round after round, so the sessions that are decoding
-meanwhile wait for one chunk at most, never for the whole prompt. The chunks of one prompt run in order
-and write the session's cache like one step would, so the outputs are the same. A cache-less forward is no
-exception: one that fits a chunk runs whole beside the others; a longer one gets a temporary cache from the
-backend (swarm/server/backend.py) and goes through in chunks like a prompt.
+Requests arrive on the event loop (one step per session at a time, plus cache-less forwards) and are submitted
+here as jobs (Scheduler.submit), which queue. The compute thread takes, in each round, every waiting decode
+step of one block range and as much of the waiting prefills as the round's token budget leaves, packs their
+tokens side by side (swarm/server/attention.py) and computes them through the span at once: the weights are
+read once for all of them. A long prompt goes through in chunks of at most `prefill_chunk_tokens`, round after
+round, so the sessions that are decoding meanwhile wait for one chunk at most, never for the whole prompt. The
+chunks of one prompt go in order and write the session's cache like one step would, so the outputs are the
+same. A cache-less forward is no exception: one that fits a chunk goes in one piece beside the others; a
+longer one gets a temporary cache from the backend (swarm/server/backend.py) and goes through in chunks like
+a prompt.
 
-A round that fails on the server's own fault (a bug, out of memory) fails each of its works with an
+A round that fails on the server's own fault (a bug, out of memory) fails each of its jobs with an
 InternalServerError; it is counted and logged once, with its traceback, however many sessions it had.
 """
 
@@ -35,21 +36,22 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Work:
-    """One request: new positions (rows, length, hidden) through blocks [start, end), from `position`."""
+class Job:
+    """What the compute thread is asked for: new positions (rows, length, hidden) through blocks [start, end),
+    from `position` (a session's step, a cache-less forward, or some rows of one), until all are computed."""
 
     hidden: torch.Tensor
     position: int
     start: int
     end: int
-    cache: Optional[SessionCache]  # None: whole sequences, no cache kept (they fit one chunk: run whole)
+    cache: Optional[SessionCache]  # None: cache-less sequences, nothing kept (they fit one chunk: one piece)
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     still_wanted: Callable[[], bool] = lambda: True  # false once the session is gone or evicted
-    # called on the event loop once the compute thread is done with the work (finished, failed or dropped),
+    # called on the event loop once the compute thread is done with the job (finished, failed or dropped),
     # before its result is set: what frees a temporary cache, which no round may write after it is freed
     on_settled: Optional[Callable[[], None]] = None
-    done: int = 0  # positions already computed
+    computed: int = 0  # positions already computed
     outputs: list = field(default_factory=list)
 
     @property
@@ -58,7 +60,7 @@ class Work:
 
     @property
     def remaining(self) -> int:
-        return self.hidden.shape[1] - self.done
+        return self.hidden.shape[1] - self.computed
 
     @property
     def wanted(self) -> bool:
@@ -78,33 +80,34 @@ class Work:
 
 
 class Scheduler:
-    """The server's one compute thread and the queue in front of it."""
+    """The server's one compute thread and the queue in front of it: `await submit(...)` queues a job and
+    returns its outputs once computed."""
 
     def __init__(self, span_of: Callable[[], BlockSpan], max_batch_tokens: int = 1024, prefill_chunk_tokens: int = 128):
         self._span_of = span_of  # the span may change while the server runs (it moves to other blocks)
         self.max_batch_tokens, self.prefill_chunk_tokens = max_batch_tokens, prefill_chunk_tokens
-        self._waiting: list[Work] = []
+        self._waiting: list[Job] = []
         self._wakeup = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._serve, name="compute", daemon=True)
+        self._thread = threading.Thread(target=self._compute_until_stopped, name="compute", daemon=True)
         self._thread.start()
 
-    async def run(self, hidden: torch.Tensor, position: int, start: int, end: int,
-                  cache: Optional[SessionCache] = None, still_wanted: Callable[[], bool] = lambda: True,
-                  on_settled: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """Outputs of these new positions, once the compute thread has run them (with others). Without a
-        cache, the work must fit one chunk: it cannot be split, and must not hold up decoding sessions."""
+    async def submit(self, hidden: torch.Tensor, position: int, start: int, end: int,
+                     cache: Optional[SessionCache] = None, still_wanted: Callable[[], bool] = lambda: True,
+                     on_settled: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """Outputs of these new positions, once the compute thread has computed them (with others). Without a
+        cache, the job must fit one chunk: it cannot be split, and must not hold up decoding sessions."""
         if cache is None and hidden.shape[0] * hidden.shape[1] > self.prefill_chunk_tokens:
-            raise ValueError(f"a cache-less work of {hidden.shape[0]} x {hidden.shape[1]} tokens is over one chunk "
+            raise ValueError(f"a cache-less job of {hidden.shape[0]} x {hidden.shape[1]} tokens is over one chunk "
                              f"({self.prefill_chunk_tokens}): give it a temporary cache")
         loop = asyncio.get_running_loop()
-        work = Work(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted, on_settled)
+        job = Job(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted, on_settled)
         with self._wakeup:
-            self._waiting.append(work)
+            self._waiting.append(job)
             self._wakeup.notify()
         began = time.perf_counter()
         try:
-            return await work.future
+            return await job.future
         finally:
             metrics.STEP_SECONDS.observe(time.perf_counter() - began)
 
@@ -115,7 +118,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------- compute thread
 
-    def _serve(self) -> None:
+    def _compute_until_stopped(self) -> None:
         while True:
             with self._wakeup:
                 while not self._waiting and not self._stopped:
@@ -124,78 +127,78 @@ class Scheduler:
                     return
                 round_ = self._next_round()
             if round_:
-                self._run(round_)
+                self._compute_round(round_)
 
-    def _next_round(self) -> list[tuple[Work, int]]:
-        """(work, positions to run now) for one forward: the oldest work's block range; decode steps first,
-        then prefill chunks and cache-less forwards within the token budget. Works no longer wanted are
+    def _next_round(self) -> list[tuple[Job, int]]:
+        """(job, positions to compute now) for one forward: the oldest job's block range; decode steps first,
+        then prefill chunks and cache-less forwards within the token budget. Jobs no longer wanted are
         dropped here."""
-        for work in [work for work in self._waiting if not work.wanted]:
-            self._waiting.remove(work)
-            work.resolve(error=ServerUnavailableError("the session ended or moved before its step ran"))
+        for job in [job for job in self._waiting if not job.wanted]:
+            self._waiting.remove(job)
+            job.resolve(error=ServerUnavailableError("the session ended or moved before its step ran"))
         if not self._waiting:
             return []
         first = self._waiting[0]
-        same_range = [work for work in self._waiting if (work.start, work.end) == (first.start, first.end)]
-        decoding = [work for work in same_range if work.remaining == 1 and work.cache is not None]
-        prefilling = [work for work in same_range if work.remaining > 1 or work.cache is None]
+        same_range = [job for job in self._waiting if (job.start, job.end) == (first.start, first.end)]
+        decoding = [job for job in same_range if job.remaining == 1 and job.cache is not None]
+        prefilling = [job for job in same_range if job.remaining > 1 or job.cache is None]
         round_, tokens = [], 0
-        for work in decoding:
-            if tokens + work.rows > self.max_batch_tokens and round_:
+        for job in decoding:
+            if tokens + job.rows > self.max_batch_tokens and round_:
                 break
-            round_.append((work, 1))
-            tokens += work.rows
+            round_.append((job, 1))
+            tokens += job.rows
         prefill_room = self.prefill_chunk_tokens
-        for work in prefilling:
-            positions = min(work.remaining, prefill_room // work.rows, (self.max_batch_tokens - tokens) // work.rows)
-            if positions < 1 or (work.cache is None and positions < work.remaining):  # the latter runs whole
+        for job in prefilling:
+            positions = min(job.remaining, prefill_room // job.rows, (self.max_batch_tokens - tokens) // job.rows)
+            if positions < 1 or (job.cache is None and positions < job.remaining):  # cache-less: in one piece
                 if round_:
                     break
-                positions = 1 if work.cache is not None else work.remaining  # wider than the budget: moves anyway
-            round_.append((work, positions))
-            tokens += positions * work.rows
-            prefill_room -= positions * work.rows
+                positions = 1 if job.cache is not None else job.remaining  # wider than the budget: moves anyway
+            round_.append((job, positions))
+            tokens += positions * job.rows
+            prefill_room -= positions * job.rows
         return round_
 
-    def _run(self, round_: list[tuple[Work, int]]) -> None:
+    def _compute_round(self, round_: list[tuple[Job, int]]) -> None:
         span, first = self._span_of(), round_[0][0]
         try:
             segments, pieces = [], []
-            for work, positions in round_:
-                segments.append(Segment(work.rows, positions, work.position + work.done, work.cache))
-                pieces.append(work.hidden[:, work.done : work.done + positions].reshape(-1, work.hidden.shape[-1]))
+            for job, positions in round_:
+                segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache))
+                pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
             packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
             output = span.forward_packed(packed, segments, first.start, first.end)[0].to("cpu")
-        except Exception as error:  # a bug or out of memory: every work of the round fails, the thread goes on
+        except Exception as error:  # a bug or out of memory: every job of the round fails, the thread goes on
             self._fail(round_, error)
             return
-        metrics.BATCH_SIZE.observe(sum(work.rows for work, _ in round_))
+        metrics.BATCH_SIZE.observe(sum(job.rows for job, _ in round_))
         offset = 0
         finished = []
-        for (work, positions), segment in zip(round_, segments):
-            work.outputs.append(output[offset : offset + segment.tokens].view(work.rows, positions, -1))
+        for (job, positions), segment in zip(round_, segments):
+            job.outputs.append(output[offset : offset + segment.tokens].view(job.rows, positions, -1))
             offset += segment.tokens
-            work.done += positions
-            if work.remaining == 0:
-                finished.append(work)
+            job.computed += positions
+            if job.remaining == 0:
+                finished.append(job)
         with self._wakeup:
-            for work in finished:
-                self._waiting.remove(work)
-        for work in finished:
-            outputs = work.outputs[0] if len(work.outputs) == 1 else torch.cat(work.outputs, dim=1)
-            work.resolve(outputs.to(work.hidden.dtype))
+            for job in finished:
+                self._waiting.remove(job)
+        for job in finished:
+            outputs = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs, dim=1)
+            job.resolve(outputs.to(job.hidden.dtype))
 
-    def _fail(self, round_: list[tuple[Work, int]], error: Exception) -> None:
-        """Fail every work of a round. A SwarmError is the request's own (it travels as it is); anything else
-        is the server's own failure: counted and logged here, once for the round, and each work gets an
+    def _fail(self, round_: list[tuple[Job, int]], error: Exception) -> None:
+        """Fail every job of a round. A SwarmError is the request's own (it travels as it is); anything else
+        is the server's own failure: counted and logged here, once for the round, and each job gets an
         InternalServerError, which the handler sends on without logging it again."""
         if not isinstance(error, SwarmError):
             metrics.INTERNAL_ERRORS.labels("compute").inc()
             logger.error("a compute round of %d request(s) failed", len(round_), exc_info=error)
         with self._wakeup:
-            for work, _ in round_:
-                self._waiting.remove(work)
-        for work, _ in round_:
+            for job, _ in round_:
+                self._waiting.remove(job)
+        for job, _ in round_:
             failure = error if isinstance(error, SwarmError) else \
                 InternalServerError("internal server error (see the server's log)")
-            work.resolve(error=failure)
+            job.resolve(error=failure)

@@ -11,21 +11,23 @@ Padding sequences read the pool's zero page, see only their first key (so their 
 write to the pool's scratch page; their outputs are dropped. Everything else (prefill chunks, cache-less
 forwards, rounds beyond the largest bucket, quantized spans) runs eagerly. On a CPU the same padded path can
 run eagerly (`capture=False`), which is how the tests check it gives the eager round's outputs.
+
+DecodeGraphs gets from its span (swarm/server/span.py) what a round needs: the pool, the span's first block,
+and its forward over a built batch; this module never imports the span. When a round cannot be captured, the
+graphs say so (`failed`) and the span runs eagerly from then on.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from swarm.protocol import PAGE_TOKENS
 from swarm.server.attention import Group, PackedBatch, Segment, group_sequences, token_positions
-
-if TYPE_CHECKING:
-    from swarm.server.span import BlockSpan
+from swarm.server.cache import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class RoundTensors:
 
     def batch(self, pool, first_layer: int) -> PackedBatch:
         group = Group(True, self.query_tokens, self.key_index, self.query_positions, self.key_positions,
-                      self.key_valid, None, self.destination, self.write_slots, whole_round=True)
+                      self.key_valid, None, self.destination, self.write_slots, decode_only=True)
         return PackedBatch(self.positions, [group], pool, first_layer)
 
 
@@ -116,7 +118,7 @@ class CapturedRound:
             with torch.cuda.graph(self.graph, pool=memory_pool):
                 self.output = self.forward()  # lives in the graph's memory: each replay overwrites it
 
-    def run(self, hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:
+    def replay(self, hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:
         """The padded round's outputs (1, bucket, hidden); the first hidden.shape[1] are the real ones."""
         self.hidden[:, : hidden.shape[1]].copy_(hidden)
         self.inputs.copy_from(inputs)
@@ -127,47 +129,44 @@ class CapturedRound:
 
 
 class DecodeGraphs:
-    """A span's captured decode rounds, one per (block range, sequences, keys) bucket, made on first use."""
+    """A span's captured decode rounds, one per (block range, sequences, keys) bucket, made on first use.
 
-    def __init__(self, span: "BlockSpan", capture: bool):
-        self.span, self.capture = span, capture
+    `forward_batch(hidden, batch, start, end)` is the span's forward of a built PackedBatch through blocks
+    [start, end); `first_block` is the span's first block (the pool's layer 0)."""
+
+    def __init__(self, pool: Optional[KVPool], first_block: int, forward_batch: Callable, dtype: torch.dtype,
+                 device: torch.device, capture: bool):
+        self.pool, self.first_block, self.forward_batch = pool, first_block, forward_batch
+        self.dtype, self.device, self.capture = dtype, device, capture
         self.rounds: dict[tuple, CapturedRound] = {}
         self.memory_pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
+        self.failed = False  # a round could not be captured: every round runs eagerly
 
-    def run(self, hidden: torch.Tensor, segments: list[Segment], start: int, end: int) -> Optional[torch.Tensor]:
-        """The round's outputs (1, tokens, hidden), or None when it must run eagerly."""
-        if not all(segment.cache is not None and segment.length == 1 for segment in segments):
+    def replay(self, hidden: torch.Tensor, segments: list[Segment], start: int, end: int) -> Optional[torch.Tensor]:
+        """The round's outputs (1, tokens, hidden) from its bucket's graph (captured on the bucket's first round),
+        or None when it must run eagerly."""
+        if self.failed or not all(segment.cache is not None and segment.length == 1 for segment in segments):
             return None
         sequences = sum(segment.rows for segment in segments)
         keys = max(segment.position + 1 for segment in segments)
         size, width = bucket(sequences, SEQUENCE_BUCKETS), key_bucket(keys)
         if size is None or width is None:
             return None
-        inputs = padded_round(segments, self.span.pool, size, width)
+        inputs = padded_round(segments, self.pool, size, width)
         key = (start, end, size, width)
         if key not in self.rounds:
-            span = self.span
             try:
-                self.rounds[key] = CapturedRound(inputs, hidden.shape[-1], span.dtype, self._forward(start, end),
-                                                 span.device, self.capture, self.memory_pool)
+                self.rounds[key] = CapturedRound(inputs, hidden.shape[-1], self.dtype, self._forward(start, end),
+                                                 self.device, self.capture, self.memory_pool)
             except Exception:  # a layer that cannot be captured (a host sync in it): eager from now on
                 logger.warning("could not capture a decode round as a CUDA graph; running rounds eagerly",
                                exc_info=True)
-                self.span.graphs = None
+                self.failed = True
                 return None
-        return self.rounds[key].run(hidden, inputs)[:, :sequences]
+        return self.rounds[key].replay(hidden, inputs)[:, :sequences]
 
-    def _forward(self, start: int, end: int) -> Callable[[RoundTensors], torch.Tensor]:
-        span = self.span
-        layers = span.layers[start - span.start : end - span.start]
-        windows = {layer.attention_window for layer in layers}
-
+    def _forward(self, start: int, end: int) -> Callable[[torch.Tensor, RoundTensors], torch.Tensor]:
         def forward(hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:
-            batch = inputs.batch(span.pool, start - span.start)
-            span.family.batch_inputs(span.position_state, hidden, batch)
-            batch.build_masks(windows, span.dtype)
-            for index, layer in enumerate(layers):
-                hidden = span.family.layer_forward(layer, hidden, batch, index)
-            return hidden
+            return self.forward_batch(hidden, inputs.batch(self.pool, start - self.first_block), start, end)
 
         return forward

@@ -95,9 +95,6 @@ class BlockHandler(BlockRPC):
             self._check_caller(context)
             tensors, metadata = unpack(request)
             pushes = metadata.get("pushes")
-            if pushes is None:  # one step
-                self.backend.accept_push(tensors, metadata)
-                return reply()
             if not isinstance(pushes, list) or len(pushes) != len(tensors):
                 raise BadRequestError("field 'pushes' must be a list of maps, one per tensor")
             return reply(metadata={"results": [self._accept_one_push(entry, tensor)
@@ -117,6 +114,8 @@ class BlockHandler(BlockRPC):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A session's stream: its first message opens the session, and the session lasts as long as the stream
+        (or until the server closes it: idle, or to make room). Its steps go through rpc_steps."""
         try:
             opening = await anext(requests)
             self._check_caller(context)
@@ -130,16 +129,9 @@ class BlockHandler(BlockRPC):
             return
         try:
             yield reply(metadata={"ok": True})
-            async for request in _until(session.ended, requests):  # old clients' steps; new ones use rpc_steps
-                try:
-                    tensors, metadata = unpack(request)
-                    push_to = _push_target(metadata)  # checked first: a step must not run, then be refused
-                    output = await session.step(tensors, metadata)
-                    if push_to is not None:
-                        self._push([_push_of(push_to, metadata, output)])
-                    yield reply((output,))
-                except Exception as error:  # a refused step leaves the session as it was
-                    yield error_reply(error)
+            async for _ in _until(session.ended, requests):  # the stream holds the session open; it carries no steps
+                yield error_reply(BadRequestError("an inference stream carries only its opening: steps go through "
+                                                  "rpc_steps"))
         finally:
             session.close()
 
@@ -155,19 +147,19 @@ class BlockHandler(BlockRPC):
             await _linger(requests)
             return
         replies: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.ensure_future(self._answer_step_messages(requests, context.remote_id.to_base58(), replies))
+        reader = asyncio.ensure_future(self._read_step_messages(requests, context.remote_id.to_base58(), replies))
         try:
             while (response := await replies.get()) is not None:
                 yield response
         finally:
             reader.cancel()  # the client hung up: the steps still running stop (their sessions stay open)
 
-    async def _answer_step_messages(self, requests: AsyncIterator, peer_id: str, replies: asyncio.Queue) -> None:
+    async def _read_step_messages(self, requests: AsyncIterator, peer_id: str, replies: asyncio.Queue) -> None:
         running: set[asyncio.Task] = set()
 
         async def answer(request):
             try:
-                replies.put_nowait(await self._run_step_message(request, peer_id))
+                replies.put_nowait(await self._reply_to_step_message(request, peer_id))
             except Exception as error:  # a bug here must cost one message, never the stream
                 replies.put_nowait(error_reply(error))
 
@@ -182,7 +174,7 @@ class BlockHandler(BlockRPC):
                 task.cancel()
             replies.put_nowait(None)
 
-    async def _run_step_message(self, request, peer_id: str):
+    async def _reply_to_step_message(self, request, peer_id: str):
         """One message's steps, run at once; the reply, and the outputs pushed on to the next servers."""
         message_id = None
         try:
@@ -230,7 +222,7 @@ class BlockHandler(BlockRPC):
     def _own_session(self, entry, peer_id: str):
         if not isinstance(entry, dict) or not isinstance(entry.get("session_id"), str):
             raise BadRequestError("each step must be a map with a 'session_id'")
-        session = self.backend.sessions_by_id.get(entry["session_id"])
+        session = self.backend.sessions.by_id.get(entry["session_id"])
         if session is None or session.peer_id != peer_id:  # another peer's session reads as no session at all
             raise SessionClosedError("this server holds no session of yours with this 'session_id' (it ended, "
                                      "or the server closed it: idle too long, or to make room)")
@@ -253,8 +245,7 @@ class BlockHandler(BlockRPC):
 
     async def _send_pushes(self, peer: PeerID, items: list[tuple[dict, torch.Tensor]]) -> None:
         entries, outputs = [entry for entry, _ in items], tuple(output for _, output in items)
-        # one step travels in the single form, which servers of every version take
-        message = pack(outputs, entries[0] if len(items) == 1 else {"pushes": entries})
+        message = pack(outputs, {"pushes": entries})
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(items)
         try:
@@ -263,8 +254,8 @@ class BlockHandler(BlockRPC):
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._push_failed(peer, len(items), "unreachable", repr(error))
             return
-        results = metadata.get("results") if len(items) > 1 else [metadata]
-        if not isinstance(results, list):
+        results = metadata.get("results")
+        if not isinstance(results, list):  # the whole message was refused (or the reply is malformed)
             results = [metadata] * len(items)
         refusals = [error for error in map(_error_of, results) if error is not None]
         if refusals:

@@ -204,10 +204,10 @@ async def _announced_while(node, prefix: str, info: ServerInfo, period: float, w
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    run(parse_settings(argv))
+    launch(parse_settings(argv))
 
 
-def run(settings: ServerSettings) -> None:
+def launch(settings: ServerSettings) -> None:
     """Serve until stopped, a failure the operator can act on told in one line."""
     from swarm.cli import run_main, setup_logging
 

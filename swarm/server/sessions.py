@@ -1,4 +1,8 @@
-"""A client's inference session on a block server: its attention cache, its steps, and steps pushed to it."""
+"""A client's inference session on a block server: its attention cache, its steps, and steps pushed to it.
+
+The backend (swarm/server/backend.py) opens sessions and hands each one ServerServices: what a session uses of
+its server, and the OpenSessions it joins while open. This module never imports the backend.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,58 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Awaitable, Callable, Iterator, Optional
 
 import torch
 
 from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClosedError, SessionLengthError
 from swarm.server import metrics
-from swarm.server.cache import PAGE_TOKENS, pages_for
-
-if TYPE_CHECKING:
-    from swarm.server.backend import Backend
+from swarm.server.cache import PAGE_TOKENS, SessionCache, pages_for
 
 logger = logging.getLogger(__name__)
+
+
+class OpenSessions:
+    """The server's open sessions: every one (idle ones may be closed to make room), those a previous server
+    may push steps to (by id), how many each peer has open, and what they have computed."""
+
+    def __init__(self):
+        self._all: set[ServerSession] = set()
+        self.by_id: dict[str, ServerSession] = {}
+        self.per_peer: Counter[str] = Counter()
+        self.positions_served = 0  # positions run through sessions: shows what clients re-send
+        self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
+
+    def add(self, session: ServerSession) -> None:
+        self._all.add(session)
+        self.per_peer[session.peer_id] += 1
+        if session.id is not None:
+            self.by_id[session.id] = session
+
+    def discard(self, session: ServerSession) -> None:
+        self._all.discard(session)
+        self.per_peer -= Counter([session.peer_id])  # a peer with none left leaves the counter
+        self.by_id.pop(session.id, None)
+
+    def __iter__(self) -> Iterator[ServerSession]:
+        return iter(self._all)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+
+@dataclass(frozen=True)
+class ServerServices:
+    """What a session uses of its server; the backend builds it."""
+
+    open_sessions: OpenSessions  # a session joins it when it opens, and leaves it when it closes
+    # a step's one tensor of hidden states (and the session's batch size), refused unless the span can run it
+    check_hidden_states: Callable[[list, int], torch.Tensor]
+    # new positions through the compute thread: (hidden, position, start, end, cache, still_wanted) -> outputs
+    compute: Callable[..., Awaitable[torch.Tensor]]
+    take_cache: Callable[[str, int], Awaitable[None]]  # (peer id, tokens), within the peer's share, waiting a while
+    give_back_cache: Callable[[str, int], None]
+    idle_timeout: float  # --session-idle-timeout (0: never)
 
 @dataclass
 class EarlyStep:
@@ -29,8 +73,8 @@ class EarlyStep:
     position: int
     result: asyncio.Future
 
-    def ran(self, tensors: list, metadata: dict) -> bool:
-        """Whether it ran these inputs, successfully: then its result is the client's step's result."""
+    def answers(self, tensors: list, metadata: dict) -> bool:
+        """Whether it computed these inputs, successfully: then its result is the client's step's result."""
         if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
             return False
         position = metadata.get("position")
@@ -56,11 +100,11 @@ class ServerSession:
     goes back, its stream ends, and its client's next step finds no session (and fails over).
     """
 
-    def __init__(self, backend: Backend, start: int, end: int, max_length: int, batch_size: int, peer_id: str,
-                 session_id: Optional[str] = None):
-        self.backend, self.start, self.end = backend, start, end
+    def __init__(self, server: ServerServices, cache: SessionCache, start: int, end: int, max_length: int,
+                 batch_size: int, peer_id: str, session_id: Optional[str] = None):
+        self.server, self.start, self.end = server, start, end
         self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
-        self.cache = backend.span.new_cache(batch_size)  # empty: it takes pages as it grows
+        self.cache = cache  # empty: it takes pages as it grows
         self.length = 0  # positions filled in the cache
         self._closed = False
         self.closed_because: Optional[str] = None  # "idle" or "reclaimed" when the server closed it
@@ -71,10 +115,7 @@ class ServerSession:
         self.last_active = time.monotonic()  # when its last step ended (or it opened)
         self.ended = asyncio.Event()  # set once closed, by its client or by the server
         self._idle_timer: Optional[asyncio.TimerHandle] = None
-        backend.sessions.add(self)
-        backend.sessions_by_peer[peer_id] += 1
-        if session_id is not None:
-            backend.sessions_by_id[session_id] = self
+        server.open_sessions.add(self)
         metrics.SESSIONS.inc()
         self._close_when_idle()
 
@@ -90,11 +131,11 @@ class ServerSession:
         early, self._early = self._early, None
         if early is not None:
             await asyncio.wait([early.result])  # its result, or a stale push finished: steps never overlap
-            if early.step_id == step_id and early.ran(tensors, metadata):
+            if early.step_id == step_id and early.answers(tensors, metadata):
                 return early.result.result()
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
-        return await self._run(tensors, metadata)
+        return await self._step_in_turn(tensors, metadata)
 
     def pushed(self, tensors: list, metadata: dict) -> None:
         step_id = metadata.get("step_id")
@@ -105,25 +146,25 @@ class ServerSession:
             # session where it is (an honest one only rewinds it when the client does): the client's copy will do
             return
         self._newest_step = step_id
-        self.backend.steps_pushed += 1
-        started = asyncio.ensure_future(self._run(tensors, metadata))
+        self.server.open_sessions.steps_pushed += 1
+        started = asyncio.ensure_future(self._step_in_turn(tensors, metadata))
         started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
         self._early = EarlyStep(step_id, tensors, self.length, started)
 
-    async def _run(self, tensors: list, metadata: dict) -> torch.Tensor:
+    async def _step_in_turn(self, tensors: list, metadata: dict) -> torch.Tensor:
         async with self._one_step_at_a_time:
             try:
-                return await self._run_step(tensors, metadata)
+                return await self._compute_step(tensors, metadata)
             finally:
                 self.last_active = time.monotonic()
 
-    async def _run_step(self, tensors: list, metadata: dict) -> torch.Tensor:
+    async def _compute_step(self, tensors: list, metadata: dict) -> torch.Tensor:
         if self.evicted:
             raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
         if self._closed:
             raise SessionClosedError(f"the server closed this session ({self.closed_because})") if self.closed_because \
                 else ServerUnavailableError("this session has ended (closed by its client)")
-        hidden = self.backend.check_hidden_states(tensors, self.batch_size)
+        hidden = self.server.check_hidden_states(tensors, self.batch_size)
         # a position below the current length rewinds the session (regenerate, or a replay after failover)
         position = int_field(metadata, "position", 0, self.length)
         end = position + hidden.shape[1]
@@ -132,9 +173,9 @@ class ServerSession:
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
         await self.reserve(end)
-        output = await self.backend.scheduler.run(hidden, position, self.start, self.end, self.cache, self._wanted)
+        output = await self.server.compute(hidden, position, self.start, self.end, self.cache, self._wanted)
         self.length = end
-        self.backend.positions_served += hidden.shape[1]
+        self.server.open_sessions.positions_served += hidden.shape[1]
         metrics.POSITIONS_SERVED.inc(hidden.shape[1])
         return output
 
@@ -143,9 +184,9 @@ class ServerSession:
         if positions <= self.cache.reserved:
             return
         wanted = pages_for(positions) * PAGE_TOKENS  # whole pages of the pool: what a sequence physically takes
-        await self.backend.take_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
+        await self.server.take_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
         if self._closed:  # closed while waiting: give the pages straight back
-            self.backend.give_back_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
+            self.server.give_back_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
             raise ServerUnavailableError("the session ended while waiting for cache")
         self.cache.reserved = wanted
         self.cache.fit()
@@ -155,7 +196,7 @@ class ServerSession:
 
     def _close_when_idle(self) -> None:
         """Close the session once it has gone --session-idle-timeout seconds without a step (0: never)."""
-        timeout = self.backend.limits.session_idle_timeout
+        timeout = self.server.idle_timeout
         if self._closed or not timeout:
             return
         idle = time.monotonic() - self.last_active
@@ -178,11 +219,9 @@ class ServerSession:
             self.ended.set()
             if self._early is not None:
                 self._early.result.cancel()
-            self.backend.give_back_cache(self.peer_id, self.cache.tokens)
+            self.server.give_back_cache(self.peer_id, self.cache.tokens)
             self.cache.release()  # a round already running may still write these pages: only later rounds reuse them
-            self.backend.sessions.discard(self)
-            self.backend.sessions_by_peer -= Counter([self.peer_id])  # a peer with none left leaves the counter
-            self.backend.sessions_by_id.pop(self.id, None)
+            self.server.open_sessions.discard(self)
             metrics.SESSIONS.dec()
 
 

@@ -28,7 +28,7 @@ DEFAULT_POOL_TOKENS = 16384  # a span's pool when no backend sized it (tests, th
 
 
 class BlockSpan(nn.Module):
-    """Blocks [start, end) of a model, run over the new positions of a session (or a whole sequence)."""
+    """Blocks [start, end) of a model, computed over the new positions of sessions (or cache-less sequences)."""
 
     def __init__(self, config, start: int, end: int, layers: list, family: Family, loaded_names: list[str],
                  dtype: torch.dtype = torch.float32, quantization: Optional[str] = None):
@@ -60,7 +60,11 @@ class BlockSpan(nn.Module):
     def use_graphs(self, capture: bool = True) -> None:
         """Run decode rounds through DecodeGraphs: captured CUDA graphs (capture=True, on a CUDA device), or the
         same padded rounds run eagerly (capture=False: how a CPU checks that path)."""
-        self.graphs = DecodeGraphs(self, capture)
+        self.graphs = self.new_graphs(capture)
+
+    def new_graphs(self, capture: bool) -> DecodeGraphs:
+        """Decode rounds over this span's pool (see use_graphs); new_pool makes new ones for a new pool."""
+        return DecodeGraphs(self.pool, self.start, self.forward_batch, self.dtype, self.device, capture)
 
     def new_cache(self, rows: int, capacity: int = 0) -> SessionCache:
         """A session's cache of `rows` sequences in the pool, with pages for `capacity` positions (it takes
@@ -96,13 +100,22 @@ class BlockSpan(nn.Module):
         if not self.start <= start < end <= self.end:
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
         hidden = hidden.to(self.device, self.dtype)
-        layers = self.layers[start - self.start : end - self.start]
         for segment in segments:
             if segment.cache is not None:
                 segment.cache.fit(segment.position + segment.length)  # a no-op where the session reserved them
-        if self.graphs is not None and (output := self.graphs.run(hidden, segments, start, end)) is not None:
-            return output
-        batch = PackedBatch.of(segments, self.pool, start - self.start, self.device)
+        if self.graphs is not None:
+            output = self.graphs.replay(hidden, segments, start, end)
+            if output is not None:
+                return output
+            if self.graphs.failed:  # a layer that cannot be captured: eager from now on
+                self.graphs = None
+        return self.forward_batch(hidden, PackedBatch.of(segments, self.pool, start - self.start, self.device),
+                                  start, end)
+
+    def forward_batch(self, hidden: torch.Tensor, batch: PackedBatch, start: int, end: int) -> torch.Tensor:
+        """A built batch's packed tokens (1, tokens, hidden), on the span's device, through blocks [start, end):
+        the eager path's forward, and what decode graphs capture."""
+        layers = self.layers[start - self.start : end - self.start]
         self.family.batch_inputs(self.position_state, hidden, batch)
         batch.build_masks({layer.attention_window for layer in layers}, self.dtype)
         for index, layer in enumerate(layers):

@@ -107,18 +107,19 @@ class Fuzzer:
         self.sent = collections.Counter()  # handler -> requests (for rpc_inference: every message of a stream)
         self.answers = collections.Counter()  # (handler, "ok" or the error's code) -> replies
         # an honest client's session, open all along: pushes aim at it, and its outputs must stay right
-        self.victim = InferenceStream(client.node.p2p, server.peer_id, 0, TINY_BLOCKS, timeout=30)
+        self.victim = InferenceStream(client.node.p2p, server.peer_id, 0, TINY_BLOCKS, 30, client.step_channels)
         self.victim_inputs, self.victim_outputs = [], []
 
     # -------------------------------------------------------------------------------- what is sent
 
-    def metadata(self, valid: dict) -> bytes:
-        """Half the time the valid metadata; else garbage, a non-map, or the valid one with fields changed."""
+    def metadata(self, valid: dict, wrap=lambda fields: fields) -> bytes:
+        """Half the time the valid metadata; else garbage, a non-map, or the valid one with fields changed
+        (`wrap` puts the fields where the message carries them: a push's, in its entry of 'pushes')."""
         from hivemind.utils import MSGPackSerializer
 
         draw = self.rng.random()
         if draw < 0.5:
-            return MSGPackSerializer.dumps(valid)
+            return MSGPackSerializer.dumps(wrap(valid))
         if draw < 0.55:
             return self.rng.randbytes(self.rng.randint(1, 40))
         if draw < 0.6:
@@ -130,7 +131,7 @@ class Fuzzer:
                 metadata.pop(field, None)
             else:
                 metadata[field] = self.rng.choice(VALUES + [self.victim.session_id])
-        return MSGPackSerializer.dumps(metadata)
+        return MSGPackSerializer.dumps(wrap(metadata))
 
     def tensors(self, valid_shape: tuple) -> list:
         from hivemind.compression import serialize_torch_tensor
@@ -168,11 +169,11 @@ class Fuzzer:
             requires_grad=rng.random() < 0.2,
         )
 
-    def request(self, valid_metadata: dict, valid_shape: tuple = None):
+    def request(self, valid_metadata: dict, valid_shape: tuple = None, wrap=lambda fields: fields):
         from hivemind.proto import runtime_pb2
 
         tensors = self.tensors(valid_shape) if valid_shape is not None and self.rng.random() < 0.9 else []
-        return runtime_pb2.ExpertRequest(tensors=tensors, metadata=self.metadata(valid_metadata))
+        return runtime_pb2.ExpertRequest(tensors=tensors, metadata=self.metadata(valid_metadata, wrap))
 
     def valid_shape(self, rows: int = 1) -> tuple:
         return (rows, self.rng.randint(1, 4), HIDDEN)
@@ -211,8 +212,9 @@ class Fuzzer:
                      "position": len(self.victim_inputs)}
         else:
             valid = {"session_id": secrets.token_hex(16), "step_id": 1, "position": 0}
+        request = self.request(valid, self.valid_shape(), wrap=lambda entry: {"pushes": [entry]})
         self.sent["rpc_push"] += 1
-        self.tally("rpc_push", await self.stub.rpc_push(self.request(valid, self.valid_shape()), timeout=30))
+        self.tally("rpc_push", await self.stub.rpc_push(request, timeout=30))
 
     async def victim_step(self):
         hidden = torch.randn(1, 1, HIDDEN)
@@ -221,9 +223,9 @@ class Fuzzer:
         self.victim_inputs.append(hidden)
 
     async def stream(self):
-        """One inference stream: an opening, up to 8 steps (valid or not), then a close. A quarter of the
-        streams hang up instead: every message at once, then the connection closes after the first reply,
-        with steps still in flight."""
+        """One inference stream: an opening, up to 7 messages more (steps, which the stream refuses: they go
+        through rpc_steps), then a close. A quarter of the streams hang up instead: every message at once, then
+        the connection closes after the first reply, with messages still in flight."""
         rng = self.rng
         messages = [self.request({"start": 0, "end": TINY_BLOCKS, "max_length": 32, "batch_size": 1,
                                   "session_id": secrets.token_hex(16)})]

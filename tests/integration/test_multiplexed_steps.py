@@ -108,7 +108,7 @@ def step(session_id: str, position: int, step_id: int, **extra) -> dict:
 async def open_stream(client, server, max_length: int = 32):
     from swarm.client.stubs import InferenceStream
 
-    stream = InferenceStream(client.node.p2p, server.peer_id, 0, TINY_BLOCKS, timeout=30)
+    stream = InferenceStream(client.node.p2p, server.peer_id, 0, TINY_BLOCKS, 30, client.step_channels)
     await stream.open(max_length, batch_size=1)
     return stream
 

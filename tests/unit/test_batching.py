@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm.server import metrics
-from swarm.server.batching import Scheduler, Work
+from swarm.server.batching import Scheduler, Job
 from swarm.server.attention import Segment
 from swarm.server.span import load_span
 from swarm.server.cache import PAGE_TOKENS, CacheBudget
@@ -88,9 +88,9 @@ def test_packed_segments_equal_each_run_alone(family_span):
 
 async def run_session(scheduler, span, prompt: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
     cache = span.new_cache(prompt.shape[0], capacity=64)
-    outputs = [await scheduler.run(prompt, 0, 0, 3, cache)]
+    outputs = [await scheduler.submit(prompt, 0, 0, 3, cache)]
     for position, step in enumerate(steps, start=prompt.shape[1]):
-        outputs.append(await scheduler.run(step, position, 0, 3, cache))
+        outputs.append(await scheduler.submit(step, position, 0, 3, cache))
     return outputs
 
 
@@ -151,11 +151,11 @@ def test_a_round_takes_every_decode_step_first_then_one_chunk_of_a_prompt(llama_
     scheduler = Scheduler(lambda: span, prefill_chunk_tokens=4)
     scheduler.stop()  # its thread picks no round: this test picks them
 
-    def work(length: int, position: int = 0) -> Work:
-        return Work(batch_hidden(span, 1, length), position, 0, 3, span.new_cache(1, 64), loop,
+    def job(length: int, position: int = 0) -> Job:
+        return Job(batch_hidden(span, 1, length), position, 0, 3, span.new_cache(1, 64), loop,
                     loop.create_future())
 
-    prompt, steps = work(37), [work(1, position=9) for _ in range(3)]
+    prompt, steps = job(37), [job(1, position=9) for _ in range(3)]
     scheduler._waiting = [prompt, *steps]
     assert scheduler._next_round() == [(steps[0], 1), (steps[1], 1), (steps[2], 1), (prompt, 4)]
     scheduler._waiting = [prompt]
@@ -264,8 +264,6 @@ def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
     """The CUDA decode path's rounds (padded to a bucket of sequences and keys, over static tensors), run
     eagerly on the CPU: the same outputs and caches as unpadded eager rounds, round after round, with padding
     that never touches the zero page."""
-    from swarm.server.graphs import DecodeGraphs
-
     span = family_span
     pasts = [3 + 9 * index for index in range(sessions)]  # different lengths, across page boundaries
     eager_caches, graph_caches = [span.new_cache(1, 96) for _ in pasts], [span.new_cache(1, 96) for _ in pasts]
@@ -273,13 +271,13 @@ def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
         prompt = batch_hidden(span, 1, past)
         span(prompt, 0, eager)
         span(prompt, 0, graphed)
-    graphs = DecodeGraphs(span, capture=False)
+    graphs = span.new_graphs(capture=False)
     try:
         for step in range(PAGE_TOKENS + 2):  # some sessions cross into a new page on the way
             hidden = batch_hidden(span, sessions, 1).reshape(1, sessions, -1)
             positions = [past + step for past in pasts]
             eager = span.forward_packed(hidden, [Segment(1, 1, p, c) for p, c in zip(positions, eager_caches)])
-            graphed = graphs.run(hidden, [Segment(1, 1, p, c) for p, c in zip(positions, graph_caches)], 0, 3)
+            graphed = graphs.replay(hidden, [Segment(1, 1, p, c) for p, c in zip(positions, graph_caches)], 0, 3)
             torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=0)
         assert len(graphs.rounds) <= 2  # one bucket of sequences, at most two of keys
         for eager, graphed, past in zip(eager_caches, graph_caches, pasts):
@@ -295,18 +293,16 @@ def test_padded_decode_rounds_equal_eager_ones(family_span, sessions):
 
 
 def test_rounds_a_graph_cannot_serve_run_eagerly(llama_span):
-    from swarm.server.graphs import DecodeGraphs
-
     span = llama_span
     span.new_pool(1024)  # the tests above leave their caches' pages taken
-    graphs = DecodeGraphs(span, capture=False)
+    graphs = span.new_graphs(capture=False)
     cache = span.new_cache(1, 64)
     try:
         prefill = [Segment(1, 4, 0, cache)]
-        assert graphs.run(batch_hidden(span, 1, 4).reshape(1, 4, -1), prefill, 0, 3) is None
-        assert graphs.run(batch_hidden(span, 1, 4).reshape(1, 4, -1), [Segment(1, 4, 0, None)], 0, 3) is None
+        assert graphs.replay(batch_hidden(span, 1, 4).reshape(1, 4, -1), prefill, 0, 3) is None
+        assert graphs.replay(batch_hidden(span, 1, 4).reshape(1, 4, -1), [Segment(1, 4, 0, None)], 0, 3) is None
         too_many = [Segment(1, 1, 0, cache)] * 65
-        assert graphs.run(batch_hidden(span, 65, 1).reshape(1, 65, -1), too_many, 0, 3) is None
+        assert graphs.replay(batch_hidden(span, 65, 1).reshape(1, 65, -1), too_many, 0, 3) is None
         assert not graphs.rounds
     finally:
         cache.release()
@@ -323,11 +319,11 @@ async def rounds_by_hand(scheduler, span, sessions: int, until) -> list[list]:
     rounds = []
     try:
         while not until():
-            steps = [Work(batch_hidden(span, 1, 1), len(rounds), 0, 3, cache, loop, loop.create_future())
+            steps = [Job(batch_hidden(span, 1, 1), len(rounds), 0, 3, cache, loop, loop.create_future())
                      for cache in caches]
             scheduler._waiting.extend(steps)
             round_ = scheduler._next_round()
-            scheduler._run(round_)
+            scheduler._compute_round(round_)
             rounds.append(round_)
             for _ in range(4):  # the results' callbacks, and the coroutines they wake
                 await asyncio.sleep(0)
@@ -340,9 +336,9 @@ async def rounds_by_hand(scheduler, span, sessions: int, until) -> list[list]:
 
 def assert_every_session_steps_in_every_round(rounds: list[list], sessions: int, chunk: int) -> None:
     for index, round_ in enumerate(rounds):
-        decoded = [work for work, positions in round_ if positions == 1 and work.hidden.shape[1] == 1]
+        decoded = [job for job, positions in round_ if positions == 1 and job.hidden.shape[1] == 1]
         assert len(decoded) == sessions, f"round {index}: {len(decoded)} of {sessions} sessions stepped"
-        others = sum(work.rows * positions for work, positions in round_ if work not in decoded)
+        others = sum(job.rows * positions for job, positions in round_ if job not in decoded)
         assert others <= chunk, f"round {index}: {others} other tokens, over one chunk"
 
 
@@ -384,7 +380,7 @@ def test_a_6613_token_prompt_holds_no_session_up_for_more_than_a_chunk(llama_spa
         scheduler.stop()
         loop = asyncio.get_running_loop()
         cache = span.new_cache(1, 6613)
-        prompt = Work(batch_hidden(span, 1, 6613), 0, 0, 3, cache, loop, loop.create_future())
+        prompt = Job(batch_hidden(span, 1, 6613), 0, 0, 3, cache, loop, loop.create_future())
         scheduler._waiting.append(prompt)
         try:
             return await rounds_by_hand(scheduler, span, sessions, prompt.future.done), prompt.future.result()

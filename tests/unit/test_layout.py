@@ -4,7 +4,11 @@
 - the gateway uses only the swarm's public API: swarm.client's exported names and swarm.protocol;
 - config.py is the only reader of the environment;
 - modules stay under 400 lines and functions under 50 (in swarm/ and gateway/);
-- one class per name across the product's code.
+- one class per name across the product's code;
+- no import cycles in ACYCLIC_ROOTS: dependencies between modules go one way, even where an import is lazy or
+  only for type checking;
+- in the gateway, no dialect package (petals, openai, anthropic, ollama) imports another, and the engine never
+  reaches Flask, not even through a module it imports.
 """
 
 from __future__ import annotations
@@ -12,35 +16,43 @@ from __future__ import annotations
 import ast
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ["swarm", "gateway", "bench", "config.py", "app.py", "gunicorn.conf.py"]
 GATEWAY_MAY_IMPORT = {"swarm.client", "swarm.protocol"}
+ACYCLIC_ROOTS = ["swarm", "gateway", "bench", "config.py", "app.py", "gunicorn.conf.py"]  # the import graph over them is a DAG
 
 
-def python_files(*roots: str) -> list[Path]:
+def python_files(*roots: str, base: Path = ROOT) -> list[Path]:
     files = []
     for root in roots:
-        path = ROOT / root
+        path = base / root
         files.extend([path] if path.suffix == ".py" else sorted(path.rglob("*.py")))
     return files
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, base: Path = ROOT) -> str:
+    parts = path.relative_to(base).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) of every import in the file, at any depth (lazy imports inside functions too)."""
+def imported_modules(path: Path, package: str | None = None) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import in the file, at any depth (lazy imports inside functions too, and those
+    under TYPE_CHECKING). Relative imports are resolved against `package` (the file's own), skipped without it."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.extend((alias.name, []) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.ImportFrom) and (node.level == 0 or package is not None):
+            module = node.module or ""
+            if node.level:
+                parent = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = f"{parent}.{module}" if module else parent
+            if module:
+                found.append((module, [alias.name for alias in node.names]))
     return found
 
 
@@ -140,28 +152,104 @@ def test_no_two_modules_differ_by_one_letter():
     assert [(a, b) for a in names for b in names if a < b and one_letter_apart(a, b)] == []
 
 
+# ---------------------------------------------------------------------------------------------- import cycles
+
+
+def import_graph(files: list[Path], base: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules among `files` that it imports. `from pkg import name` imports the module pkg.name
+    if there is one, else pkg (a name defined in pkg/__init__.py, which may re-export it from a submodule);
+    an import of something inside a module (a.b.C) counts as an import of that module (a.b)."""
+    modules = {module_name(file, base): file for file in files}
+    graph = {}
+    for module, file in modules.items():
+        package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for imported, names in imported_modules(file, package):
+            for target in [f"{imported}.{name}" if f"{imported}.{name}" in modules else imported
+                           for name in names] or [imported]:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                targets.add(target)
+        graph[module] = targets - {"", module}
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components (Tarjan's algorithm, iterative: no recursion limit), each
+    sorted. A component of more than one node is a cycle, or several sharing nodes."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(node: str) -> tuple[str, Iterator[str]]:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        return node, iter(sorted(graph[node]))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        path = [visit(root)]
+        while path:
+            node, successors = path[-1]
+            successor = next(successors, None)
+            if successor is not None:
+                if successor not in index:
+                    path.append(visit(successor))
+                elif successor in stack:  # a way back to a node still on the current search's stack
+                    low[node] = min(low[node], index[successor])
+                continue
+            path.pop()
+            if path:
+                low[path[-1][0]] = min(low[path[-1][0]], low[node])
+            if low[node] == index[node]:  # node is the first of its component: the rest lie above it
+                component = stack[stack.index(node):]
+                del stack[stack.index(node):]
+                components.append(sorted(component))
+    return components
+
+
+def import_cycles(files: list[Path], base: Path = ROOT) -> list[str]:
+    """Each group of modules that import one another, told as who imports whom within it."""
+    graph = import_graph(files, base)
+    return ["; ".join(f"{module} imports {', '.join(sorted(graph[module] & set(component)))}"
+                      for module in component)
+            for component in strongly_connected(graph) if len(component) > 1]
+
+
+def test_no_import_cycles():
+    assert import_cycles(python_files(*ACYCLIC_ROOTS)) == []
+
+
+def test_the_cycle_check_sees_type_checking_lazy_relative_and_package_imports(tmp_path):
+    """A cycle through a TYPE_CHECKING import, a lazy relative one and a package's re-export is found; once
+    the dependency goes one way, nothing is."""
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "__init__.py").write_text("from planted.first import First\n")  # a re-export
+    (package / "first.py").write_text("from planted import second\n\nclass First:\n    pass\n")
+    (package / "second.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                       "    from planted.third import Third\n")
+    (package / "third.py").write_text("def later():\n    from . import first\n")
+    (tmp_path / "tool.py").write_text("import planted\n")  # uses the package: no cycle of its own
+
+    def cycles() -> list[str]:
+        return import_cycles(python_files("planted", "tool.py", base=tmp_path), base=tmp_path)
+
+    assert cycles() == ["planted.first imports planted.second; planted.second imports planted.third; "
+                        "planted.third imports planted.first"]
+    (package / "third.py").write_text("def later():\n    from planted import First\n")  # through __init__
+    assert cycles() == ["planted imports planted.first; planted.first imports planted.second; "
+                        "planted.second imports planted.third; planted.third imports planted"]
+    (package / "third.py").write_text("class Third:\n    pass\n")
+    assert cycles() == []
+
+
 # ------------------------------------------------------------------------------------------ the gateway's packages
 
 DIALECTS = ("petals", "openai", "anthropic", "ollama")  # gateway/<dialect>/: none imports another
 FLASK = ("flask", "flask_sock", "flask_cors", "simple_websocket")
-
-
-def modules_under(root: Path, *packages: str) -> dict[str, Path]:
-    """module name -> file, for every module of the packages (paths relative to `root`)."""
-    files = [path for package in packages
-             for path in ([root / package] if package.endswith(".py") else sorted((root / package).rglob("*.py")))]
-    return {".".join(path.relative_to(root).with_suffix("").parts[:-1] if path.name == "__init__.py"
-                     else path.relative_to(root).with_suffix("").parts): path for path in files}
-
-
-def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
-    """What a file imports: the known modules it names (a from-import of a submodule counts as that submodule),
-    and the top-level names of everything else (flask, torch, ...)."""
-    found = set()
-    for module, names in imported_modules(path):
-        submodules = {f"{module}.{name}" for name in names} & known.keys()
-        found |= submodules or ({module} if module in known else {module.split(".")[0]})
-    return found
 
 
 def dialect_of(module: str):
@@ -169,49 +257,47 @@ def dialect_of(module: str):
     return parts[1] if len(parts) > 2 and parts[0] == "gateway" and parts[1] in DIALECTS else None
 
 
-def dialects_importing_dialects(root: Path) -> list[str]:
-    known = modules_under(root, "gateway")
-    return [f"{module} imports {target}" for module, path in known.items() if dialect_of(module)
-            for target in imports_of(path, known) if dialect_of(target) not in (None, dialect_of(module))]
+def dialects_importing_dialects(base: Path = ROOT) -> list[str]:
+    graph = import_graph(python_files("gateway", base=base), base)
+    return [f"{module} imports {target}" for module in sorted(graph) if dialect_of(module)
+            for target in sorted(graph[module]) if dialect_of(target) not in (None, dialect_of(module))]
 
 
-def engine_modules_reaching_flask(root: Path) -> list[str]:
+def engine_modules_reaching_flask(base: Path = ROOT) -> list[str]:
     """Engine modules that import Flask, directly or through any module of the gateway they import."""
-    known = modules_under(root, "gateway")
-    edges = {module: imports_of(path, known) for module, path in known.items()}
+    files = {module_name(file, base): file for file in python_files("gateway", base=base)}
+    graph = import_graph(list(files.values()), base)
     found = []
-    for start in (module for module in known if module.startswith("gateway.engine")):
-        seen, todo = set(), [start]
+    for start in sorted(module for module in graph if within(module, "gateway.engine")):
+        reached, todo = {start}, [start]
         while todo:
-            module = todo.pop()
-            for target in edges.get(module, ()):
-                if target in FLASK:
-                    found.append(f"{start} reaches {target} through {module}")
-                elif target in known and target not in seen:
-                    seen.add(target)
-                    todo.append(target)
+            for target in graph[todo.pop()] - reached:
+                reached.add(target)
+                todo.append(target)
+        found += [f"{start} reaches {imported} through {module}" for module in sorted(reached)
+                  for imported, _ in imported_modules(files[module]) if imported.split(".")[0] in FLASK]
     return found
 
 
 def test_no_dialect_imports_another():
-    assert dialects_importing_dialects(ROOT) == []
+    assert dialects_importing_dialects() == []
 
 
 def test_the_engine_never_imports_flask():
-    assert engine_modules_reaching_flask(ROOT) == []
+    assert engine_modules_reaching_flask() == []
 
 
-def plant(root: Path, files: dict[str, str]) -> Path:
+def plant(base: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
-        path = root / name
+        path = base / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return root
+    return base
 
 
 def test_the_gateway_checks_can_fail(tmp_path):
     """A dialect importing another, and the engine reaching Flask through a module it imports, are both found."""
-    root = plant(tmp_path, {
+    base = plant(tmp_path, {
         "gateway/__init__.py": "", "gateway/engine/__init__.py": "", "gateway/web/__init__.py": "",
         "gateway/openai/__init__.py": "", "gateway/ollama/__init__.py": "",
         "gateway/engine/loop.py": "from gateway.web import bodies\n",
@@ -219,8 +305,8 @@ def test_the_gateway_checks_can_fail(tmp_path):
         "gateway/ollama/routes.py": "from gateway.openai.format import error_body\nfrom gateway.ollama import format\n",
         "gateway/ollama/format.py": "", "gateway/openai/format.py": "",
     })
-    assert dialects_importing_dialects(root) == ["gateway.ollama.routes imports gateway.openai.format"]
-    assert engine_modules_reaching_flask(root) == ["gateway.engine.loop reaches flask through gateway.web.bodies"]
-    (root / "gateway/engine/loop.py").write_text("import torch\n")
-    (root / "gateway/ollama/routes.py").write_text("from gateway.chat import plan\n")
-    assert dialects_importing_dialects(root) == [] and engine_modules_reaching_flask(root) == []
+    assert dialects_importing_dialects(base) == ["gateway.ollama.routes imports gateway.openai.format"]
+    assert engine_modules_reaching_flask(base) == ["gateway.engine.loop reaches flask through gateway.web.bodies"]
+    (base / "gateway/engine/loop.py").write_text("import torch\n")
+    (base / "gateway/ollama/routes.py").write_text("from gateway.web import bodies\n")
+    assert dialects_importing_dialects(base) == [] and engine_modules_reaching_flask(base) == []

@@ -32,7 +32,7 @@ def run(span, scenario, limits=LIMITS):
             await scenario(backend)
             for session in list(backend.sessions):
                 session.close()
-            assert backend.budget.used == 0 and not backend.cache_by_peer and not backend.sessions_by_peer
+            assert backend.budget.used == 0 and not backend.cache_by_peer and not backend.sessions.per_peer
         finally:
             backend.close()
 

@@ -31,7 +31,7 @@ def run_backend(span):
             backend = Backend(span, CacheBudget(4 * PAGE_TOKENS), LIMITS)
             try:
                 await scenario(backend)
-                assert backend.budget.used == 0 and not backend.sessions and not backend.sessions_by_peer
+                assert backend.budget.used == 0 and not backend.sessions and not backend.sessions.per_peer
             finally:
                 backend.close()
 

@@ -10,7 +10,7 @@ import torch
 
 from swarm.protocol import BadRequestError, InternalServerError, error_from_wire
 from swarm.server import metrics
-from swarm.server.batching import Scheduler, Work
+from swarm.server.batching import Scheduler, Job
 
 PEERS = ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")
 
@@ -34,14 +34,14 @@ def run_one_round(error: Exception) -> list[BaseException]:
         scheduler = Scheduler(lambda: FailingSpan(error))
         scheduler.stop()  # this test runs the round
         loop = asyncio.get_running_loop()
-        works = [Work(torch.zeros(1, length, 8), 0, 0, 2, None, loop, loop.create_future()) for length in (1, 2, 3)]
-        scheduler._waiting.extend(works)
+        jobs = [Job(torch.zeros(1, length, 8), 0, 0, 2, None, loop, loop.create_future()) for length in (1, 2, 3)]
+        scheduler._waiting.extend(jobs)
         round_ = scheduler._next_round()
         assert len(round_) == 3
-        scheduler._run(round_)
-        await asyncio.wait([work.future for work in works])
+        scheduler._compute_round(round_)
+        await asyncio.wait([job.future for job in jobs])
         assert not scheduler._waiting
-        return [work.future.exception() for work in works]
+        return [job.future.exception() for job in jobs]
 
     return asyncio.run(scenario())
 
