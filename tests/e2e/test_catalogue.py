@@ -6,7 +6,8 @@ import openai
 import pytest
 import requests
 
-from conftest import Gateway, run_tool
+from gunicorn_gateway import Gateway
+from processes import run_tool
 from swarm.local import LocalSwarm
 from tiny_model import build_tiny_model
 

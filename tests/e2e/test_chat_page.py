@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Gateway
+from gunicorn_gateway import Gateway
 
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect

@@ -27,7 +27,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from config import Limits
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import Gateway
+from shared_swarm import TINY_PREFIX
 
 SOCKETS = Limits().max_websockets
 PER_CLIENT = Limits().max_websockets_per_client

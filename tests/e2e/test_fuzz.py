@@ -33,7 +33,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from config import Limits
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import Gateway
+from shared_swarm import TINY_PREFIX
 from leak_checks import Holdings
 
 CONTEXT = 128  # the model's max_session_length

@@ -11,7 +11,8 @@ import json
 import openai
 import pytest
 import requests
-from conftest import TINY_BLOCKS, Gateway
+from gunicorn_gateway import Gateway
+from shared_swarm import TINY_BLOCKS
 from exact_match import assert_chat_reply_is_the_local_greedy_token
 from tiny_model import build_tiny_model
 

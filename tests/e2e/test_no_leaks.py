@@ -12,7 +12,8 @@ import pytest
 import requests
 from websockets.sync.client import connect
 
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import Gateway
+from shared_swarm import TINY_PREFIX
 from leak_checks import Holdings
 
 CONTEXT = 128

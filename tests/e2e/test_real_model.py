@@ -16,7 +16,8 @@ import torch
 import transformers
 from websockets.sync.client import connect
 
-from conftest import ROOT, Gateway, free_port, run_tool
+from gunicorn_gateway import Gateway
+from processes import ROOT, free_port, run_tool
 from exact_match import assert_chat_reply_is_the_local_greedy_token
 
 pytestmark = pytest.mark.real_model

@@ -17,7 +17,8 @@ import psutil
 import pytest
 from websockets.asyncio.client import connect
 
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import Gateway
+from shared_swarm import TINY_PREFIX
 
 WS_CLIENTS, OPENAI_CLIENTS = 64, 16
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "20"))

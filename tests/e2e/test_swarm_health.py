@@ -14,7 +14,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from conftest import TINY_BLOCKS, TINY_PREFIX, Gateway
+from gunicorn_gateway import Gateway
+from shared_swarm import TINY_BLOCKS, TINY_PREFIX
 from swarm.protocol import PROTOCOL_VERSION
 
 SPARE_PREFIX = "tiny-health"  # a second model whose servers the tests start and stop

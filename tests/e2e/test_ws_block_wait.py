@@ -11,7 +11,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from conftest import Gateway
+from gunicorn_gateway import Gateway
 
 PREFIX = "gap-ws"
 BLOCK_WAIT = 300
