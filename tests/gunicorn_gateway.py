@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,13 +57,14 @@ class Gateway:
 
 
 @contextmanager
-def running_gateway(env: dict, log_dir: Path) -> Iterator[Gateway]:
+def running_gateway(env: dict, log_dir: Path, expected_errors: Sequence[str] = ()) -> Iterator[Gateway]:
     """gunicorn serving app:app with `env` over this process's environment, healthy when the block begins and
     stopped when it ends; then its log (log_dir/gunicorn.log) must hold no error and no traceback
-    (tests/gateway_log.py)."""
+    (tests/gateway_log.py) but those its tests cause on purpose: `expected_errors`, regular expressions of
+    ERROR lines, each of which must appear."""
     server = Gateway(env, log_dir / "gunicorn.log")
     try:
         yield server
     finally:
         server.stop()
-    assert_clean_log(server.log())
+    assert_clean_log(server.log(), expected_errors)
