@@ -10,7 +10,7 @@ import pytest
 import requests
 import transformers
 
-from conftest import STRICT_LIMITS
+from shared_gateways import STRICT_LIMITS
 
 SYSTEM = "Be brief."
 MESSAGES = [{"role": "user", "content": "Hello, world!"}]

@@ -6,7 +6,8 @@ import openai
 import pytest
 import requests
 
-from conftest import Gateway, run_tool
+from gunicorn_gateway import running_gateway
+from processes import run_tool
 from swarm.local import LocalSwarm
 from tiny_model import build_tiny_model
 
@@ -24,10 +25,9 @@ def two_model_swarm(tiny_llama, tmp_path_factory):
 def one_gateway(two_model_swarm, tiny_llama, tmp_path_factory):
     swarm, _ = two_model_swarm
     configured = [{"name": "first", "path": str(tiny_llama), "dht_prefix": "first", "max_session_length": 256}]
-    server = Gateway({"INITIAL_PEERS": " ".join(swarm.initial_peers), "MODELS": json.dumps(configured)},
-                     tmp_path_factory.mktemp("catalogue-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
+    with running_gateway({"INITIAL_PEERS": " ".join(swarm.initial_peers), "MODELS": json.dumps(configured)},
+                         tmp_path_factory.mktemp("catalogue-gateway")) as server:
+        yield server
 
 
 def test_catalogue_command_lists_what_servers_announce(two_model_swarm):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Gateway
+from gunicorn_gateway import running_gateway
 
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
@@ -49,10 +49,8 @@ def chat_gateway(chat_swarm, tiny_llama, tmp_path_factory):
     models = [{"name": MODEL, "path": str(tiny_llama), "dht_prefix": PREFIX, "max_session_length": 1024}]
     env = {"INITIAL_PEERS": " ".join(chat_swarm.initial_peers), "MODELS": json.dumps(models), "MAX_SESSIONS": "8",
            "BLOCK_WAIT_SECONDS": "1"}  # the swarm-down test's request fails after a second, not the default 30
-    server = Gateway(env, tmp_path_factory.mktemp("chat-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log()
+    with running_gateway(env, tmp_path_factory.mktemp("chat-gateway")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from config import Limits
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import running_gateway
+from shared_swarm import TINY_PREFIX
 
 SOCKETS = Limits().max_websockets
 PER_CLIENT = Limits().max_websockets_per_client
@@ -42,10 +43,8 @@ def busy_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
     _raise_open_files(SOCKETS + 1024)  # this process holds every client socket
     models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": 256}]
     env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models), "TRUSTED_PROXIES": "1"}
-    server = Gateway(env, tmp_path_factory.mktemp("busy-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log()
+    with running_gateway(env, tmp_path_factory.mktemp("busy-gateway")) as server:
+        yield server
 
 
 def _raise_open_files(needed: int) -> None:

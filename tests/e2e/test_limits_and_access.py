@@ -11,9 +11,9 @@ import requests
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from conftest import STRICT_CONTEXT as CONTEXT
-from conftest import STRICT_LIMITS as LIMITS
-from conftest import STRICT_ORIGIN as ALLOWED_ORIGIN
+from shared_gateways import STRICT_CONTEXT as CONTEXT
+from shared_gateways import STRICT_LIMITS as LIMITS
+from shared_gateways import STRICT_ORIGIN as ALLOWED_ORIGIN
 
 
 @pytest.fixture(scope="module")

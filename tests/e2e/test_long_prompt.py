@@ -11,7 +11,8 @@ import json
 import openai
 import pytest
 import requests
-from conftest import TINY_BLOCKS, Gateway
+from gunicorn_gateway import running_gateway
+from shared_swarm import TINY_BLOCKS
 from exact_match import assert_chat_reply_is_the_local_greedy_token
 from tiny_model import build_tiny_model
 
@@ -29,11 +30,12 @@ def long_model(tmp_path_factory):
 def long_gateway(tiny_swarm, long_model, tmp_path_factory):
     server = tiny_swarm.add_server(["--model", str(long_model), "--blocks", f"0:{TINY_BLOCKS}", "--dht-prefix", PREFIX])
     models = [{"name": "long", "path": str(long_model), "dht_prefix": PREFIX}]  # no max_session_length
-    gateway = Gateway({"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models)},
-                      tmp_path_factory.mktemp("long-gateway") / "gunicorn.log")
-    yield gateway
-    gateway.stop()
-    server.stop()
+    try:
+        with running_gateway({"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models)},
+                             tmp_path_factory.mktemp("long-gateway")) as gateway:
+            yield gateway
+    finally:
+        server.stop()
 
 
 def workspace_tools(count: int) -> list[dict]:

@@ -12,7 +12,8 @@ import pytest
 import requests
 from websockets.sync.client import connect
 
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import running_gateway
+from shared_swarm import TINY_PREFIX
 from leak_checks import Holdings
 
 CONTEXT = 128
@@ -25,10 +26,8 @@ def leak_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
     models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": CONTEXT}]
     env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models),
            "MAX_SESSIONS_PER_CLIENT": str(PER_CLIENT), "REQUESTS_PER_MINUTE": "0", "MAX_NEW_TOKENS": "64"}
-    server = Gateway(env, tmp_path_factory.mktemp("leak-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log()
+    with running_gateway(env, tmp_path_factory.mktemp("leak-gateway")) as server:
+        yield server
 
 
 @pytest.fixture

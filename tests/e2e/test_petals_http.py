@@ -8,7 +8,7 @@ import requests
 import torch
 import transformers
 
-from conftest import TINY_IDLE_TIMEOUT, TINY_MAX_SESSIONS
+from shared_gateways import TINY_IDLE_TIMEOUT, TINY_MAX_SESSIONS
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import torch
 import transformers
 from websockets.sync.client import connect
 
-from conftest import ROOT, Gateway, free_port, run_tool
+from gunicorn_gateway import running_gateway
+from processes import ROOT, free_port, run_tool
 from exact_match import assert_chat_reply_is_the_local_greedy_token
 
 pytestmark = pytest.mark.real_model
@@ -86,10 +87,9 @@ def test_generate_prints_what_transformers_prints(real_swarm, real_model):
 
 @pytest.fixture(scope="module")
 def real_gateway(real_swarm, tmp_path_factory):
-    server = Gateway({"INITIAL_PEERS": " ".join(real_swarm.initial_peers), "MODEL": "SmolLM2-135M-Instruct"},
-                     tmp_path_factory.mktemp("real-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
+    with running_gateway({"INITIAL_PEERS": " ".join(real_swarm.initial_peers), "MODEL": "SmolLM2-135M-Instruct"},
+                         tmp_path_factory.mktemp("real-gateway")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import psutil
 import pytest
 from websockets.asyncio.client import connect
 
-from conftest import TINY_PREFIX, Gateway
+from gunicorn_gateway import Gateway, running_gateway
+from shared_swarm import TINY_PREFIX
 
 WS_CLIENTS, OPENAI_CLIENTS = 64, 16
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "20"))
@@ -46,9 +47,8 @@ def soak_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
         "REQUESTS_PER_MINUTE": "0",
         "SESSION_IDLE_TIMEOUT": "5",
     }
-    server = Gateway(env, tmp_path_factory.mktemp("soak-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
+    with running_gateway(env, tmp_path_factory.mktemp("soak-gateway")) as server:
+        yield server
 
 
 def memory(pids: list[int]) -> int:

@@ -14,7 +14,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from conftest import TINY_BLOCKS, TINY_PREFIX, Gateway
+from gunicorn_gateway import running_gateway
+from shared_swarm import TINY_BLOCKS, TINY_PREFIX
 from swarm.protocol import PROTOCOL_VERSION
 
 SPARE_PREFIX = "tiny-health"  # a second model whose servers the tests start and stop
@@ -47,9 +48,8 @@ def health_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
         {"name": "broken", "path": str(tmp_path_factory.mktemp("empty") / "no-such-model")},
     ]
     env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models)}
-    server = Gateway(env, tmp_path_factory.mktemp("health-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
+    with running_gateway(env, tmp_path_factory.mktemp("health-gateway")) as server:
+        yield server
 
 
 # ------------------------------------------------------------------------------------------ /api/v1/swarm

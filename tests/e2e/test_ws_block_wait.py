@@ -11,7 +11,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect
 
-from conftest import Gateway
+from gunicorn_gateway import running_gateway
 
 PREFIX = "gap-ws"
 BLOCK_WAIT = 300
@@ -35,9 +35,8 @@ def gap_gateway(tiny_swarm, tiny_llama, spans, tmp_path_factory):
     models = [{"name": "gap", "path": str(tiny_llama), "dht_prefix": PREFIX, "max_session_length": 256}]
     env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models),
            "BLOCK_WAIT_SECONDS": str(BLOCK_WAIT), "LOG_LEVEL": "INFO"}
-    server = Gateway(env, tmp_path_factory.mktemp("gap-gateway") / "gunicorn.log")
-    yield server
-    server.stop()
+    with running_gateway(env, tmp_path_factory.mktemp("gap-gateway")) as server:
+        yield server
 
 
 def metric(gateway, name: str, **labels) -> float:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_BLOCKS
+from shared_swarm import TINY_BLOCKS
 from exact_match import local_logits
 from swarm.client.remote_model import RemoteModel
 

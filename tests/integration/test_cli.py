@@ -2,7 +2,8 @@
 
 import pytest
 
-from conftest import TINY_PREFIX, run_tool
+from processes import run_tool
+from shared_swarm import TINY_PREFIX
 
 BOGUS_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRzzgPQQS3Z3gKbcainfUKGvvRv1vjhyvf9NVGzGidZAY"
 
@@ -82,7 +83,7 @@ def test_bootstrap_peer_keeps_its_identity(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from processes import ROOT
 
     def peer_line():
         process = subprocess.Popen([sys.executable, "-m", "swarm.dht", "--identity", str(tmp_path / "id.key")],

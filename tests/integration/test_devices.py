@@ -6,7 +6,8 @@ import torch
 import transformers
 
 from config import GatewaySettings, ModelConfig, Settings, SwarmSettings
-from conftest import TINY_PREFIX, run_tool
+from processes import run_tool
+from shared_swarm import TINY_PREFIX
 from exact_match import assert_interleaved_sessions_match, local_logits
 from swarm.client.remote_model import RemoteModel
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_PREFIX
+from shared_swarm import TINY_PREFIX
 from exact_match import ATOL, assert_interleaved_sessions_match
 
 

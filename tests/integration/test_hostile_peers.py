@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_BLOCKS
+from shared_swarm import TINY_BLOCKS
 from swarm.client import SwarmClient
 from swarm.protocol import BadRequestError, CacheFullError
 

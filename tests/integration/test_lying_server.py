@@ -3,7 +3,7 @@ client that checks every step catches it on the first step, bans it, and its gen
 
 import pytest
 
-from conftest import TINY_BLOCKS
+from shared_swarm import TINY_BLOCKS
 from swarm.client import SwarmClient
 from swarm.client.remote_model import RemoteModel
 from swarm.client.routing import ChainLink

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_BLOCKS
+from shared_swarm import TINY_BLOCKS
 from exact_match import assert_interleaved_sessions_match
 from swarm.client import SwarmClient
 from swarm.protocol import error_from_wire

@@ -4,7 +4,7 @@ serves only those clients (others route around it)."""
 import pytest
 import torch
 
-from conftest import TINY_BLOCKS, TINY_PREFIX
+from shared_swarm import TINY_BLOCKS, TINY_PREFIX
 from config import SwarmSettings
 from swarm import dht
 from swarm.client import SwarmClient

@@ -3,7 +3,7 @@ the server's peer id, and to change the model catalogue; readers still see only 
 
 import pytest
 
-from conftest import TINY_BLOCKS, TINY_PREFIX
+from shared_swarm import TINY_BLOCKS, TINY_PREFIX
 from swarm import dht
 from swarm.client import SwarmClient
 from swarm.protocol import CATALOGUE_KEY, ModelRecord, ServerInfo, ServerState, block_key

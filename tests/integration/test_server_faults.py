@@ -7,7 +7,8 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TINY_BLOCKS, free_port
+from processes import free_port
+from shared_swarm import TINY_BLOCKS
 from faulty_server import FAULT, add_faulty_server
 from swarm.protocol import InternalServerError
 

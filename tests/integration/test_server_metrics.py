@@ -7,7 +7,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port
+from processes import free_port
 from swarm.local import LocalSwarmError
 from swarm.protocol import PAGE_TOKENS
 from swarm.client.remote_model import RemoteModel

@@ -7,7 +7,7 @@ newcomer."""
 import pytest
 import torch
 
-from conftest import TINY_BLOCKS
+from shared_swarm import TINY_BLOCKS
 from leak_checks import free_cache, wait_for_free_cache
 from swarm.client import SwarmClient
 from swarm.client.remote_model import RemoteModel

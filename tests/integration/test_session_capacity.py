@@ -1,7 +1,7 @@
 """Real servers announce max_session_tokens (their --max-session-tokens, or less if their whole cache is smaller),
 and SwarmClient.longest_session says the longest session the swarm can hold for a model."""
 
-from conftest import TINY_BLOCKS, TINY_PREFIX
+from shared_swarm import TINY_BLOCKS, TINY_PREFIX
 from swarm.client import SwarmClient
 
 PREFIX = "capacity"

@@ -1,0 +1,41 @@
+"""The two gunicorn gateways in front of the shared tiny swarm that the e2e tests share, one per pytest worker
+(their settings: tests/shared_gateways.py). A test that needs a gateway configured otherwise starts its own with
+gunicorn_gateway.running_gateway."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gunicorn_gateway import running_gateway
+from shared_gateways import (STRICT_CONTEXT, STRICT_KEYS, STRICT_LIMITS, STRICT_ORIGIN, TINY_IDLE_TIMEOUT,
+                             TINY_MAX_SESSION_LENGTH, TINY_MAX_SESSIONS)
+from shared_swarm import TINY_PREFIX
+
+
+@pytest.fixture(scope="session")
+def gateway(tiny_swarm, tiny_llama, tmp_path_factory):
+    """gunicorn in front of the tiny swarm, with a small cap on sessions and a short idle timeout."""
+    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": TINY_MAX_SESSION_LENGTH}]
+    env = {
+        "INITIAL_PEERS": " ".join(tiny_swarm.initial_peers),
+        "MODELS": json.dumps(models),
+        "MAX_SESSIONS": str(TINY_MAX_SESSIONS),
+        "SESSION_IDLE_TIMEOUT": str(TINY_IDLE_TIMEOUT),
+        "MAX_NEW_TOKENS": "200",
+        "WS_PING_INTERVAL": "1",
+    }
+    with running_gateway(env, tmp_path_factory.mktemp("gateway")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def strict_gateway(tiny_swarm, tiny_llama, tmp_path_factory):
+    """gunicorn in front of the tiny swarm configured tight: API keys, an origin allowlist, small limits."""
+    models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": STRICT_CONTEXT}]
+    env = {"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models),
+           "API_KEYS": ",".join(STRICT_KEYS), "ALLOWED_ORIGINS": STRICT_ORIGIN, "LOG_LEVEL": "INFO",
+           **{name: str(value) for name, value in STRICT_LIMITS.items()}}
+    with running_gateway(env, tmp_path_factory.mktemp("strict-gateway")) as server:
+        yield server

@@ -1,0 +1,70 @@
+"""The one way a test runs a real gateway: `running_gateway`, gunicorn serving app:app on a free port, stopped
+when the block ends, its log then checked (tests/gateway_log.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+from gateway_log import assert_clean_log
+from processes import ROOT, free_port
+
+
+class Gateway:
+    """A real gunicorn process serving app:app on a free port, healthy once constructed (see running_gateway)."""
+
+    def __init__(self, env: dict, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        # the product's gunicorn.conf.py (read from ROOT) decides the worker: threads sized from the limits in `env`
+        command = [sys.executable, "-m", "gunicorn", "app:app", "--bind", f"127.0.0.1:{self.port}"]
+        self.process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"gunicorn exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=30).status_code == 200:
+                    return
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or a worker still loading
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"gunicorn not healthy in time: {self.log_path.read_text()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+@contextmanager
+def running_gateway(env: dict, log_dir: Path, expected_errors: Sequence[str] = ()) -> Iterator[Gateway]:
+    """gunicorn serving app:app with `env` over this process's environment, healthy when the block begins and
+    stopped when it ends; then its log (log_dir/gunicorn.log) must hold no error and no traceback
+    (tests/gateway_log.py) but those its tests cause on purpose: `expected_errors`, regular expressions of
+    ERROR lines, each of which must appear."""
+    server = Gateway(env, log_dir / "gunicorn.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert_clean_log(server.log(), expected_errors)
