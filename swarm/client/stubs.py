@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 from dataclasses import dataclass
 from typing import Optional
@@ -22,6 +23,10 @@ from hivemind.p2p import PeerID
 
 from swarm.protocol import ServerUnavailableError, SwarmError, error_from_wire
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
+
+logger = logging.getLogger(__name__)
+# closed inference streams still being read to their end (asyncio itself keeps only weak references to tasks)
+_DRAINING: set[asyncio.Task] = set()
 
 MULTIPLEX_MAX_POSITIONS = 8  # a step of more positions travels alone (it would hold up the others' reply)
 EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
@@ -82,6 +87,24 @@ class InferenceStream:
 
     async def close(self) -> None:
         self._requests.put_nowait(None)  # ends the request stream: the server frees the cache
+        if self._responses is not None:  # read to its end in the background: closing never waits on a server
+            draining = asyncio.create_task(self._drain())
+            _DRAINING.add(draining)
+            draining.add_done_callback(_DRAINING.discard)
+
+    async def _drain(self) -> None:
+        """Read the stream to its end. hivemind awaits the task that writes our requests only there, so when the
+        server is gone that task's failure (a reset connection) is retrieved here, not logged by asyncio as a
+        "Task exception was never retrieved" with its traceback."""
+        responses, self._responses = self._responses, None
+        try:
+            async with asyncio.timeout(self.timeout):
+                async for _ in responses:
+                    pass
+        except Exception:  # a server gone, or one that does not end the stream: either way nothing is left to do
+            logger.debug("the inference stream to %s ended badly", self.peer_id, exc_info=True)
+        finally:
+            await responses.aclose()
 
     async def _exchange(self, request, timeout: float) -> tuple[list[torch.Tensor], dict]:
         self._requests.put_nowait(request)
