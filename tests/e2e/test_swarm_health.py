@@ -91,7 +91,8 @@ def test_an_unreachable_or_uncovered_model_still_appears(health_gateway):
 
 
 def test_a_server_that_left_is_listed_as_offline(health_gateway, tiny_swarm):
-    server = tiny_swarm.add_server(["--blocks", "1:3", "--dht-prefix", SPARE_PREFIX, "--announce-period", "2"])
+    # announced for 12 s (3 periods): time enough, on a loaded machine, to stop the server and look again
+    server = tiny_swarm.add_server(["--blocks", "1:3", "--dht-prefix", SPARE_PREFIX, "--announce-period", "4"])
     spare = swarm_health(health_gateway, model="spare")["models"][0]
     assert [(entry["start"], entry["end"], entry["state"]) for entry in spare["servers"]] == [(1, 3, "online")]
     assert spare["coverage"] == [0, 1, 1, 0] and spare["missing_ranges"] == [[0, 1], [3, 4]]
