@@ -28,7 +28,7 @@ def tool_choice_of(fields: AnthropicCountTokensRequest) -> ToolChoice:
     (or no tools) -> "none", when the tools are not even shown to the model. By default "auto" with tools."""
     choice = fields.tool_choice
     kind = choice.type if choice is not None else ("auto" if fields.tools else "none")
-    if kind in ("any", "tool") and not fields.tools:
+    if kind != "none" and not fields.tools:  # Anthropic refuses a tool_choice without tools, "auto" too
         raise BadRequest(f"tool_choice: {kind} needs tools", field="tool_choice")
     if kind == "none":
         return ToolChoice("none", None, False)

@@ -70,6 +70,8 @@ def test_tool_choices_in_openai_terms():
     assert tool_choice_of(body(tools=[TOOL], tool_choice={"type": "none"})) == ToolChoice("none", None, False)
     with pytest.raises(BadRequest, match="tool_choice"):
         tool_choice_of(body(tool_choice={"type": "any"}))
+    with pytest.raises(BadRequest, match="tool_choice: auto needs tools"):  # was a 500 (found by the fuzz test)
+        tool_choice_of(body(tool_choice={"type": "auto"}))
 
 
 def test_stop_reasons_and_blocks():
