@@ -408,7 +408,7 @@ def test_constraints_are_independent(tiny):
 
 @pytest.mark.real_model
 def test_mask_is_cheap_on_the_real_tokenizer(real):
-    """allowed() runs at every generated token; measured ~5-25 us per token (see gateway/grammar.py)."""
+    """allowed() runs at every generated token; measured ~5-25 us per token (see gateway/engine/grammar.py)."""
     tokenizer, grammars = real
     constraint = grammars.constraint(GrammarSpec("json_schema", PERSON))
     text = '{"name": "Ada", "age": 36, "member": true, "tags": ["red"], "address": {"city": "London", "zip": "12345"}}'

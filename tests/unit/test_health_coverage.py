@@ -1,4 +1,4 @@
-"""/health's look at the swarm (http_api.RecentCoverage): answered from the last look, renewed in the background, so
+"""/health's look at the swarm (web/health.py RecentCoverage): answered from the last look, renewed in the background, so
 that a busy gateway still answers at once; a failed or too old look is never used."""
 
 from __future__ import annotations
