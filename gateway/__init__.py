@@ -72,11 +72,14 @@ def create_app(settings=None, engine=None):
 def _flask_app(settings):
     from flask import Flask
 
+    from gateway.web.reader_threads import PooledThread
+
     app = Flask(__name__, static_folder=str(STATIC_DIR), static_url_path="/static")
     app.json.ensure_ascii = False
     app.config["SOCK_SERVER_OPTIONS"] = {
         "ping_interval": settings.gateway.limits.ws_ping_interval,
         "max_message_size": settings.gateway.limits.ws_max_message_bytes,
+        "thread_class": PooledThread,  # connections coming and going start and end no threads
     }
     return app
 

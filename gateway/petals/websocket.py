@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections import deque
 from dataclasses import replace
 
@@ -54,7 +55,32 @@ sock = Sock()
 
 @sock.route("/api/v2/generate", bp=blueprint)
 def generate_ws(ws):
-    Connection(ws, get_engine(), client_id()).serve()
+    try:
+        Connection(ws, get_engine(), client_id()).serve()
+    finally:
+        close_transport(ws)
+
+
+CLOSE_LINGER = 2.0  # seconds this connection's thread waits for the client to close its side
+
+
+def close_transport(ws) -> None:
+    """End the TCP connection from this connection's own thread. Left to gunicorn, its one main thread closes
+    each finished connection gracefully, lingering (up to 2 s) for the client's FIN, one connection after
+    another and accepting nothing meanwhile: a thousand clients leaving at once held every other request for
+    tens of seconds. Here each connection lingers in parallel, and gunicorn finds the socket already closed."""
+    if ws.connected:
+        ws.close()  # the closing handshake's frame, when the client did not start it
+    try:
+        ws.sock.shutdown(socket.SHUT_WR)  # our FIN: the client closes its side, and the reader thread sees it
+    except OSError:
+        pass  # already closed by the reader thread, after the client's close frame
+    ws.thread.join(CLOSE_LINGER)
+    try:
+        ws.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread, if the client never answered
+    except OSError:
+        pass
+    ws.sock.close()
 
 
 class Connection:

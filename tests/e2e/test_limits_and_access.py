@@ -2,8 +2,12 @@
 tight (conftest.strict_gateway): small limits, API keys and an origin allowlist. Each test spends the allowance of
 a key of its own, since the per-client limits count by key."""
 
+import base64
 import json
+import os
+import socket
 import time
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -194,6 +198,40 @@ def test_an_idle_websocket_is_closed_with_a_reason_and_frees_its_session(strict)
             ws.recv(timeout=10)
         assert closed.value.rcvd.code == 1000 and closed.value.rcvd.reason == "idle timeout"
     assert open_sessions(strict) == 0
+
+
+def test_clients_that_never_finish_closing_hold_back_no_one(strict):
+    """Idle WebSockets closed by the gateway whose clients never answer the close nor hang up: each connection waits
+    for its client in its own thread. (gunicorn's one main thread used to wait up to 2 s for each, one after
+    another, accepting nothing meanwhile: six such clients held /health for 12 s.)"""
+    sockets = [silent_websocket(strict, "key-silent") for _ in range(6)]
+    try:
+        time.sleep(LIMITS["WS_IDLE_TIMEOUT"] - 0.5)  # the gateway closes them all at once, half a second from now
+        latencies = []
+        while len(latencies) < 30:
+            began = time.monotonic()
+            assert requests.get(strict.url + "/health", timeout=60).status_code == 200
+            latencies.append(time.monotonic() - began)
+            time.sleep(0.1)
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert max(latencies) < 2, latencies
+
+
+def silent_websocket(strict, key: str) -> socket.socket:
+    """A WebSocket client that, once the handshake is done, never reads, answers or closes anything."""
+    address = urlsplit(strict.url)
+    sock = socket.create_connection((address.hostname, address.port), timeout=30)
+    handshake = (f"GET /api/v2/generate?api_key={key} HTTP/1.1\r\nHost: {address.netloc}\r\nUpgrade: websocket\r\n"
+                 f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                 "Sec-WebSocket-Version: 13\r\n\r\n")
+    sock.sendall(handshake.encode())
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        reply += sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 101"), reply
+    return sock
 
 
 def test_a_websocket_message_over_the_limit_closes_with_1009(strict):
