@@ -20,7 +20,7 @@ from swarm.families import Family, family_of
 from swarm.protocol import BadRequestError, ServerUnavailableError
 from swarm.server.attention import PackedBatch, Segment
 from swarm.server.cache import KVPool, SessionCache
-from swarm.server.graphs import DecodeGraphs
+from swarm.server.graphs import DecodeGraphs, capture_disabled
 from swarm.server.quantize import quantize_linears
 from swarm.weights import load_config, load_tensors
 
@@ -59,12 +59,19 @@ class BlockSpan(nn.Module):
 
     def use_graphs(self, capture: bool = True) -> None:
         """Run decode rounds through DecodeGraphs: captured CUDA graphs (capture=True, on a CUDA device), or the
-        same padded rounds run eagerly (capture=False: how a CPU checks that path)."""
-        self.graphs = self.new_graphs(capture)
+        same padded rounds run eagerly (capture=False: how a CPU checks that path). Not after a capture failed
+        in this process: rounds stay eager."""
+        self.graphs = None if capture and capture_disabled() else self.new_graphs(capture)
 
     def new_graphs(self, capture: bool) -> DecodeGraphs:
         """Decode rounds over this span's pool (see use_graphs); new_pool makes new ones for a new pool."""
-        return DecodeGraphs(self.pool, self.start, self.forward_batch, self.dtype, self.device, capture)
+        return DecodeGraphs(self.pool, (self.start, self.end), self.forward_batch, self.dtype, self.device, capture)
+
+    def capture_graphs_ahead(self) -> None:
+        """The decode rounds sessions need most, captured now (before the server takes requests), not on the
+        first rounds' path; a no-op without graphs or a pool."""
+        if self.graphs is not None and self.pool is not None:
+            self.graphs.capture_ahead(self.config.hidden_size)
 
     def new_cache(self, rows: int, capacity: int = 0) -> SessionCache:
         """A session's cache of `rows` sequences in the pool, with pages for `capacity` positions (it takes
