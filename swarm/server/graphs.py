@@ -169,7 +169,8 @@ class DecodeGraphs:
     OTHER_RANGE_CAPTURES captures of them in the span's life.
 
     `forward_batch(hidden, batch, start, end)` is the span's forward of a built PackedBatch through blocks
-    [start, end); the span holds blocks [first_block, end_block) (the pool's layer 0 is first_block)."""
+    [start, end); the span holds blocks `blocks` (start, end): its whole range (the pool's layer 0 is its
+    first block)."""
 
     def __init__(self, pool: Optional[KVPool], blocks: tuple[int, int], forward_batch: Callable, dtype: torch.dtype,
                  device: torch.device, capture: bool):

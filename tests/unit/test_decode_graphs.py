@@ -10,7 +10,6 @@ import itertools
 import pytest
 import torch
 
-from swarm.protocol import PAGE_TOKENS
 from swarm.server import graphs as graphs_module
 from swarm.server import main as server_main
 from swarm.server.attention import Segment
@@ -99,13 +98,13 @@ def test_the_whole_ranges_short_rounds_are_made_ahead_and_write_no_page(span, ma
     pool = span.pool
     span.use_graphs(capture=False)
     caches = [prefilled(span, 3 + index) for index in range(3)]
-    before = pool.keys.clone()
+    before = [part.clone() for cache in caches for layer in range(BLOCKS) for part in cache.read(layer, 16)]
     span.capture_graphs_ahead()
     assert sorted(span.graphs.rounds) == [(0, BLOCKS, size, 64) for size in graphs_module.SEQUENCE_BUCKETS]
-    scratch = slice(pool.scratch_slot, pool.scratch_slot + PAGE_TOKENS)
-    unchanged = torch.ones(pool.keys.shape[1], dtype=torch.bool)
-    unchanged[scratch] = False
-    assert torch.equal(pool.keys[:, unchanged], before[:, unchanged])
+    after = [part for cache in caches for layer in range(BLOCKS) for part in cache.read(layer, 16)]
+    assert all(torch.equal(was, now) for was, now in zip(before, after))
+    assert not pool.keys[:, pool.zero_slot : pool.scratch_slot].any()
+    assert not pool.values[:, pool.zero_slot : pool.scratch_slot].any()
     made.clear()
     hidden = torch.randn(1, 3, span.config.hidden_size)
     segments = [Segment(1, 1, 3 + index, cache) for index, cache in enumerate(caches)]
