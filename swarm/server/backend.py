@@ -138,9 +138,9 @@ class Backend:
         session of --max-session-tokens) while other peers hold some too: past it, it is refused with
         ServerLimitError, and its client routes elsewhere. A peer alone on the server may use all of it (a
         gateway on its own small swarm), but a peer within its share that finds the cache full then gets room
-        from the idle sessions of peers over theirs, least recently stepped first: a peer that came first and
-        opened sessions it never steps cannot keep others out, nor can several identities that each hold
-        their share (see _reclaim)."""
+        from the idle sessions of peers that hold at least as much, least recently active first: a peer that
+        came first and opened sessions it never steps cannot keep others out, nor can several identities that
+        each hold their share (see _reclaim)."""
         limit = self.peer_cache_limit()
         held = self.cache_by_peer[peer_id]
         if held + tokens > limit and any(other != peer_id for other in self.cache_by_peer):

@@ -97,7 +97,7 @@ class ServerSession:
     client's copy. Steps of a session never overlap, whoever sends them.
 
     The server closes a session that has had no step for --session-idle-timeout seconds, or, idle, to make
-    room for another peer when its peer holds more than its share of the cache (Backend.take_cache): its cache
+    room for another peer when its peer holds at least as much of the cache (Backend.take_cache): its cache
     goes back, its stream ends, and its client's next step finds no session (and fails over).
 
     A session closed while the compute thread still holds one of its steps (in a round, or queued) gives its
