@@ -40,10 +40,12 @@ class Backend:
         self._long_forwards = asyncio.Semaphore(1)
 
     def move_to(self, span: BlockSpan) -> None:
-        """Serve another span from now on; open sessions end (their clients fail over to other servers)."""
+        """Serve another span from now on; open sessions end (their clients fail over to other servers). Its
+        pool comes first: if it cannot be had (out of memory), nothing has changed and the old span serves on.
+        Work submitted for the old span fails with an error the client retries (Scheduler._without_stale)."""
+        span.new_pool(self.budget.total)  # the evicted sessions give their pages back to the old span's pool
         for session in list(self.sessions):
             session.evicted = True
-        span.new_pool(self.budget.total)  # the evicted sessions give their pages back to the old span's pool
         self.span = span
 
     def info(self) -> dict:
@@ -136,8 +138,9 @@ class Backend:
         session of --max-session-tokens) while other peers hold some too: past it, it is refused with
         ServerLimitError, and its client routes elsewhere. A peer alone on the server may use all of it (a
         gateway on its own small swarm), but a peer within its share that finds the cache full then gets room
-        from the idle sessions of peers over theirs, least recently stepped first: a peer that came first and
-        opened sessions it never steps cannot keep others out."""
+        from the idle sessions of peers that hold at least as much, least recently active first: a peer that
+        came first and opened sessions it never steps cannot keep others out, nor can several identities that
+        each hold their share (see _reclaim)."""
         limit = self.peer_cache_limit()
         held = self.cache_by_peer[peer_id]
         if held + tokens > limit and any(other != peer_id for other in self.cache_by_peer):
@@ -145,7 +148,7 @@ class Backend:
                 f"peer {peer_id} holds {held} of this server's {self.budget.total} cache tokens: {tokens} more would "
                 f"be over its share of {limit} while other peers use this server; try another server")
         if tokens > self.budget.free and held + tokens <= limit:
-            self._reclaim(peer_id, tokens, limit)
+            self._reclaim(peer_id, tokens)
         self.cache_by_peer[peer_id] += tokens  # before the wait: the peer's other sessions see it
         try:
             await self.budget.take(tokens, self.limits.cache_wait)
@@ -160,14 +163,18 @@ class Backend:
     def peer_cache_limit(self) -> int:
         return max(int(self.limits.max_cache_share_per_peer * self.budget.total), self.limits.max_session_tokens)
 
-    def _reclaim(self, peer_id: str, tokens: int, limit: int) -> None:
-        """Close idle sessions of peers over their share, least recently stepped first, until `tokens` fit."""
+    def _reclaim(self, peer_id: str, tokens: int) -> None:
+        """Close idle sessions, least recently active first, of peers that hold at least as much as `peer_id`
+        will once it has its `tokens`, until they fit. Not only peers over their share: two identities that
+        each hold exactly their share in sessions they never step would otherwise keep a third out; and never
+        a peer that holds less, so that no peer is pushed below the one taking its room."""
+        wanted = self.cache_by_peer[peer_id] + tokens
         others = sorted((session for session in self.sessions if session.peer_id != peer_id and not session.busy),
                         key=lambda session: session.last_active)
         for session in others:
             if self.budget.free >= tokens:
                 return
-            if self.cache_by_peer[session.peer_id] > limit:
+            if self.cache_by_peer[session.peer_id] >= wanted:
                 session.close(reason="reclaimed")
 
     def _uncount(self, peer_id: str, tokens: int) -> None:

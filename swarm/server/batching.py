@@ -161,7 +161,11 @@ class Scheduler:
         return round_
 
     def _compute_round(self, round_: list[tuple[Job, int]]) -> None:
-        span, first = self._span_of(), round_[0][0]
+        span = self._span_of()
+        round_ = self._without_stale(round_, span)
+        if not round_:
+            return
+        first = round_[0][0]
         try:
             segments, pieces = [], []
             for job, positions in round_:
@@ -187,6 +191,17 @@ class Scheduler:
         for job in finished:
             outputs = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs, dim=1)
             job.resolve(outputs.to(job.hidden.dtype))
+
+    def _without_stale(self, round_: list[tuple[Job, int]], span: BlockSpan) -> list[tuple[Job, int]]:
+        """The round less the jobs whose cache lies in a pool this span does not use: the server moved to
+        other blocks since they were submitted, and their page numbers mean nothing in the new pool. They fail
+        with an error the client retries elsewhere; the rest of the round goes on."""
+        stale = [(job, positions) for job, positions in round_
+                 if job.cache is not None and job.cache.pool is not span.pool]
+        if stale:
+            self._fail(stale, ServerUnavailableError("this server moved to other blocks while the request ran; "
+                                                     "try again"))
+        return [entry for entry in round_ if entry not in stale]
 
     def _fail(self, round_: list[tuple[Job, int]], error: Exception) -> None:
         """Fail every job of a round. A SwarmError is the request's own (it travels as it is); anything else

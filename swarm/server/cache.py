@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from typing import Optional
 
 import torch
 
-from swarm.protocol import PAGE_TOKENS, CacheFullError
+from swarm.protocol import PAGE_TOKENS, CacheFullError, ServerUnavailableError
 
 
 def pages_for(positions: int) -> int:
@@ -71,7 +72,8 @@ class CacheBudget:
 
 class KVPool:
     """Keys and values of every layer of a span, for `tokens` slots: (layers, slots, kv_heads, head_dim) each,
-    in pages of PAGE_TOKENS slots, handed out and taken back on the server's event loop."""
+    in pages of PAGE_TOKENS slots, handed out and taken back on the server's event loop, never on the compute
+    thread: the scheduler sees every page a round will write before the round starts (see SessionCache.fit)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype, device):
         pages = max(tokens // PAGE_TOKENS, 1)
@@ -84,6 +86,7 @@ class KVPool:
         for tensor in (self.keys, self.values):
             tensor[:, self.zero_slot : self.scratch_slot].zero_()  # padding reads it: finite (0 x NaN is NaN)
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
+        self._free_lock = threading.Lock()  # a caller on another thread must never get a page handed out twice
 
     @property
     def free_pages(self) -> int:
@@ -98,9 +101,10 @@ class KVPool:
         return torch.tensor([table[:pages] + [self.zero_page] * (pages - len(table)) for table in tables])
 
     def take_page(self) -> int:
-        if not self._free:  # the budget keeps this from happening; a bug must not corrupt another session
-            raise CacheFullError("the server's cache pool has no free page")
-        page = self._free.pop()
+        with self._free_lock:
+            if not self._free:  # the budget keeps this from happening; a bug must not corrupt another session
+                raise CacheFullError("the server's cache pool has no free page")
+            page = self._free.pop()
         # attention reads whole pages, masking the positions past a sequence's length: those must hold finite
         # values (a masked 0 x NaN is still NaN), and memory never written may hold anything
         for tensor in (self.keys, self.values):
@@ -108,7 +112,8 @@ class KVPool:
         return page
 
     def give_back(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        with self._free_lock:
+            self._free.extend(pages)
 
     def slot_map(self, tables: list[list[int]], positions: int) -> torch.Tensor:
         """(sequences, positions): the pool slot of each position 0..positions-1 of each page table (past a
@@ -120,12 +125,15 @@ class KVPool:
 
 class SessionCache:
     """A session's pages of the pool: one page table per sequence (row). `reserved` positions per row are
-    paid for in the budget; `fit` takes the pages that cover them."""
+    paid for in the budget; `fit` takes the pages that cover them, on the event loop, before the step that
+    needs them is submitted: a round only ever writes pages its sessions already hold. Once released, a
+    cache takes no page again (a closed session's late step must not take pages nobody gives back)."""
 
     def __init__(self, pool: KVPool, rows: int):
         self.pool, self.rows = pool, rows
         self.tables: list[list[int]] = [[] for _ in range(rows)]
         self.reserved = 0  # positions per row
+        self.released = False
 
     @property
     def tokens(self) -> int:
@@ -134,10 +142,16 @@ class SessionCache:
 
     def fit(self, positions: Optional[int] = None) -> None:
         """Pages for `positions` positions of every row (default: the reserved ones)."""
+        if self.released:
+            raise ServerUnavailableError("this session's cache was given back: the session has ended")
         needed = pages_for(self.reserved if positions is None else positions)
         for table in self.tables:
             while len(table) < needed:
                 table.append(self.pool.take_page())
+
+    def covers(self, positions: int) -> bool:
+        """Whether every row holds the pages of positions 0..positions-1 (what a round writes and reads)."""
+        return not self.released and all(len(table) >= pages_for(positions) for table in self.tables)
 
     def read(self, layer: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0..positions-1 of every row in pool layer `layer`, each
@@ -147,6 +161,8 @@ class SessionCache:
         return keys[slots], values[slots]
 
     def release(self) -> None:
+        """Give every page back to the pool; only once no round can write them any more (see ServerSession)."""
         for table in self.tables:
             self.pool.give_back(table)
         self.tables = [[] for _ in range(self.rows)]
+        self.released = True

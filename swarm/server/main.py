@@ -100,6 +100,7 @@ class Presence:
         loaded = _load(settings, folder, start, end)
         span, throughput = await _announced_while(node, prefix, joining, settings.announce_period, loaded)
         presence = cls(node, settings, folder, num_blocks, span, throughput)
+        await asyncio.to_thread(span.capture_graphs_ahead)  # on its pool, before any request can come
         metrics.watch_cache(presence.backend.budget)
         await BlockHandler(presence.backend, settings.allowed_peers).add_p2p_handlers(node.p2p)
         await presence.announce_online()
@@ -144,10 +145,22 @@ class Presence:
             advice = target
 
     async def move_to(self, start: int, end: int) -> None:
+        """Serve blocks [start, end) instead. The new span and its pool are made while the old ones still
+        serve: where that fails (out of memory, a CUDA error), the old span serves on, as if never advised."""
         old = self.record(ServerState.OFFLINE)
         logger.info("moving from blocks %d:%d to %d:%d to even out the swarm", self.start, self.end, start, end)
-        self.span, self.throughput = await _load(self.settings, self.folder, start, end, reuse=self.span)
-        self.backend.move_to(self.span)
+        try:
+            span, throughput = await _load(self.settings, self.folder, start, end, reuse=self.span)
+            self.backend.move_to(span)
+        except Exception:
+            logger.warning("could not move to blocks %d:%d; serving blocks %d:%d on", start, end, self.start,
+                           self.end, exc_info=True)
+            span = None  # nothing holds what the new span took any more
+        if span is None:
+            if self.span.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        self.span, self.throughput = span, throughput
         await dht.announce(self.node, self.prefix, old, expiration=self.expiration)  # leave the old blocks
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         print(f"moved: blocks {start}:{end} of {self.prefix}", flush=True)

@@ -58,7 +58,8 @@ class ServerServices:
     open_sessions: OpenSessions  # a session joins it when it opens, and leaves it when it closes
     # a step's one tensor of hidden states (and the session's batch size), refused unless the span can run it
     check_hidden_states: Callable[[list, int], torch.Tensor]
-    # new positions through the compute thread: (hidden, position, start, end, cache, still_wanted) -> outputs
+    # new positions through the compute thread: (hidden, position, start, end, cache, still_wanted, on_settled)
+    # -> outputs; on_settled is called on the event loop once the compute thread is done with them
     compute: Callable[..., Awaitable[torch.Tensor]]
     take_cache: Callable[[str, int], Awaitable[None]]  # (peer id, tokens), within the peer's share, waiting a while
     give_back_cache: Callable[[str, int], None]
@@ -96,8 +97,12 @@ class ServerSession:
     client's copy. Steps of a session never overlap, whoever sends them.
 
     The server closes a session that has had no step for --session-idle-timeout seconds, or, idle, to make
-    room for another peer when its peer holds more than its share of the cache (Backend.take_cache): its cache
+    room for another peer when its peer holds at least as much of the cache (Backend.take_cache): its cache
     goes back, its stream ends, and its client's next step finds no session (and fails over).
+
+    A session closed while the compute thread still holds one of its steps (in a round, or queued) gives its
+    pages and budget back only once that step has settled: a round never writes pages that another session
+    (or the zero page every padded key reads) may hold by then.
     """
 
     def __init__(self, server: ServerServices, cache: SessionCache, start: int, end: int, max_length: int,
@@ -115,14 +120,16 @@ class ServerSession:
         self.last_active = time.monotonic()  # when its last step ended (or it opened)
         self.ended = asyncio.Event()  # set once closed, by its client or by the server
         self._idle_timer: Optional[asyncio.TimerHandle] = None
+        self._in_flight = 0  # its steps the compute thread holds (a cancelled step's job may still be in a round)
+        self._cache_given_back = False
         server.open_sessions.add(self)
         metrics.SESSIONS.inc()
         self._close_when_idle()
 
     @property
     def busy(self) -> bool:
-        """A step is running, or waiting for the one before it."""
-        return self._one_step_at_a_time.locked()
+        """A step is running, or waiting for the one before it, or the compute thread still holds one."""
+        return self._one_step_at_a_time.locked() or self._in_flight > 0
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
         step_id = metadata.get("step_id")
@@ -173,7 +180,11 @@ class ServerSession:
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
         await self.reserve(end)
-        output = await self.server.compute(hidden, position, self.start, self.end, self.cache, self._wanted)
+        if not self._wanted():  # closed while its inputs were checked: it must not reach a round
+            raise ServerUnavailableError("the session ended before its step ran")
+        self._in_flight += 1  # the scheduler calls _settled once it is done with the step, whatever happens here
+        output = await self.server.compute(hidden, position, self.start, self.end, self.cache, self._wanted,
+                                           self._settled)
         self.length = end
         self.server.open_sessions.positions_served += hidden.shape[1]
         metrics.POSITIONS_SERVED.inc(hidden.shape[1])
@@ -193,6 +204,18 @@ class ServerSession:
 
     def _wanted(self) -> bool:
         return not (self._closed or self.evicted)
+
+    def _settled(self) -> None:
+        self._in_flight -= 1
+        if self._closed and not self._in_flight:
+            self._give_back_cache()
+
+    def _give_back_cache(self) -> None:
+        """The session's budget and pages, once: when it closes, or after that when its last step settles."""
+        if not self._cache_given_back:
+            self._cache_given_back = True
+            self.server.give_back_cache(self.peer_id, self.cache.tokens)
+            self.cache.release()
 
     def _close_when_idle(self) -> None:
         """Close the session once it has gone --session-idle-timeout seconds without a step (0: never)."""
@@ -219,8 +242,8 @@ class ServerSession:
             self.ended.set()
             if self._early is not None:
                 self._early.result.cancel()
-            self.server.give_back_cache(self.peer_id, self.cache.tokens)
-            self.cache.release()  # a round already running may still write these pages: only later rounds reuse them
+            if not self._in_flight:  # otherwise once the compute thread is done with its step (see _settled)
+                self._give_back_cache()
             self.server.open_sessions.discard(self)
             metrics.SESSIONS.dec()
 

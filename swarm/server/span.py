@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from swarm.families import Family, family_of
-from swarm.protocol import BadRequestError
+from swarm.protocol import BadRequestError, ServerUnavailableError
 from swarm.server.attention import PackedBatch, Segment
 from swarm.server.cache import KVPool, SessionCache
-from swarm.server.graphs import DecodeGraphs
+from swarm.server.graphs import DecodeGraphs, capture_disabled
 from swarm.server.quantize import quantize_linears
 from swarm.weights import load_config, load_tensors
 
@@ -59,12 +59,19 @@ class BlockSpan(nn.Module):
 
     def use_graphs(self, capture: bool = True) -> None:
         """Run decode rounds through DecodeGraphs: captured CUDA graphs (capture=True, on a CUDA device), or the
-        same padded rounds run eagerly (capture=False: how a CPU checks that path)."""
-        self.graphs = self.new_graphs(capture)
+        same padded rounds run eagerly (capture=False: how a CPU checks that path). Not after a capture failed
+        in this process: rounds stay eager."""
+        self.graphs = None if capture and capture_disabled() else self.new_graphs(capture)
 
     def new_graphs(self, capture: bool) -> DecodeGraphs:
         """Decode rounds over this span's pool (see use_graphs); new_pool makes new ones for a new pool."""
-        return DecodeGraphs(self.pool, self.start, self.forward_batch, self.dtype, self.device, capture)
+        return DecodeGraphs(self.pool, (self.start, self.end), self.forward_batch, self.dtype, self.device, capture)
+
+    def capture_graphs_ahead(self) -> None:
+        """The decode rounds sessions need most, captured now (before the server takes requests), not on the
+        first rounds' path; a no-op without graphs or a pool."""
+        if self.graphs is not None and self.pool is not None:
+            self.graphs.capture_ahead(self.config.hidden_size)
 
     def new_cache(self, rows: int, capacity: int = 0) -> SessionCache:
         """A session's cache of `rows` sequences in the pool, with pages for `capacity` positions (it takes
@@ -85,7 +92,11 @@ class BlockSpan(nn.Module):
         start: Optional[int] = None,
         end: Optional[int] = None,
     ) -> torch.Tensor:
-        """One request's new positions through blocks [start, end) (default: the whole span)."""
+        """One request's new positions through blocks [start, end) (default: the whole span), on the caller's
+        thread, which owns `cache`: it takes the pages the request needs (the server's compute thread never
+        does; see forward_packed)."""
+        if cache is not None:
+            cache.fit(position + hidden.shape[1])
         segment = Segment(hidden.shape[0], hidden.shape[1], position, cache)
         return self.forward_packed(hidden.reshape(1, -1, hidden.shape[-1]), [segment], start, end).view(hidden.shape)
 
@@ -94,15 +105,14 @@ class BlockSpan(nn.Module):
         self, hidden: torch.Tensor, segments: list[Segment], start: Optional[int] = None, end: Optional[int] = None
     ) -> torch.Tensor:
         """Several requests at once: their new tokens packed as (1, tokens, hidden), segment after segment
-        (see PackedBatch); returns the outputs packed the same way."""
+        (see PackedBatch); returns the outputs packed the same way. Every cache must hold, in this span's pool,
+        the pages of the positions it is given: this takes none (it runs on the compute thread)."""
         start = self.start if start is None else start
         end = self.end if end is None else end
         if not self.start <= start < end <= self.end:
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
+        self.check_caches(segments)
         hidden = hidden.to(self.device, self.dtype)
-        for segment in segments:
-            if segment.cache is not None:
-                segment.cache.fit(segment.position + segment.length)  # a no-op where the session reserved them
         if self.graphs is not None:
             output = self.graphs.replay(hidden, segments, start, end)
             if output is not None:
@@ -111,6 +121,17 @@ class BlockSpan(nn.Module):
                 self.graphs = None
         return self.forward_batch(hidden, PackedBatch.of(segments, self.pool, start - self.start, self.device),
                                   start, end)
+
+    def check_caches(self, segments: list[Segment]) -> None:
+        """Refuse a round that would write through page numbers of another pool (the server moved to other
+        blocks since the request began) or past a cache's pages (they would land in the shared zero page)."""
+        for segment in segments:
+            if segment.cache is None:
+                continue
+            if segment.cache.pool is not self.pool:
+                raise ServerUnavailableError("this server moved to other blocks while the request ran; try again")
+            if not segment.cache.covers(segment.position + segment.length):
+                raise RuntimeError(f"a cache lacks the pages of positions up to {segment.position + segment.length}")
 
     def forward_batch(self, hidden: torch.Tensor, batch: PackedBatch, start: int, end: int) -> torch.Tensor:
         """A built batch's packed tokens (1, tokens, hidden), on the span's device, through blocks [start, end):

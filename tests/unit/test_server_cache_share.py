@@ -1,14 +1,14 @@
 """A block server's cache among its peers, without the network: a peer alone may take it all; with others
 there, one peer is refused past its share (opening or growing a session), and a newcomer within its share gets
-room from the idle sessions of a peer over its share, least recently stepped first; a session idle for the
-server's timeout is closed. Every page comes back."""
+room from the idle sessions of peers holding at least as much as it will, least recently active first; a session
+idle for the server's timeout is closed. Every page comes back."""
 
 import asyncio
 
 import pytest
 import torch
 
-from swarm.protocol import PAGE_TOKENS, ServerLimitError
+from swarm.protocol import PAGE_TOKENS, CacheFullError, ServerLimitError
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.cache import CacheBudget
 from swarm.server.span import load_span
@@ -81,6 +81,29 @@ def test_a_newcomer_gets_room_from_the_idle_sessions_of_a_peer_over_its_share(sp
         assert busy.ended.is_set() and not hoarded[0].ended.is_set()
         with pytest.raises(ServerLimitError, match="over its share"):  # the newcomer's share is full now
             await backend.open_session(OPENING, "newcomer")
+
+    run(span, scenario)
+
+
+def test_peers_holding_exactly_their_share_give_room_to_a_third_least_recently_active_first(span):
+    """Two identities each hold exactly their share in sessions they never step, and the cache is full: a third
+    peer still gets room, from the idle sessions of whoever holds at least as much as it will, least recently
+    active first (the old code reclaimed only from peers over their share: the third was refused)."""
+
+    async def scenario(backend):
+        first = [await backend.open_session(OPENING, "first") for _ in range(4)]
+        second = [await backend.open_session(OPENING, "second") for _ in range(4)]
+        await first[0].step([torch.randn(1, 1, HIDDEN)], {"position": 0})  # active lately: goes last
+        await backend.open_session(OPENING, "third")
+        await backend.open_session(OPENING, "third")
+        assert [session.ended.is_set() for session in first] == [False, True, True, False]
+        await backend.open_session(OPENING, "third")  # "first" holds 2 pages now, less than the 3 it asks for
+        assert [session.ended.is_set() for session in first + second] == [False, True, True, False] + \
+            [True, False, False, False]
+        with pytest.raises(CacheFullError, match="cache is full"):  # nobody holds 4 pages any more
+            await backend.open_session(OPENING, "third")
+        assert backend.cache_by_peer == {"first": 2 * PAGE_TOKENS, "second": 3 * PAGE_TOKENS,
+                                         "third": 3 * PAGE_TOKENS}
 
     run(span, scenario)
 

@@ -1,0 +1,234 @@
+"""CUDA decode graphs without a GPU: the bounded set of rounds a span captures (run eagerly over the same padded
+tensors, capture=False), a capture that fails (torch.cuda's graph and stream APIs replaced by fakes that keep
+track of the thread's current stream), and a rebalance whose new span or pool cannot be had: the old span
+serves on."""
+
+import asyncio
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from swarm.server import graphs as graphs_module
+from swarm.server import main as server_main
+from swarm.server.attention import Segment
+from swarm.server.backend import Backend, ServerLimits
+from swarm.server.cache import CacheBudget
+from swarm.server.span import load_span
+from tiny_model import build_tiny_model
+
+ATOL = 1e-4
+BLOCKS = 3
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", BLOCKS)
+
+
+@pytest.fixture
+def span(folder):
+    span = load_span(folder, 0, BLOCKS)
+    span.new_pool(1024)
+    return span
+
+
+@pytest.fixture
+def made(monkeypatch) -> list[tuple]:
+    """The (start, end) of every round DecodeGraphs makes (captures, on a GPU)."""
+    rounds, captured_round = [], graphs_module.CapturedRound
+
+    def counted(inputs, hidden_size, dtype, forward, device, capture, memory_pool=None):
+        rounds.append(forward)
+        return captured_round(inputs, hidden_size, dtype, forward, device, capture, memory_pool)
+
+    monkeypatch.setattr(graphs_module, "CapturedRound", counted)
+    return rounds
+
+
+def prefilled(span, past: int):
+    cache = span.new_cache(1, 96)
+    span(torch.randn(1, past, span.config.hidden_size), 0, cache)
+    return cache
+
+
+def decode(span, cache, position: int, start: int, end: int):
+    """One decode step of `cache` at `position` through blocks [start, end): through the span's graphs (None
+    when they leave it to the eager path) and eagerly; the step rewrites the same position each time."""
+    hidden = torch.randn(1, 1, span.config.hidden_size)
+    graphed = span.graphs.replay(hidden, [Segment(1, 1, position, cache)], start, end)
+    eager = span.forward_packed(hidden, [Segment(1, 1, position, cache)], start, end)
+    return graphed, eager
+
+
+def test_only_a_bounded_set_of_block_ranges_gets_rounds(span, made, monkeypatch):
+    """A client walking every sub-range of the span, over and over: the whole range keeps its round, at most
+    OTHER_RANGES others hold theirs, and after OTHER_RANGE_CAPTURES captures of other ranges their rounds run
+    eagerly (the old code kept a round for every range it was ever asked, and never let one go)."""
+    monkeypatch.setattr(graphs_module, "OTHER_RANGES", 2, raising=False)
+    monkeypatch.setattr(graphs_module, "OTHER_RANGE_CAPTURES", 8, raising=False)
+    span.use_graphs(capture=False)
+    cache = prefilled(span, 5)
+    ranges = [(start, end) for start, end in itertools.combinations(range(BLOCKS + 1), 2)]
+    for start, end in ranges * 6:
+        graphed, eager = decode(span, cache, 5, start, end)
+        if graphed is not None:
+            torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=0)
+        assert len({key[:2] for key in span.graphs.rounds}) <= 1 + 2
+    assert len(made) == 1 + 8 and span.graphs.other_captures == 8
+    assert (0, BLOCKS) in {key[:2] for key in span.graphs.rounds}
+    without = next(pair for pair in ranges if pair not in span.graphs.other_ranges and pair != (0, BLOCKS))
+    assert decode(span, cache, 5, *without)[0] is None and len(made) == 9  # no capture left: eager
+
+
+def test_a_range_in_use_keeps_its_rounds(span, made):
+    span.use_graphs(capture=False)
+    cache = prefilled(span, 5)
+    for _ in range(10):
+        for start, end in ((0, BLOCKS), (1, BLOCKS)):
+            graphed, eager = decode(span, cache, 5, start, end)
+            torch.testing.assert_close(graphed, eager, atol=ATOL, rtol=0)
+    assert len(made) == 2
+
+
+def test_the_whole_ranges_short_rounds_are_made_ahead_and_write_no_page(span, made):
+    """capture_ahead makes the whole range's rounds of up to 64 keys, every bucket of sequences, from padding
+    sequences only (they read the zero page and write the scratch page); the rounds that come later use them."""
+    pool = span.pool
+    span.use_graphs(capture=False)
+    caches = [prefilled(span, 3 + index) for index in range(3)]
+    before = [part.clone() for cache in caches for layer in range(BLOCKS) for part in cache.read(layer, 16)]
+    span.capture_graphs_ahead()
+    assert sorted(span.graphs.rounds) == [(0, BLOCKS, size, 64) for size in graphs_module.SEQUENCE_BUCKETS]
+    after = [part for cache in caches for layer in range(BLOCKS) for part in cache.read(layer, 16)]
+    assert all(torch.equal(was, now) for was, now in zip(before, after))
+    assert not pool.keys[:, pool.zero_slot : pool.scratch_slot].any()
+    assert not pool.values[:, pool.zero_slot : pool.scratch_slot].any()
+    made.clear()
+    hidden = torch.randn(1, 3, span.config.hidden_size)
+    segments = [Segment(1, 1, 3 + index, cache) for index, cache in enumerate(caches)]
+    graphed = span.graphs.replay(hidden, segments, 0, BLOCKS)
+    torch.testing.assert_close(graphed, span.forward_packed(hidden, segments), atol=ATOL, rtol=0)
+    assert not made
+
+
+class FakeCuda:
+    """torch.cuda's streams and graphs as far as a capture uses them, on a CPU: the thread's current stream is
+    tracked (torch.cuda.stream restores it on the way out, as torch's does), and ending a capture fails."""
+
+    def __init__(self):
+        self.default = self.Stream()
+        self.current = self.default
+        self.captures = 0
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def graph_class(self):
+        fake = self
+
+        class Graph:
+            def __init__(self, *args, **kwargs):
+                fake.captures += 1
+
+            def capture_begin(self, *args, **kwargs):
+                pass
+
+            def capture_end(self):
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+        return Graph
+
+    def install(self, monkeypatch) -> None:
+        for name, value in {"Stream": self.Stream, "stream": self.stream, "current_stream": lambda *_: self.current,
+                            "synchronize": lambda *_: None, "empty_cache": lambda: None,
+                            "CUDAGraph": self.graph_class(), "graph_pool_handle": lambda: "memory pool"}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+        monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)  # torch's own keeps a fake stream
+
+
+def test_a_failed_capture_restores_the_stream_and_turns_graphs_off_for_the_process(span, monkeypatch):
+    """Ending the capture fails: the round still gets its (eager) outputs, the thread is back on its own
+    stream (torch.cuda.graph's exit skipped that, and the old code stayed on the capture stream), and no
+    capture is tried again in this process, not even by a span's new graphs (the old code tried each time)."""
+    monkeypatch.setattr(graphs_module, "_capture_failed", False, raising=False)
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    span.use_graphs(capture=True)
+    cache = prefilled(span, 5)
+    hidden = torch.randn(1, 1, span.config.hidden_size)
+    output = span.forward_packed(hidden, [Segment(1, 1, 5, cache)])
+    assert cuda.captures == 1
+    assert cuda.current is cuda.default
+    assert span.graphs is None
+    torch.testing.assert_close(output, span.forward_packed(hidden, [Segment(1, 1, 5, cache)]), atol=ATOL, rtol=0)
+    span.use_graphs(capture=True)  # what a new pool, or a new span after a rebalance, asks for
+    span.new_pool(1024)
+    span.forward_packed(hidden, [Segment(1, 1, 0, span.new_cache(1, 16))])
+    assert cuda.captures == 1 and span.graphs is None
+
+
+# ------------------------------------------------------------------------------ a rebalance that fails
+
+
+def presence_of(backend: Backend, span, monkeypatch, new_span=None, error=None) -> list:
+    """A server's Presence around `backend`, with no network: its announcements are recorded (returned), and
+    loading the next span gives `new_span` or raises `error`."""
+    announced = []
+
+    async def announce(*args, **kwargs):
+        announced.append(args)
+
+    async def load(*args, **kwargs):
+        if error is not None:
+            raise error
+        return new_span, 1.0
+
+    monkeypatch.setattr(server_main.dht, "announce", announce)
+    monkeypatch.setattr(server_main, "_load", load)
+    presence = server_main.Presence.__new__(server_main.Presence)
+    presence.node, presence.settings, presence.folder, presence.num_blocks = None, None, None, BLOCKS
+    presence.prefix, presence.span, presence.throughput, presence.backend = "tiny", span, 1.0, backend
+    presence.expiration = 10
+    return presence, announced
+
+
+@pytest.mark.parametrize("failing", ["loading the span", "the new pool"])
+def test_a_rebalance_that_runs_out_of_memory_keeps_serving_the_old_span(folder, span, monkeypatch, failing):
+    """Out of memory while the new span loads, or while its pool is made: the server stays on its blocks,
+    its sessions go on, nothing is announced (the old code's error ended the server; or, failing in the
+    pool, it had already evicted every session)."""
+    new_span = load_span(folder, 1, BLOCKS)
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    if failing == "the new pool":
+        monkeypatch.setattr(new_span, "new_pool", lambda tokens: (_ for _ in ()).throw(out_of_memory))
+
+    async def scenario():
+        backend = Backend(span, CacheBudget(256), ServerLimits())
+        try:
+            presence, announced = presence_of(backend, span, monkeypatch, new_span,
+                                              out_of_memory if failing == "loading the span" else None)
+            session = await backend.open_session({"start": 0, "end": BLOCKS, "max_length": 32, "batch_size": 1},
+                                                 "peer")
+            await presence.move_to(1, BLOCKS)
+            assert presence.span is span and backend.span is span and not announced
+            assert not session.evicted
+            await session.step([torch.randn(1, 2, span.config.hidden_size)], {"position": 0})
+        finally:
+            backend.close()
+
+    asyncio.run(scenario())
