@@ -36,7 +36,8 @@ class SessionRegistry:
 
     @contextmanager
     def reserve(self, owner: str) -> Iterator[None]:
-        """Hold a slot under both caps while `owner`'s session opens (that takes network round trips)."""
+        """Hold a slot under both caps while `owner`'s session opens (that takes network round trips), or while a
+        request of `owner`'s that needs no session runs its cache-less forwards (embeddings: web/limits.work_slot)."""
         with self._lock:
             if len(self._sessions) + self._opening.total() >= self.max_sessions:
                 raise TooManySessions(f"too many open inference sessions ({self.max_sessions}, MAX_SESSIONS); "

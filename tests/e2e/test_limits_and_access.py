@@ -224,3 +224,46 @@ def test_request_ids_reach_the_log_and_prompts_do_not(strict):
     [line] = [line for line in strict.log().splitlines() if "zz_unknown_field" in line]
     assert "INFO" in line and "[e2e-req-2]" in line
     assert secret not in strict.log()
+
+
+# ------------------------------------------------------------------------------------------ work without a session
+
+
+def test_inputs_and_their_tokens_are_capped_per_request(strict):
+    """Each input of an embeddings or chooses request is a forward through the whole swarm: their number and their
+    tokens are capped per request, before any runs (MAX_INPUTS_PER_REQUEST 4, MAX_INPUT_TOKENS_PER_REQUEST 100)."""
+    five = ["a", "b", "c", "d", "e"]
+    over = "at most 4 inputs in one request, got 5 (MAX_INPUTS_PER_REQUEST)"
+    for path, body, field in (("/v1/embeddings", {"input": five}, "input"),
+                              ("/v1/embeddings", {"input": [[5]] * 5}, "input"),
+                              ("/v1/chooses", {"input": "x", "choices": five}, "choices")):
+        reply = post(strict, path, "key-work", json=body)
+        error = reply.json()["error"]
+        assert (reply.status_code, error["param"]) == (400, field) and over in error["message"], (path, error)
+    ollama = post(strict, "/api/embed", "key-work", json={"input": five})
+    assert ollama.status_code == 400 and ollama.json()["error"] == "input: " + over
+
+    tokens = post(strict, "/v1/embeddings", "key-work", json={"input": [[5] * 60, [5] * 60]})
+    error = tokens.json()["error"]
+    assert tokens.status_code == 400 and error["param"] == "input"
+    assert "at most 100 tokens in one request, all inputs together, got 120 (MAX_INPUT_TOKENS_PER_REQUEST)" \
+        in error["message"]
+    assert post(strict, "/v1/embeddings", "key-work", json={"input": five[:4]}).status_code == 200
+
+
+def test_embeddings_and_chooses_count_against_the_clients_sessions(strict):
+    """A request without a session still holds a gateway thread for all its forwards: it takes one of the client's
+    session slots while it runs, so a client at MAX_SESSIONS_PER_CLIENT (2) can start no more work of any kind."""
+    opened = [post(strict, "/api/v1/open_inference_session", "key-work-slots", json={"max_length": 16}).json()
+              for _ in range(2)]
+    assert all(reply["ok"] for reply in opened)
+    try:
+        for path, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/chooses", {"input": "x", "choices": ["a"]}),
+                           ("/api/embed", {"input": "hi"}), ("/api/embeddings", {"prompt": "hi"})):
+            refused = post(strict, path, "key-work-slots", json=body)
+            assert refused.status_code == 429 and "MAX_SESSIONS_PER_CLIENT" in refused.text, (path, refused.text)
+        assert post(strict, "/v1/embeddings", "key-other", json={"input": "hi"}).status_code == 200
+    finally:
+        for reply in opened:
+            post(strict, "/api/v1/close_inference_session", "key-work-slots", json={"session_id": reply["session_id"]})
+    assert post(strict, "/v1/embeddings", "key-work-slots", json={"input": "hi"}).status_code == 200
