@@ -267,3 +267,36 @@ def test_embeddings_and_chooses_count_against_the_clients_sessions(strict):
         for reply in opened:
             post(strict, "/api/v1/close_inference_session", "key-work-slots", json={"session_id": reply["session_id"]})
     assert post(strict, "/v1/embeddings", "key-work-slots", json={"input": "hi"}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ what one key owns
+
+
+def test_one_client_storing_responses_evicts_only_its_own(strict):
+    """MAX_STORED_RESPONSES is 4: a client storing more makes room from its own records, not from another's."""
+    def respond(key, **fields):
+        return post(strict, "/v1/responses", key, json={"input": "hi", "max_output_tokens": 1, **fields})
+
+    kept = respond("key-store-a").json()["id"]
+    ids = [respond("key-store-b").json()["id"] for _ in range(6)]
+    assert requests.get(f"{strict.url}/v1/responses/{kept}", headers=bearer("key-store-a")).status_code == 200
+    statuses = [requests.get(f"{strict.url}/v1/responses/{id_}", headers=bearer("key-store-b")).status_code
+                for id_ in ids]
+    assert statuses == [404] * 3 + [200] * 3
+
+    refused = respond("key-store-a", metadata={f"k{index}": "v" for index in range(17)})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
+    assert "at most 16 key-value pairs" in refused.json()["error"]["message"]
+
+
+def test_a_petals_http_session_is_its_openers_alone(strict):
+    """With keys, another key gets the 404 of an unknown session: it can neither generate in it nor close it."""
+    opened = post(strict, "/api/v1/open_inference_session", "key-owner-a", json={"max_length": 16}).json()
+    session = {"session_id": opened["session_id"]}
+    for path, body in (("/api/v1/generate", {**session, "inputs": "hi", "max_new_tokens": 1}),
+                       ("/api/v1/close_inference_session", session)):
+        refused = post(strict, path, "key-owner-b", json=body)
+        assert refused.status_code == 404 and refused.json()["code"] == "not_found", refused.text
+        assert "unknown inference session" in refused.json()["error"]
+    assert post(strict, "/api/v1/generate", "key-owner-a", json={**session, "inputs": "hi", "max_new_tokens": 1}).json()["ok"]
+    assert post(strict, "/api/v1/close_inference_session", "key-owner-a", json=session).json() == {"ok": True}
