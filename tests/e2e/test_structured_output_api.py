@@ -69,7 +69,21 @@ def test_guided_json_and_grammar(client):
         assert reply.choices[0].text in words and reply.choices[0].finish_reason == "stop"
 
 
+def nested_schema(levels: int) -> dict:
+    """An object schema `levels` objects deep (twice as deep as JSON: each level is under "properties")."""
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 @pytest.mark.parametrize("extra, param", [
+    # nested 400 deep: a RecursionError (a 500) in the schema's rewriting once; refused with the body's JSON now
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "strict": True,
+                                                                  "schema": nested_schema(400)}}}, "response_format"),
+    # as JSON text, or within the body's bound: refused where the schema is compiled
+    ({"structured_outputs": {"json": json.dumps(nested_schema(400))}}, "structured_outputs.json"),
+    ({"guided_json": nested_schema(40)}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"structured_outputs": {"regex": "a{2,1}"}}, "structured_outputs.regex"),
     ({"guided_choice": []}, "guided_choice"),
