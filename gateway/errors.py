@@ -16,8 +16,9 @@
     └── HTTPError                 4xx  (werkzeug's name)     what Flask refuses by itself: a wrong method, ...
 
 The 429s carry Retry-After. A 503 says what failed in the gateway's own words: the swarm's errors carry peer ids,
-transport reprs and text that servers chose, which go to the log only (UNAVAILABLE). Each dialect wraps an error in its own envelope (its format.py: error_body), and
-create_app's one error handler picks the envelope by the dialect a request speaks (gateway/__init__.py).
+transport reprs and text that servers chose, which go to the log only (UNAVAILABLE). Each dialect wraps an error in
+its own envelope (its format.py: error_body), and create_app's one error handler picks the envelope by the dialect a
+request speaks (gateway/__init__.py).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class Connection:
         with self.engine.sessions.use(self.session.id) as session, session.waits_told_to(waits):
             if message.regenerate:
                 self.rewind_last_reply(session)
-            length = len(session.history) + len(session.pending)
+            length, reply_start = len(session.history) + len(session.pending), session.reply_start
             try:
                 if message.messages is not None:
                     request = replace(request, inputs=self.chat.turns(session, message.messages))
@@ -137,6 +137,7 @@ class Connection:
                 self.chat.forget_turn()
                 if len(session.history) + len(session.pending) != length:
                     self.engine.rewind(session, length)
+                session.reply_start = reply_start  # what a regenerate goes back to: the last reply that was
                 raise
             self.chat.replied(reply)
 

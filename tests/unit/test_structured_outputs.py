@@ -192,7 +192,8 @@ def test_a_schema_nested_too_deep_is_a_400_naming_its_field_not_a_recursion_erro
     JSON): a strict schema 400 objects deep raised a RecursionError (a 500) in the rewriting that closes objects."""
     model = GrammarsOf(tiny)
     for levels in (40, 400):
-        strict = {"type": "json_schema", "json_schema": {"name": "deep", "strict": True, "schema": nested_schema(levels)}}
+        schema = {"name": "deep", "strict": True, "schema": nested_schema(levels)}
+        strict = {"type": "json_schema", "json_schema": schema}
         for fields, field in ((chat(response_format=strict), "response_format"),
                               (chat(guided_json=json.dumps(nested_schema(levels))), "guided_json")):
             with pytest.raises(BadRequest) as refused:
