@@ -16,7 +16,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
     MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
     REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT,
-    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS
+    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS,
+    MAX_INPUTS_PER_REQUEST, MAX_INPUT_TOKENS_PER_REQUEST, MAX_STORED_RESPONSE_BYTES
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
@@ -162,6 +163,13 @@ class Limits:
     max_websockets: int = 1000  # open WebSocket connections per gateway process
     max_websockets_per_client: int = 32  # of those, how many one client may hold at once (0: no cap of its own)
     http_threads: int = 64  # threads for the HTTP requests that hold no session (/health, /metrics, models, ...)
+    # --- the work one API request may ask for without a session of its own (issue 21), and the Responses store's
+    # bytes. Embeddings (/v1/embeddings, Ollama's /api/embed) and /v1/chooses run one cache-less swarm forward per
+    # input: their inputs (OpenAI's cap of 2,048) and tokens are capped per request (400 naming the field), and each
+    # such request holds one of its client's session slots while it runs (MAX_SESSIONS_PER_CLIENT)
+    max_inputs_per_request: int = 2048
+    max_input_tokens_per_request: int = 65536  # all of one request's inputs together
+    max_stored_response_bytes: int = 64 << 20  # stored responses together, as JSON; the biggest holder gives way
 
     @property
     def worker_threads(self) -> int:

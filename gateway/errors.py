@@ -15,8 +15,10 @@
     ├── Unavailable               503  swarm_unavailable     the swarm cannot serve this now
     └── HTTPError                 4xx  (werkzeug's name)     what Flask refuses by itself: a wrong method, ...
 
-The 429s carry Retry-After. Each dialect wraps an error in its own envelope (its format.py: error_body), and
-create_app's one error handler picks the envelope by the dialect a request speaks (gateway/__init__.py).
+The 429s carry Retry-After. A 503 says what failed in the gateway's own words: the swarm's errors carry peer ids,
+transport reprs and text that servers chose, which go to the log only (UNAVAILABLE). Each dialect wraps an error in
+its own envelope (its format.py: error_body), and create_app's one error handler picks the envelope by the dialect a
+request speaks (gateway/__init__.py).
 """
 
 from __future__ import annotations
@@ -119,6 +121,22 @@ class HTTPError(APIError):
         return {**self._headers, **super().headers()}
 
 
+# what a 503 says for each of the swarm's errors, the first that fits (any other SwarmError: the last line)
+UNAVAILABLE = (
+    (MissingBlocksError, "no server holds some of this model's blocks now (the swarm's coverage: /api/v1/swarm); "
+                         "retry later"),
+    (CacheFullError, "every server that could serve this model's blocks has a full cache now; retry later"),
+    (ServerUnavailableError, "the swarm's servers for this model failed or did not answer; retry later"),
+    (SwarmError, "the swarm failed to serve this request; retry later"),
+)
+
+
+def unavailable(error: SwarmError) -> Unavailable:
+    """The 503 for a swarm's error; what the error itself says is logged (without a traceback)."""
+    logger.warning("the swarm could not serve a request: %s: %s", type(error).__name__, error)
+    return Unavailable(next(message for kind, message in UNAVAILABLE if isinstance(error, kind)))
+
+
 def from_exception(error: BaseException) -> APIError:
     """Any exception as the APIError a client should see; unexpected ones are logged, never shown."""
     if isinstance(error, APIError):
@@ -131,13 +149,11 @@ def from_exception(error: BaseException) -> APIError:
         return LengthExceeded(str(error))
     if isinstance(error, UnknownModelError):
         return NotFound(str(error))
-    if isinstance(error, (MissingBlocksError, CacheFullError, ServerUnavailableError)):
-        return Unavailable(str(error))
     if isinstance(error, BadRequestError):  # a server refused what the gateway sent: our bug, not the user's
         logger.error("a block server refused a request: %s", error)
         return APIError("internal error: a block server refused the request")
     if isinstance(error, SwarmError):
-        return Unavailable(f"the swarm failed: {error}")
+        return unavailable(error)
     logger.exception("unexpected error", exc_info=error)
     return APIError("internal error (see the gateway's log)")
 

@@ -8,8 +8,10 @@ TINY_IDLE_TIMEOUT = 3.0
 
 # `strict_gateway`: API keys, an origin allowlist, small limits
 STRICT_KEYS = ("key-access", "key-body", "key-context", "key-sessions", "key-other", "key-rate", "key-ws-rate",
-               "key-ws", "key-logs", "key-browser", "key-anthropic", "key-ollama", "key-silent")  # one per test: the per-client limits count by key
+               "key-ws", "key-logs", "key-browser", "key-anthropic", "key-ollama", "key-work", "key-work-slots",
+               "key-store-a", "key-store-b", "key-owner-a", "key-owner-b", "key-silent")  # one per test: the per-client limits count by key
 STRICT_ORIGIN = "https://chat.example"
 STRICT_CONTEXT = 64  # the model's max_session_length
 STRICT_LIMITS = {"MAX_SESSIONS_PER_CLIENT": 2, "REQUESTS_PER_MINUTE": 40, "WS_IDLE_TIMEOUT": 3, "MAX_BODY_BYTES": 8192,
-                 "WS_MAX_MESSAGE_BYTES": 4096, "MAX_NEW_TOKENS": 16}
+                 "WS_MAX_MESSAGE_BYTES": 4096, "MAX_NEW_TOKENS": 16,
+                 "MAX_INPUTS_PER_REQUEST": 4, "MAX_INPUT_TOKENS_PER_REQUEST": 100, "MAX_STORED_RESPONSES": 4}

@@ -54,6 +54,7 @@ import llguidance.numpy  # not llguidance.torch: importing it costs ~1.5 s (it p
 from llguidance import LLMatcher, LLParserLimits
 from llguidance.gbnf_to_lark import any_to_lark
 
+from gateway.engine.lengths import nesting_depth
 from gateway.errors import BadRequest
 
 KINDS = ("json_object", "json_schema", "lark", "gbnf", "regex")
@@ -62,6 +63,8 @@ KINDS = ("json_object", "json_schema", "lark", "gbnf", "regex")
 JSON_FORMAT = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
 
 _CACHE_SIZE = 64  # compiled template matchers kept per tokenizer
+# a schema's JSON nesting: far above any real one (OpenAI allows 10 levels of objects), far below a RecursionError
+MAX_SCHEMA_DEPTH = 64
 
 
 class GrammarError(BadRequest, ValueError):
@@ -90,6 +93,8 @@ def _schema_dict(value: Any) -> dict:
         value = {} if value else {"not": {}}
     if not isinstance(value, dict):
         raise GrammarError(f"json_schema must be a JSON object, not {type(value).__name__}")
+    if nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"json_schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
     return value
 
 
@@ -353,6 +358,8 @@ def _tool_functions(tools: list[dict]) -> dict[str, dict]:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise GrammarError(f"tools[{index}].function.parameters must be a JSON schema object")
+        if nesting_depth(parameters) > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"tools[{index}].function.parameters is nested deeper than {MAX_SCHEMA_DEPTH} levels")
         functions[name] = function
     return functions
 

@@ -3,6 +3,7 @@
     check_new_tokens()      a request's token budget against MAX_NEW_TOKENS
     check_max_length()      a session's length against the model's max_session_length
     check_context_length()  a prompt (and the completion asked for) against the model's context
+    nesting_depth()         how deep a request's JSON nests (the code that walks it recursively has a bound)
 """
 
 from __future__ import annotations
@@ -31,3 +32,12 @@ def check_context_length(model: ModelConfig, prompt_tokens: int, new_tokens: int
             f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens{asked}. "
             f"Please reduce the length of the {field}" + (" or of the completion." if new_tokens else "."),
             field=field)
+
+
+def nesting_depth(value) -> int:
+    """How deep JSON-like `value` nests (a scalar: 0, [] or {}: 1), measured level by level, without recursion."""
+    depth, level = 0, [value]
+    while level := [item for item in level if isinstance(item, (dict, list))]:
+        depth += 1
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)]
+    return depth

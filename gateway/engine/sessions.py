@@ -3,6 +3,10 @@ key, or an address; see access.client_id), and expiry of idle ones.
 
 Expired sessions are closed actively, so the block servers free their caches at once rather than when a
 client comes back. A session serves one request at a time; a second one at once is refused (409).
+
+Who may use a session by its id (the Petals HTTP API's): when the gateway has API keys, only the key that opened
+it (another key gets the same 404 as an unknown id, as for stored responses: `visible_to`); without keys a caller
+is only its address, which proves nothing, so the id (random, unguessable) is what grants access.
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from typing import Iterator
 from gateway.errors import NotFound, SessionBusy, TooManySessions
 
 logger = logging.getLogger(__name__)
+
+
+def visible_to(owner: str, client: str) -> bool:
+    """Whether `client` may use what `owner` made (both access.client_id()s): keys identify callers, addresses
+    do not (see the module docstring)."""
+    return not owner.startswith("key:") or owner == client
 
 
 class SessionRegistry:
@@ -36,7 +46,8 @@ class SessionRegistry:
 
     @contextmanager
     def reserve(self, owner: str) -> Iterator[None]:
-        """Hold a slot under both caps while `owner`'s session opens (that takes network round trips)."""
+        """Hold a slot under both caps while `owner`'s session opens (that takes network round trips), or while a
+        request of `owner`'s that needs no session runs its cache-less forwards (embeddings: web/limits.work_slot)."""
         with self._lock:
             if len(self._sessions) + self._opening.total() >= self.max_sessions:
                 raise TooManySessions(f"too many open inference sessions ({self.max_sessions}, MAX_SESSIONS); "
@@ -60,9 +71,10 @@ class SessionRegistry:
                 self._reaper = threading.Thread(target=self._reap_forever, name="session-reaper", daemon=True)
                 self._reaper.start()
 
-    def get(self, session_id: str):
+    def get(self, session_id: str, client: str | None = None):
+        """The session; with `client`, only if that client may use it (visible_to)."""
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or (client is not None and not visible_to(session.owner, client)):
             raise NotFound(f"unknown inference session {session_id!r} (closed, expired or never opened)",
                            field="session_id")
         return session
@@ -72,9 +84,9 @@ class SessionRegistry:
             self._sessions.pop(session.id, None)
 
     @contextmanager
-    def use(self, session_id: str):
-        """The session, held for one request."""
-        session = self.get(session_id)
+    def use(self, session_id: str, client: str | None = None):
+        """The session, held for one request (of `client`'s, when given: see get)."""
+        session = self.get(session_id, client)
         if not session.lock.acquire(blocking=False):
             raise SessionBusy(f"inference session {session_id} is busy with another request", field="session_id")
         try:

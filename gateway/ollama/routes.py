@@ -30,6 +30,7 @@ from gateway.ollama.schemas import (
 from gateway.ollama.translate import chat_messages, generate_prompt_ids, plan_reply, refuse_unsupported
 from gateway.web.bodies import load_json, parse
 from gateway.web.current_engine import get_engine
+from gateway.web.limits import check_inputs, work_slot
 from gateway.web.ndjson import ndjson_stream
 
 blueprint = Blueprint("ollama", __name__, url_prefix="/api")
@@ -126,15 +127,18 @@ def embed():
     engine = get_engine()
     stats = engine.stats.begin()
     model, load_seconds = load_model(engine, fields.model)
+    check_inputs(engine.limits, "input", len(fields.input))
     token_lists = [embedding_ids(model, text, f"input[{index}]", fields.truncate is not False)
                    for index, text in enumerate(fields.input)]
-    vectors = []
-    for ids in token_lists:
-        vector = engine.embed(model.name, ids, None)
-        if fields.dimensions and fields.dimensions > len(vector):
-            raise BadRequest(f"dimensions: at most {len(vector)} for {model.name}", field="dimensions")
-        vectors.append(normalized(vector[: fields.dimensions]))
     prompt_tokens = sum(len(ids) for ids in token_lists)
+    check_inputs(engine.limits, "input", len(token_lists), prompt_tokens)
+    vectors = []
+    with work_slot(engine):
+        for ids in token_lists:
+            vector = engine.embed(model.name, ids, None)
+            if fields.dimensions and fields.dimensions > len(vector):
+                raise BadRequest(f"dimensions: at most {len(vector)} for {model.name}", field="dimensions")
+            vectors.append(normalized(vector[: fields.dimensions]))
     return jsonify(wire.embeddings(model.name, vectors, stats, load_seconds, prompt_tokens))
 
 
@@ -146,7 +150,10 @@ def embeddings():
     model, _ = load_model(engine, fields.model)
     if not fields.prompt:
         return jsonify(embedding=[])
-    return jsonify(embedding=engine.embed(model.name, embedding_ids(model, fields.prompt, "prompt", False), None))
+    ids = embedding_ids(model, fields.prompt, "prompt", False)
+    check_inputs(engine.limits, "prompt", 1, len(ids))
+    with work_slot(engine):
+        return jsonify(embedding=engine.embed(model.name, ids, None))
 
 
 def embedding_ids(model: ServedModel, text: str, field: str, truncate: bool) -> list[int]:

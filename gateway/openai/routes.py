@@ -31,6 +31,7 @@ from gateway.openai.schemas import (
 from gateway.openai.translate import plan_chat, prompt_token_lists
 from gateway.web.bodies import json_body
 from gateway.web.current_engine import get_engine
+from gateway.web.limits import check_inputs, work_slot
 from gateway.web.sse import event_stream
 
 blueprint = Blueprint("openai", __name__)
@@ -107,22 +108,32 @@ def embeddings():
     model = engine.model(fields.model)
     if fields.input == "" or fields.input == []:
         raise BadRequest("input: must not be empty", field="input")
+    check_inputs(engine.limits, "input", input_count(fields.input))
     token_lists = prompt_token_lists(model, fields.input)
     for ids in token_lists:
         if not ids:
             raise BadRequest("input: must not be empty", field="input")
         check_context_length(model.config, len(ids), 0, "input")
-    data = []
-    for index, ids in enumerate(token_lists):
-        vector = engine.embed(model.name, ids, fields.layer)
-        if fields.dimensions:
-            vector = vector[: fields.dimensions]
-        if fields.encoding_format == "base64":
-            vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-        data.append({"object": "embedding", "index": index, "embedding": vector})
     tokens = sum(len(ids) for ids in token_lists)
+    check_inputs(engine.limits, "input", len(token_lists), tokens)
+    data = []
+    with work_slot(engine):
+        for index, ids in enumerate(token_lists):
+            vector = engine.embed(model.name, ids, fields.layer)
+            if fields.dimensions:
+                vector = vector[: fields.dimensions]
+            if fields.encoding_format == "base64":
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
     return jsonify(object="list", data=data, model=model.name,
                    usage={"prompt_tokens": tokens, "total_tokens": tokens})
+
+
+def input_count(value) -> int:
+    """How many inputs an embeddings request holds: a text or a list of ids is one; a list of texts or lists, each."""
+    if isinstance(value, str) or all(isinstance(item, int) for item in value):
+        return 1
+    return len(value)
 
 
 @blueprint.post("/chooses")
@@ -131,22 +142,31 @@ def chooses():
     fields = json_body(ChooseRequest)
     engine = get_engine()
     model = engine.model(fields.model)
+    check_inputs(engine.limits, "choices", len(fields.choices))
     context = model.encode("".join([fields.input] if isinstance(fields.input, str) else fields.input), at_start=True)
-    scored = []
+    continuations = []
     for index, choice in enumerate(fields.choices):
         continuation = model.encode(choice, at_start=False)
         if not continuation:
             raise BadRequest(f"choices[{index}]: must not be empty", field=f"choices[{index}]")
         check_context_length(model.config, len(context) + len(continuation), 0, f"choices[{index}]")
-        logprobs = engine.token_logprobs(model.name, context + continuation)[len(context):]
-        if not context:
-            logprobs = logprobs[1:] or logprobs  # the very first token has no context to be scored against
-        values = [item.logprob for item in logprobs if item is not None]
-        scored.append((math.exp(-sum(values) / max(len(values), 1)), index, choice))
-    ranked = sorted(scored)
-    data = [{"object": "choice", "index": index, "rank": rank, "choice": choice, "perplexity": perplexity}
-            for rank, (perplexity, index, choice) in enumerate(ranked)]
+        continuations.append(continuation)
+    check_inputs(engine.limits, "choices", len(continuations), sum(len(context) + len(ids) for ids in continuations))
+    with work_slot(engine):
+        scored = [(perplexity(engine, model.name, context, continuation), index, choice)
+                  for index, (choice, continuation) in enumerate(zip(fields.choices, continuations))]
+    data = [{"object": "choice", "index": index, "rank": rank, "choice": choice, "perplexity": value}
+            for rank, (value, index, choice) in enumerate(sorted(scored))]
     return jsonify(object="list", data=data, model=model.name)
+
+
+def perplexity(engine, model_name: str, context: list[int], continuation: list[int]) -> float:
+    """The continuation's perplexity after the context, from one cache-less pass over both."""
+    logprobs = engine.token_logprobs(model_name, context + continuation)[len(context):]
+    if not context:
+        logprobs = logprobs[1:] or logprobs  # the very first token has no context to be scored against
+    values = [item.logprob for item in logprobs if item is not None]
+    return math.exp(-sum(values) / max(len(values), 1))
 
 
 @extras.post("/tokenize")

@@ -53,7 +53,7 @@ def generate():
     fields = parse(HttpGenerate, request_fields())
     engine = get_engine()
     if fields.session_id:
-        with engine.sessions.use(fields.session_id) as session:
+        with engine.sessions.use(fields.session_id, client_id()) as session:
             if fields.model and engine.model_config(fields.model).name != session.model.name:
                 raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
             return _generate(engine, session, fields)
@@ -93,7 +93,7 @@ def open_inference_session():
 def close_inference_session():
     fields = parse(CloseSession, request_fields())
     engine = get_engine()
-    with engine.sessions.use(fields.session_id) as session:
+    with engine.sessions.use(fields.session_id, client_id()) as session:
         engine.close_session(session)
     return jsonify(ok=True)
 

@@ -149,24 +149,37 @@ class Connection:
         if streaming and message.max_reply_tokens:
             request = replace(request, max_new_tokens=message.max_reply_tokens)
         chunk_size = (message.max_new_tokens or 1) if streaming else None
-        text, tokens, reply = "", 0, []
         # a streamed reply's client reads any number of frames: it may be told of a wait (see waiting_frame)
         waits = self.waiting_frame if streaming else None
         with self.engine.sessions.use(self.session.id) as session, session.waits_told_to(waits):
             if message.regenerate:
                 self.rewind_last_reply(session)
-            if message.messages is not None:
-                request = replace(request, inputs=self.chat.turns(session, message.messages))
-            for delta in self.engine.generate(session, request, cancelled=self.stop_requested):
-                text, tokens = text + delta.text, tokens + delta.token_count
-                reply.append(delta.text)
-                if delta.finish_reason or (chunk_size and tokens >= chunk_size):
-                    frame = {"ok": True, "outputs": text, "stop": delta.finish_reason is not None, "token_count": tokens}
-                    if delta.finish_reason:
-                        frame["finish_reason"] = delta.finish_reason
-                    self.send(frame)
-                    text, tokens = "", 0
-            self.chat.replied("".join(reply))
+            length, reply_start = len(session.history) + len(session.pending), session.reply_start
+            try:
+                if message.messages is not None:
+                    request = replace(request, inputs=self.chat.turns(session, message.messages))
+                reply = self.send_reply(session, request, chunk_size)
+            except BaseException:  # the turn failed (too long, the swarm gone, the client gone): it never happened
+                self.chat.forget_turn()
+                if len(session.history) + len(session.pending) != length:
+                    self.engine.rewind(session, length)
+                session.reply_start = reply_start  # what a regenerate goes back to: the last reply that was
+                raise
+            self.chat.replied(reply)
+
+    def send_reply(self, session, request, chunk_size) -> str:
+        """Generate the reply in frames of `chunk_size` tokens (None: one frame); return its whole text."""
+        text, tokens, reply = "", 0, []
+        for delta in self.engine.generate(session, request, cancelled=self.stop_requested):
+            text, tokens = text + delta.text, tokens + delta.token_count
+            reply.append(delta.text)
+            if delta.finish_reason or (chunk_size and tokens >= chunk_size):
+                frame = {"ok": True, "outputs": text, "stop": delta.finish_reason is not None, "token_count": tokens}
+                if delta.finish_reason:
+                    frame["finish_reason"] = delta.finish_reason
+                self.send(frame)
+                text, tokens = "", 0
+        return "".join(reply)
 
     def waiting_frame(self, message: str) -> None:
         """The swarm has no server for some blocks now; the reply goes on once one serves them. An empty output
@@ -211,17 +224,20 @@ def _is_stop(raw) -> bool:
 
 class ChatTranscript:
     """Chat mode: the conversation so far, rendered with the model's chat template, so that each turn sends
-    the swarm only the text that the session does not hold yet."""
+    the swarm only the text that the session does not hold yet. A turn's messages join it with their reply, never
+    before: a turn whose generation fails (too long for the session, say) is forgotten, so that the next turn (or
+    the same one again) is rendered without it."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.messages: list = []
+        self.turn: list = []  # the messages of the turn being generated
 
     def turns(self, session, new_messages: list) -> str:
         """The new text for the session: the whole rendered transcript minus what the session already holds."""
-        self.messages += new_messages
+        self.turn = list(new_messages)
         tokenizer = session.model.tokenizer
-        rendered = render_chat(tokenizer, self.messages, None)
+        rendered = render_chat(tokenizer, self.messages + self.turn, None)
         held = tokenizer.decode(session.history + session.pending)
         if rendered.startswith(held):
             return rendered[len(held):]
@@ -230,8 +246,12 @@ class ChatTranscript:
         return rendered
 
     def replied(self, text: str) -> None:
-        if self.messages:
-            self.messages.append(ChatMessage(role="assistant", content=text))
+        if self.messages or self.turn:
+            self.messages += self.turn + [ChatMessage(role="assistant", content=text)]
+        self.turn = []
+
+    def forget_turn(self) -> None:
+        self.turn = []
 
     def forget_last_reply(self) -> None:
         if self.messages and self.messages[-1].role == "assistant":

@@ -1,6 +1,7 @@
 """Request bodies read into their schemas: JSON text checked, then validated by pydantic; a bad field is a 400 naming it.
 
-    load_json(raw)          JSON text as Python values (what is not JSON, or not finite, is a 400)
+    load_json(raw)          JSON text as Python values (what is not JSON, not finite, or nested deeper than
+                            MAX_JSON_DEPTH, is a 400)
     parse(schema, data)     values validated into a pydantic model class
     json_body(schema)       the OpenAI-style APIs' body (chat and text completions, Responses, Anthropic): it must be
                             a JSON object; unknown fields are accepted and ignored, as vLLM does, each name logged once
@@ -15,22 +16,33 @@ import math
 from flask import request
 from pydantic import ValidationError
 
+from gateway.engine.lengths import nesting_depth
 from gateway.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 _unknown_fields_logged: set[str] = set()
 UNKNOWN_FIELDS_REMEMBERED = 1000  # the names are the clients' to choose: a bound on memory and on the log
+# Far deeper than any real request (a JSON schema of OpenAI's 10 levels of objects is some 25), and far from where
+# the code that walks a body recursively (schema rewriting, templates' tojson, echoes) meets Python's recursion limit
+MAX_JSON_DEPTH = 100
 
 
 def load_json(raw, what: str = "the body"):
     """JSON text (str or bytes) as Python values. Whatever is not JSON is a 400: bad syntax or encoding, nesting
-    too deep for the parser, NaN or Infinity (JavaScript's, not JSON's), and numbers too large for a float."""
+    too deep for the parser, NaN or Infinity (JavaScript's, not JSON's), and numbers too large for a float; and so is
+    JSON nested deeper than MAX_JSON_DEPTH, named by its top-level field."""
     try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise BadRequest(f"{what} is not valid JSON: nested too deeply") from None
     except (TypeError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"{what} is not valid JSON: {error}") from None
+    if nesting_depth(value) > MAX_JSON_DEPTH:
+        deep = [name for name, item in value.items() if nesting_depth(item) >= MAX_JSON_DEPTH] \
+            if isinstance(value, dict) else []
+        where = f"{deep[0]}:" if deep else f"{what} is"
+        raise BadRequest(f"{where} nested deeper than {MAX_JSON_DEPTH} levels", field=deep[0] if deep else None)
+    return value
 
 
 def _refuse_constant(name: str):

@@ -3,6 +3,9 @@
     install(app, limits)    the body size (413) and each client's requests per minute (429), before any route;
                             and the open WebSockets, overall and per client (429 before the upgrade)
     charge_request()        the same rate limit, for each message on a WebSocket
+    check_inputs()          a request's inputs (embeddings, choices) and their tokens under the per-request caps
+    work_slot(engine)       one of the client's session slots, held while a request without a session runs its
+                            cache-less forwards (embeddings, /v1/chooses): such work counts like a generation's
 
 A request's own lengths (token budget, context) are checked where it is translated (engine/lengths.py); the cap on
 open sessions lives with the sessions (engine/sessions.py); the idle timeouts there and in petals/websocket.py.
@@ -14,11 +17,13 @@ import math
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
 
 from flask import current_app, g, request
 
 from config import Limits
-from gateway.errors import PayloadTooLarge, RateLimited, TooManyWebSockets
+from gateway.errors import BadRequest, PayloadTooLarge, RateLimited, TooManyWebSockets
 from gateway.web.access import client_id, is_open
 
 
@@ -54,6 +59,26 @@ def install(app, limits: Limits) -> None:
 def charge_request() -> None:
     """Count one request (or WebSocket message) against the calling client's allowance."""
     current_app.extensions["rate_limiter"].charge(client_id())
+
+
+def check_inputs(limits: Limits, field: str, count: int, tokens: int | None = None) -> None:
+    """`count` inputs (of `tokens` tokens together, once known) in field `field` of one request: a 400 over the caps.
+    Each input is a forward through the whole swarm; check the count before tokenizing anything."""
+    if count > limits.max_inputs_per_request:
+        raise BadRequest(f"{field}: at most {limits.max_inputs_per_request} inputs in one request, got {count} "
+                         "(MAX_INPUTS_PER_REQUEST)", field=field)
+    if tokens is not None and tokens > limits.max_input_tokens_per_request:
+        raise BadRequest(f"{field}: at most {limits.max_input_tokens_per_request} tokens in one request, all inputs "
+                         f"together, got {tokens} (MAX_INPUT_TOKENS_PER_REQUEST)", field=field)
+
+
+@contextmanager
+def work_slot(engine) -> Iterator[None]:
+    """A slot among the client's sessions (engine.sessions, MAX_SESSIONS_PER_CLIENT and MAX_SESSIONS), held while
+    the request runs forwards that need no session: without it, a few such requests hold every gateway thread for
+    as long as their inputs take, and no cap sees them (over a cap: 429 too_many_sessions)."""
+    with engine.sessions.reserve(client_id()):
+        yield
 
 
 class RateLimiter:

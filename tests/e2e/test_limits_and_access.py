@@ -262,3 +262,80 @@ def test_request_ids_reach_the_log_and_prompts_do_not(strict):
     [line] = [line for line in strict.log().splitlines() if "zz_unknown_field" in line]
     assert "INFO" in line and "[e2e-req-2]" in line
     assert secret not in strict.log()
+
+
+# ------------------------------------------------------------------------------------------ work without a session
+
+
+def test_inputs_and_their_tokens_are_capped_per_request(strict):
+    """Each input of an embeddings or chooses request is a forward through the whole swarm: their number and their
+    tokens are capped per request, before any runs (MAX_INPUTS_PER_REQUEST 4, MAX_INPUT_TOKENS_PER_REQUEST 100)."""
+    five = ["a", "b", "c", "d", "e"]
+    over = "at most 4 inputs in one request, got 5 (MAX_INPUTS_PER_REQUEST)"
+    for path, body, field in (("/v1/embeddings", {"input": five}, "input"),
+                              ("/v1/embeddings", {"input": [[5]] * 5}, "input"),
+                              ("/v1/chooses", {"input": "x", "choices": five}, "choices")):
+        reply = post(strict, path, "key-work", json=body)
+        error = reply.json()["error"]
+        assert (reply.status_code, error["param"]) == (400, field) and over in error["message"], (path, error)
+    ollama = post(strict, "/api/embed", "key-work", json={"input": five})
+    assert ollama.status_code == 400 and ollama.json()["error"] == "input: " + over
+
+    tokens = post(strict, "/v1/embeddings", "key-work", json={"input": [[5] * 60, [5] * 60]})
+    error = tokens.json()["error"]
+    assert tokens.status_code == 400 and error["param"] == "input"
+    assert "at most 100 tokens in one request, all inputs together, got 120 (MAX_INPUT_TOKENS_PER_REQUEST)" \
+        in error["message"]
+    assert post(strict, "/v1/embeddings", "key-work", json={"input": five[:4]}).status_code == 200
+
+
+def test_embeddings_and_chooses_count_against_the_clients_sessions(strict):
+    """A request without a session still holds a gateway thread for all its forwards: it takes one of the client's
+    session slots while it runs, so a client at MAX_SESSIONS_PER_CLIENT (2) can start no more work of any kind."""
+    opened = [post(strict, "/api/v1/open_inference_session", "key-work-slots", json={"max_length": 16}).json()
+              for _ in range(2)]
+    assert all(reply["ok"] for reply in opened)
+    try:
+        for path, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/chooses", {"input": "x", "choices": ["a"]}),
+                           ("/api/embed", {"input": "hi"}), ("/api/embeddings", {"prompt": "hi"})):
+            refused = post(strict, path, "key-work-slots", json=body)
+            assert refused.status_code == 429 and "MAX_SESSIONS_PER_CLIENT" in refused.text, (path, refused.text)
+        assert post(strict, "/v1/embeddings", "key-other", json={"input": "hi"}).status_code == 200
+    finally:
+        for reply in opened:
+            post(strict, "/api/v1/close_inference_session", "key-work-slots", json={"session_id": reply["session_id"]})
+    assert post(strict, "/v1/embeddings", "key-work-slots", json={"input": "hi"}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ what one key owns
+
+
+def test_one_client_storing_responses_evicts_only_its_own(strict):
+    """MAX_STORED_RESPONSES is 4: a client storing more makes room from its own records, not from another's."""
+    def respond(key, **fields):
+        return post(strict, "/v1/responses", key, json={"input": "hi", "max_output_tokens": 1, **fields})
+
+    kept = respond("key-store-a").json()["id"]
+    ids = [respond("key-store-b").json()["id"] for _ in range(6)]
+    assert requests.get(f"{strict.url}/v1/responses/{kept}", headers=bearer("key-store-a")).status_code == 200
+    statuses = [requests.get(f"{strict.url}/v1/responses/{id_}", headers=bearer("key-store-b")).status_code
+                for id_ in ids]
+    assert statuses == [404] * 3 + [200] * 3
+
+    refused = respond("key-store-a", metadata={f"k{index}": "v" for index in range(17)})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
+    assert "at most 16 key-value pairs" in refused.json()["error"]["message"]
+
+
+def test_a_petals_http_session_is_its_openers_alone(strict):
+    """With keys, another key gets the 404 of an unknown session: it can neither generate in it nor close it."""
+    opened = post(strict, "/api/v1/open_inference_session", "key-owner-a", json={"max_length": 16}).json()
+    session = {"session_id": opened["session_id"]}
+    for path, body in (("/api/v1/generate", {**session, "inputs": "hi", "max_new_tokens": 1}),
+                       ("/api/v1/close_inference_session", session)):
+        refused = post(strict, path, "key-owner-b", json=body)
+        assert refused.status_code == 404 and refused.json()["code"] == "not_found", refused.text
+        assert "unknown inference session" in refused.json()["error"]
+    mine = post(strict, "/api/v1/generate", "key-owner-a", json={**session, "inputs": "hi", "max_new_tokens": 1})
+    assert mine.json()["ok"]
+    assert post(strict, "/api/v1/close_inference_session", "key-owner-a", json=session).json() == {"ok": True}

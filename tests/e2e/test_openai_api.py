@@ -418,3 +418,11 @@ def test_openapi_and_docs(gateway):
     page = requests.get(gateway.url + "/docs")
     assert page.status_code == 200 and "/docs/assets/swagger-ui-bundle.js" in page.text and "http" not in page.text.split("<body>")[1].replace("/openapi.json", "")
     assert requests.get(gateway.url + "/docs/assets/swagger-ui-bundle.js").status_code == 200
+
+
+def test_more_inputs_than_openais_2048_are_refused_before_any_runs(gateway):
+    """Each input is a forward through the swarm: past OpenAI's cap (MAX_INPUTS_PER_REQUEST) none runs."""
+    reply = requests.post(gateway.url + "/v1/embeddings", json={"input": ["a"] * 2049}, timeout=30)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "input"
+    assert "at most 2048 inputs in one request, got 2049" in error["message"]

@@ -228,3 +228,25 @@ def test_regenerate_needs_a_reply(gateway, ws):
     send(ws, type="generate", regenerate=True, inputs="x")
     error = receive(ws)
     assert error["ok"] is False and "regenerate" in error["error"]
+
+
+def chat_turn(ws, content, **fields) -> list[dict]:
+    send(ws, type="generate", messages=[{"role": "user", "content": content}], stream=True, max_new_tokens=1,
+         max_reply_tokens=4, do_sample=False, **fields)
+    return read_reply(ws)
+
+
+def test_a_chat_turn_that_fails_is_not_kept_in_the_transcript(gateway, ws):
+    """Once, a turn too long for the session stayed in the transcript: every later turn failed the same way, and a
+    turn retried after a failure was in it twice."""
+    open_session(ws, max_length=64)
+    [refused] = chat_turn(ws, "word " * 80)
+    assert refused["ok"] is False and refused["code"] == "context_length_exceeded"
+    [refused] = chat_turn(ws, "Hello there", max_length=4)  # a turn that fits the session, but not this request
+    assert refused["ok"] is False and refused["code"] == "context_length_exceeded"
+    retried = chat_turn(ws, "Hello there")
+    assert retried[-1]["ok"] and retried[-1]["stop"], retried
+    with connect(gateway.ws_url) as fresh:  # greedy: the same reply as the turn alone in a new conversation
+        open_session(fresh, max_length=64)
+        alone = chat_turn(fresh, "Hello there")
+    assert [frame["outputs"] for frame in retried] == [frame["outputs"] for frame in alone]

@@ -69,7 +69,20 @@ def test_guided_json_and_grammar(client):
         assert reply.choices[0].text in words and reply.choices[0].finish_reason == "stop"
 
 
+def nested_schema(levels: int) -> dict:
+    """An object schema `levels` objects deep (twice as deep as JSON: each level is under "properties")."""
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 @pytest.mark.parametrize("extra, param", [
+    # nested 400 deep: a RecursionError (a 500) in the schema's rewriting once; refused with the body's JSON now
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "strict": True,
+                                                                  "schema": nested_schema(400)}}}, "response_format"),
+    # within the body's bound (40 objects are 81 levels of JSON): refused where the schema is compiled
+    ({"guided_json": nested_schema(40)}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"structured_outputs": {"regex": "a{2,1}"}}, "structured_outputs.regex"),
     ({"guided_choice": []}, "guided_choice"),
@@ -87,3 +100,11 @@ def test_bad_structured_outputs_are_400s_naming_the_field(client, extra, param, 
     error = caught.value.body
     assert error["param"] == param and error["message"].startswith(param) and error["type"] == "invalid_request_error"
     assert "Traceback" not in json.dumps(error)
+
+
+def test_forced_tool_parameters_nested_400_deep_are_a_400_naming_tools(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested_schema(400)}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=[tool],
+                                       tool_choice="required")
+    assert caught.value.body["param"] == "tools" and "nested deeper than" in caught.value.body["message"]

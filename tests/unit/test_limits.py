@@ -6,7 +6,7 @@ import pytest
 from config import AccessSettings, GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway import create_app
 from gateway.web import limits
-from gateway.errors import BadRequest, LengthExceeded, RateLimited, TooManySessions
+from gateway.errors import BadRequest, LengthExceeded, NotFound, RateLimited, TooManySessions
 from gateway.engine.lengths import check_context_length, check_new_tokens
 from gateway.web.limits import RateLimiter
 from gateway.engine.sessions import SessionRegistry
@@ -83,6 +83,38 @@ def test_a_session_still_opening_holds_its_slot():
                 pass
     with registry.reserve("a"):  # released, also when opening failed
         pass
+
+
+class LockedSession(FakeSession):
+    def __init__(self, number, owner):
+        import threading
+
+        super().__init__(number, owner)
+        self.lock, self.last_used = threading.Lock(), 0.0
+
+
+def test_with_keys_a_session_by_id_is_its_openers_alone():
+    """Another key gets the 404 of an unknown id; an address proves nothing, so the id alone grants access then."""
+    registry = SessionRegistry(max_sessions=5, idle_timeout=60)
+    registry.add(LockedSession(1, "key:alice"))
+    registry.add(LockedSession(2, "ip:10.0.0.1"))
+    with registry.use("s1", "key:alice") as session:
+        assert session.id == "s1"
+    with pytest.raises(NotFound, match="unknown inference session 's1'"):
+        with registry.use("s1", "key:mallory"):
+            pass
+    with registry.use("s2", "ip:10.0.0.2") as session:
+        assert session.id == "s2"
+
+
+def test_inputs_and_their_tokens_are_capped_per_request():
+    caps = Limits(max_inputs_per_request=4, max_input_tokens_per_request=100)
+    limits.check_inputs(caps, "input", 4, 100)
+    with pytest.raises(BadRequest, match=r"^input: at most 4 inputs in one request, got 5 \(MAX_INPUTS_PER_REQUEST\)$"):
+        limits.check_inputs(caps, "input", 5)
+    with pytest.raises(BadRequest, match=r"choices: at most 100 tokens .* got 101 \(MAX_INPUT_TOKENS_PER_REQUEST\)"):
+        limits.check_inputs(caps, "choices", 2, 101)
+    assert Limits().max_inputs_per_request == 2048  # OpenAI's
 
 
 def test_token_and_context_checks_name_the_field():

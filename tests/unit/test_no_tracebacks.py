@@ -9,9 +9,10 @@ import pytest
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway import create_app
 from gateway.web import request_ids
-from gateway.errors import BadRequest
+from gateway.errors import BadRequest, from_exception
 from gateway.web.sse import event_stream
 from gateway.petals.websocket import Connection
+from swarm.protocol import CacheFullError, InternalServerError, MissingBlocksError, ServerUnavailableError
 
 SECRET = "boom in /srv/gateway/secret.py"
 
@@ -93,3 +94,24 @@ def test_a_failure_outside_any_message_closes_with_1011_and_a_clean_reason(app):
     ws = FakeSocket(RuntimeError(SECRET))
     serve(app, ws, failing_engine(RuntimeError("unused")))
     assert ws.frames == [] and ws.closed == (1011, "internal error (see the gateway's log)")
+
+
+PEER = "12D3KooWHostilePeerIdXyz"
+
+
+@pytest.mark.parametrize("error, says", [
+    (ServerUnavailableError(f"server {PEER} failed: ConnectionResetError(104, 'Connection reset by peer') "
+                            "(blocks 0:2)"), "the swarm's servers for this model failed or did not answer"),
+    (CacheFullError(f"every server that could serve blocks 0:4 of tiny has a full cache or failed (the last one: "
+                    f"server {PEER} failed: P2PDaemonError('stream closed'))"), "has a full cache now"),
+    (MissingBlocksError(f"no server holds blocks 0..14 of tiny; peer {PEER} says hi"),
+     "no server holds some of this model's blocks now"),
+    (InternalServerError(f"{PEER}: CUDA error in /srv/swarm/server/backend.py"), "the swarm failed to serve"),
+])
+def test_a_503_says_what_failed_and_only_the_log_has_peers_and_transports(error, says, caplog):
+    with caplog.at_level("WARNING", logger="gateway.errors"):
+        api_error = from_exception(error)
+    assert api_error.status == 503 and says in api_error.message
+    assert PEER not in api_error.message and "Error(" not in api_error.message and ".py" not in api_error.message
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and str(error) in record.getMessage() and record.exc_info is None

@@ -1,6 +1,7 @@
 """What every reply carries and never carries, through the Flask test client: the request id, errors in the shape
 of their API (Flask's own 404 and 405 included), and JSON that is refused cleanly however it is broken."""
 
+import json
 import logging
 
 import pytest
@@ -75,6 +76,17 @@ def test_flasks_own_refusals_take_the_shape_of_their_api(app, method, path, stat
 def test_broken_json_is_a_bad_request(raw, reason):
     with pytest.raises(BadRequest, match=reason):
         load_json(raw)
+
+
+def test_json_deeper_than_any_request_is_a_bad_request_naming_its_field():
+    """Parsed JSON 101 levels deep (Python's parser takes some 1,000) would reach code that walks it recursively."""
+    deep = "[" * 99 + "]" * 99
+    assert load_json('{"ok": %s}' % deep) == {"ok": json.loads(deep)}  # 100 levels: fine
+    with pytest.raises(BadRequest, match=r"^tools: nested deeper than 100 levels$") as refused:
+        load_json('{"model": "x", "tools": [%s]}' % deep)  # 101 levels
+    assert refused.value.field == "tools"
+    with pytest.raises(BadRequest, match=r"^the message is nested deeper than 100 levels$"):
+        load_json("[[%s]]" % deep, "the message")
 
 
 def test_deep_json_over_http_is_400_not_500(app):

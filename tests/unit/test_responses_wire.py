@@ -233,3 +233,69 @@ def test_with_keys_only_the_creator_sees_it_and_delete_cancels():
 def test_failure_codes():
     assert wire.failure(BadRequest("x"))["code"] == "invalid_prompt"
     assert wire.failure(Unavailable("x"))["code"] == "server_error"
+
+
+def test_a_full_store_forgets_the_biggest_holders_records_not_everyones():
+    """One client storing without end evicts only its own records: the least recently used of whoever holds the
+    most goes first, by count (MAX_STORED_RESPONSES) and by bytes (MAX_STORED_RESPONSE_BYTES)."""
+    store = ResponseStore(4, 60.0, clock=Clock())
+    stored(store, "alice-1", owner="key:alice")
+    for index in range(10):
+        stored(store, f"mallory-{index}", owner="key:mallory")
+    assert store.get("alice-1", "key:alice") and len(store) == 4
+    assert [store.get(f"mallory-{index}", "key:mallory").id for index in (7, 8, 9)]
+    stored(store, "alice-2", owner="key:alice")  # mallory holds the most, so mallory gives way
+    assert store.get("alice-1", "key:alice") and store.get("alice-2", "key:alice")
+    with pytest.raises(NotFound):
+        store.get("mallory-7", "key:mallory")
+
+
+def test_the_store_is_bounded_in_bytes_too():
+    big = "x" * 3000
+    store = ResponseStore(100, 60.0, max_bytes=10_000, clock=Clock())
+    small = stored(store, "small", owner="ip:1")
+    for index in range(5):
+        record = StoredResponse(f"big-{index}", "ip:2", {"id": f"big-{index}", "instructions": big})
+        store.add(record)
+        store.finish(record)
+    assert store.bytes <= 10_000 and store.get("small", "ip:1") is small
+    assert len(store) == 1 + 3  # three of ip:2's 3 KB records fit beside ip:1's
+    with pytest.raises(NotFound):
+        store.get("big-0", "ip:2")
+
+
+def test_a_finished_reply_is_weighed_again():
+    store = ResponseStore(100, 60.0, max_bytes=5_000, clock=Clock())
+    first = stored(store, "first", owner="ip:1")
+    growing = stored(store, "growing", owner="ip:2", finished=False)
+    growing.body = {"id": "growing", "output": "y" * 6000}  # its reply came in while it was generating
+    store.finish(growing)
+    assert store.bytes <= 5_000 and store.get("first", "ip:1") is first
+    with pytest.raises(NotFound):
+        store.get("growing", "ip:2")
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({f"k{index}": "v" for index in range(17)}, "at most 16 key-value pairs, got 17"),
+    ({"k" * 65: "v"}, "keys of at most 64 characters, got one of 65"),
+    ({"k": "v" * 513}, "values of at most 512 characters, got one of 513"),
+])
+def test_metadata_is_bounded_as_openai_bounds_it(metadata, message):
+    with pytest.raises(BadRequest) as refused:
+        parse(ResponseCreateRequest, {"input": "hi", "metadata": metadata})
+    assert refused.value.field.startswith("metadata") and message in refused.value.message
+    fine = {f"k{index}": "v" * 512 for index in range(16)}
+    assert parse(ResponseCreateRequest, {"input": "hi", "metadata": fine}).metadata == fine
+
+
+@pytest.mark.parametrize("field, value", [
+    ("user", "u" * 513), ("instructions", "i" * ((1 << 18) + 1)), ("previous_response_id", "r" * 129),
+    ("text", {"format": {"type": "json_object", "name": "n" * 65}}),
+    ("text", {"format": {"type": "json_object", "description": "d" * 8193}}),
+    ("tools", [{"type": "function", "name": "f", "description": "d" * 8193}]),
+    ("tool_choice", {"type": "function", "name": "f" * 65}),
+])
+def test_every_echoed_field_is_bounded(field, value):
+    with pytest.raises(BadRequest) as refused:
+        parse(ResponseCreateRequest, {"input": "hi", field: value})
+    assert refused.value.field.startswith(field)

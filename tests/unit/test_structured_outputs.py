@@ -7,6 +7,7 @@ produces must match.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from gateway.errors import BadRequest
-from gateway.engine.grammar import GrammarError, GrammarSpec, TokenizerGrammars
-from gateway.chat.params import ToolChoice, constraint_spec, requested_constraint
+from gateway.engine.grammar import GrammarError, GrammarSpec, TokenizerGrammars, tool_call_spec
+from gateway.chat.params import ToolChoice, compiled_constraint, constraint_spec, requested_constraint
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.web.bodies import parse
 from gateway.chat.structured import REGEX_SPECIALS, choice_spec, escape_regex, requested_spec
@@ -166,3 +167,42 @@ def test_bad_regexes_are_grammar_errors(tiny, pattern):
     _, grammars = tiny
     with pytest.raises(GrammarError):
         grammars.check(GrammarSpec("regex", pattern))
+
+
+# ------------------------------------------------------------------------------------------ nesting
+
+
+def nested_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+class GrammarsOf:
+    def __init__(self, tiny):
+        self._grammars = tiny[1]
+
+    def grammars(self):
+        return self._grammars
+
+
+def test_a_schema_nested_too_deep_is_a_400_naming_its_field_not_a_recursion_error(tiny):
+    """A schema's depth is measured before anything walks it recursively (grammar.MAX_SCHEMA_DEPTH, 64 levels of
+    JSON): a strict schema 400 objects deep raised a RecursionError (a 500) in the rewriting that closes objects."""
+    model = GrammarsOf(tiny)
+    for levels in (40, 400):
+        schema = {"name": "deep", "strict": True, "schema": nested_schema(levels)}
+        strict = {"type": "json_schema", "json_schema": schema}
+        for fields, field in ((chat(response_format=strict), "response_format"),
+                              (chat(guided_json=json.dumps(nested_schema(levels))), "guided_json")):
+            with pytest.raises(BadRequest) as refused:
+                compiled_constraint(model, requested_constraint(fields))
+            assert refused.value.field == field and "nested deeper than 64 levels" in refused.value.message
+    compiled_constraint(model, requested_constraint(chat(guided_json=nested_schema(30))))  # 61 levels of JSON: fine
+
+
+def test_tool_parameters_nested_too_deep_are_refused(tiny):
+    deep = {"type": "function", "function": {"name": "f", "parameters": nested_schema(400)}}
+    with pytest.raises(GrammarError, match=r"tools\[0\]\.function\.parameters is nested deeper than 64 levels"):
+        tool_call_spec([deep], "required", parallel=False)

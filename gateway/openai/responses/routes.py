@@ -42,7 +42,8 @@ CANCEL_WAIT_SECONDS = 10.0  # how long a cancel waits for the generation to stop
 def _install_store(state) -> None:
     limits = state.app.extensions["engine"].limits
     state.app.extensions["responses_store"] = ResponseStore(limits.max_stored_responses,
-                                                            limits.stored_response_idle_timeout)
+                                                            limits.stored_response_idle_timeout,
+                                                            limits.max_stored_response_bytes)
 
 
 def stored_responses() -> ResponseStore:
