@@ -69,3 +69,30 @@ def test_a_long_sessions_spot_check_gets_its_second_opinion(wide_remote):
         session.step(ids_of(LONG, wide_remote.config.vocab_size, seed=2))
     assert metrics.SPOT_CHECKS.labels("agreed")._value.get() == agreed + 1  # not "unresolved": the other answered
     assert wide_remote.client.bans.current() == set()
+
+
+def test_a_streamed_forward_declaring_too_much_is_refused_at_its_first_part(wide_remote, wide_servers):
+    """A stranger's stream that declares more hidden states than the server's max_request_tokens allows gets a
+    refusal before it sends (or the server holds) the rest."""
+    from hivemind.p2p import PeerID
+
+    from swarm.protocol import BadRequestError
+    from swarm.wire import BlockRPC, pack, raise_if_error, split_parts, unpack
+
+    client = wide_remote.client
+    first = split_parts(pack((torch.zeros(1, 8, 4096),), {"start": 0, "end": BLOCKS}))[0]
+    first.tensors[0].size[:] = [1, 1 << 20, 4096]  # a million tokens: far over the default 8,192
+
+    async def refused():
+        stub = BlockRPC.get_stub(client.node.p2p, PeerID.from_base58(wide_servers[0].peer_id))
+
+        async def only_the_first_part():
+            yield first
+
+        replies = await stub.rpc_forward_stream(only_the_first_part())
+        return [reply async for reply in replies]
+
+    replies = client.loop.run(refused(), timeout=60)
+    assert len(replies) == 1
+    with pytest.raises(BadRequestError, match="over this server's limit of 33554432 elements"):
+        raise_if_error(unpack(replies[0])[1])
