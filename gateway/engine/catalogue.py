@@ -95,23 +95,29 @@ class ServedModels:
         return [found.config for found in self.discovered()]
 
     def discovered(self) -> list[Discovered]:
-        """The swarm's models this gateway may serve (asked again every few seconds, by one thread at a time)."""
+        """The swarm's models this gateway may serve, asked again every few seconds by one thread (the others
+        meanwhile use the last answer; only the first answer is waited for)."""
         asked_at, found = self._catalogue
         if self.gateway.discovered_models == "none" or time.monotonic() - asked_at < CATALOGUE_SECONDS:
             return found
-        if not self._catalogue_lock.acquire(blocking=False):
+        if not self._catalogue_lock.acquire(blocking=asked_at == -math.inf):
             return found  # another thread is asking
         try:
-            client = self._swarm_client()
-            records = client.catalogue() if client is not None else []
-        except Exception:  # the catalogue is a convenience: the configured models are served regardless
-            logger.warning("could not read the swarm's model catalogue", exc_info=True)
-            records = []
+            asked_at, found = self._catalogue
+            if time.monotonic() - asked_at >= CATALOGUE_SECONDS:  # else it was asked while this thread waited
+                found = self._servable(self._read_catalogue())
+                self._catalogue = (time.monotonic(), found)
+            return found
         finally:
             self._catalogue_lock.release()
-        found = self._servable(records)
-        self._catalogue = (time.monotonic(), found)
-        return found
+
+    def _read_catalogue(self) -> list[ModelRecord]:
+        try:
+            client = self._swarm_client()
+            return client.catalogue() if client is not None else []
+        except Exception:  # the catalogue is a convenience: the configured models are served regardless
+            logger.warning("could not read the swarm's model catalogue", exc_info=True)
+            return []
 
     def _servable(self, records: list[ModelRecord]) -> list[Discovered]:
         configured = self.gateway.models
