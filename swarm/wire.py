@@ -154,18 +154,20 @@ async def gather_parts(messages: AsyncIterator, max_elements: int, max_bytes: in
     elements = 1
     for size in head.size:
         elements *= max(size, 0)
-    if elements > max_elements or min(head.size, default=0) < 0 or not 1 <= head.chunks <= max_bytes // PART_BYTES + 1:
+    if elements > max_elements or min(head.size, default=0) < 0:
         raise BadRequestError(f"a streamed tensor of shape {tuple(head.size)} is over this server's limit of "
                               f"{max_elements} elements")
+    if not 1 <= head.chunks <= max_bytes // PART_BYTES + 1:
+        raise BadRequestError(f"a streamed tensor must come in 1 to {max_bytes // PART_BYTES + 1} parts")
     buffers, received = [head.buffer], len(head.buffer)
-    while len(buffers) < head.chunks:
+    while received <= max_bytes and len(buffers) < head.chunks:
         message = await anext(messages, None)
         if message is None or len(message.tensors) != 1:
             raise BadRequestError(f"a streamed tensor ended after {len(buffers)} of its {head.chunks} parts")
         buffers.append(message.tensors[0].buffer)
         received += len(buffers[-1])
-        if received > max_bytes:
-            raise BadRequestError(f"a streamed tensor is over this server's limit of {max_bytes} bytes")
+    if received > max_bytes:
+        raise BadRequestError(f"a streamed tensor is over this server's limit of {max_bytes} bytes")
     whole = runtime_pb2.Tensor()
     whole.CopyFrom(head)
     whole.buffer, whole.chunks = b"".join(buffers), 0

@@ -48,10 +48,13 @@ def test_a_declared_shape_over_the_limit_is_refused_at_the_first_part():
 
 
 def test_parts_carrying_more_bytes_than_allowed_are_refused():
-    parts = split_parts(pack((torch.zeros(4, 300, 1024),)))
-    parts[0].tensors[0].size[:] = [1]  # declares one element, then sends 4.9 MB
-    with pytest.raises(BadRequestError):
+    parts = split_parts(pack((torch.zeros(4, 300, 1024),)))  # 4.9 MB in five parts
+    parts[0].tensors[0].size[:] = [1]  # declares one element
+    with pytest.raises(BadRequestError, match="in 1 to 3 parts"):
         gather(parts, max_bytes=2 * PART_BYTES)
+    parts[0].tensors[0].chunks = 2  # and two parts, then sends more bytes in them than the limit
+    with pytest.raises(BadRequestError, match="limit of 1048676 bytes"):
+        gather(parts, max_bytes=PART_BYTES + 100)
 
 
 def test_a_stream_that_ends_before_its_last_part_is_refused():
