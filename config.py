@@ -14,9 +14,12 @@ Each command-line tool takes its defaults from here, so an operator can set them
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
+    DISCOVERED_MODELS which models the swarm announces, besides MODEL or MODELS, the gateway serves: none (default),
+                      cached (those whose files are in its own cache, SWARM_CACHE_DIR/models/NAME), or a list of
+                      such names; a model is never loaded from a path a swarm record names
     MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
     REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT,
-    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS,
+    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS, MAX_LOADED_MODELS,
     MAX_INPUTS_PER_REQUEST, MAX_INPUT_TOKENS_PER_REQUEST, MAX_STORED_RESPONSE_BYTES
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
@@ -39,6 +42,8 @@ from typing import Mapping
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 GATEWAY_DTYPES = WIRE_DTYPES
+# a model's name as a folder of the model cache: one path component, never a path (swarm records name models)
+MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # a device named as torch names it; whether this machine has it is checked where torch is loaded (app.py)
 GATEWAY_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
@@ -163,13 +168,19 @@ class Limits:
     max_websockets: int = 1000  # open WebSocket connections per gateway process
     max_websockets_per_client: int = 32  # of those, how many one client may hold at once (0: no cap of its own)
     http_threads: int = 64  # threads for the HTTP requests that hold no session (/health, /metrics, models, ...)
-    # --- the work one API request may ask for without a session of its own (issue 21), and the Responses store's
-    # bytes. Embeddings (/v1/embeddings, Ollama's /api/embed) and /v1/chooses run one cache-less swarm forward per
+    # models whose client half (embeddings, LM head, tokenizer) this process holds at once, configured ones included:
+    # past it the least recently used is let go (sessions open on it keep it until they end)
+    max_loaded_models: int = 4
+    # the work one API request may ask for without a session of its own, and the Responses store's bytes. Embeddings (/v1/embeddings, Ollama's /api/embed) and /v1/chooses run one cache-less swarm forward per
     # input: their inputs (OpenAI's cap of 2,048) and tokens are capped per request (400 naming the field), and each
     # such request holds one of its client's session slots while it runs (MAX_SESSIONS_PER_CLIENT)
     max_inputs_per_request: int = 2048
     max_input_tokens_per_request: int = 65536  # all of one request's inputs together
     max_stored_response_bytes: int = 64 << 20  # stored responses together, as JSON; the biggest holder gives way
+
+    def __post_init__(self):
+        if self.max_loaded_models < 1:
+            raise ValueError(f"MAX_LOADED_MODELS must be at least 1, got {self.max_loaded_models}")
 
     @property
     def worker_threads(self) -> int:
@@ -225,12 +236,27 @@ class GatewaySettings:
     # client's largest, off the CPU; logits still come back as float32 on the CPU, where sampling runs
     device: str = "cpu"
     dtype: str = "float32"
+    # which models the swarm announces, besides `models`, are served (DISCOVERED_MODELS): "none"; "cached", those
+    # found in this gateway's model cache by name; or names of such models (space- or comma-separated)
+    discovered_models: str = "none"
 
     def __post_init__(self):
+        names = _split_list(self.discovered_models)
+        if self.discovered_models not in ("none", "cached") and (
+                not names or not all(MODEL_NAME_PATTERN.fullmatch(name) for name in names)):
+            raise ValueError(f"DISCOVERED_MODELS must be none, cached or a list of model names (one folder name "
+                             f"each, no paths), got {self.discovered_models!r}")
         if not GATEWAY_DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"GATEWAY_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in GATEWAY_DTYPES:
             raise ValueError(f"GATEWAY_DTYPE must be one of {', '.join(GATEWAY_DTYPES)}, got {self.dtype!r}")
+
+    def serves_discovered(self, name: str) -> bool:
+        """Whether a model the swarm announces (not configured here) may be served, if its files are in the
+        cache: DISCOVERED_MODELS says."""
+        if self.discovered_models in ("none", "cached"):
+            return self.discovered_models == "cached"
+        return name in _split_list(self.discovered_models)
 
     @property
     def default_model(self) -> ModelConfig:
@@ -251,7 +277,8 @@ class GatewaySettings:
             models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name),)
         return cls(models=models, limits=Limits.from_env(environ), access=AccessSettings.from_env(environ),
                    log_level=environ.get("LOG_LEVEL", "INFO").upper(),
-                   device=environ.get("GATEWAY_DEVICE") or "cpu", dtype=environ.get("GATEWAY_DTYPE") or "float32")
+                   device=environ.get("GATEWAY_DEVICE") or "cpu", dtype=environ.get("GATEWAY_DTYPE") or "float32",
+                   discovered_models=environ.get("DISCOVERED_MODELS") or "none")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
     rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
                          loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed}
     rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less sequences
+    rpc_forward_stream  the same, for sequences too large for one unary message (hivemind's stop at 4 MiB):
+                   request and reply each travel as messages of one part of the tensor (split_parts), the
+                   first carrying the metadata; a refusal is one message with the error
     rpc_inference  a stream per session: {start, end, max_length, batch_size, session_id?} -> {ok}; it carries
                    nothing more (any other message is refused), and closing it ends the session and frees its
                    cache; the server ending it means it closed the session
@@ -36,6 +39,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
 
 from swarm.protocol import BadRequestError, error_from_wire
 
@@ -94,6 +98,12 @@ class BlockRPC(ServicerBase):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         raise NotImplementedError
 
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # an async generator, as the server's is
+
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         raise NotImplementedError
 
@@ -115,3 +125,50 @@ def raise_if_error(metadata: dict) -> None:
     error = error_from_wire(metadata)
     if error is not None:
         raise error
+
+
+# ------------------------------------------------------------------------------- messages in parts
+
+PART_BYTES = 1 << 20  # a tensor's part per stream message (rpc_forward_stream)
+
+
+def split_parts(message) -> list:
+    """A message of at most one tensor as messages of one part of it each: the first carries the metadata."""
+    kind = type(message)
+    if not message.tensors:
+        return [message]
+    parts = split_for_streaming(message.tensors[0], PART_BYTES)
+    first = kind(tensors=[next(parts)], metadata=message.metadata)
+    return [first, *(kind(tensors=[part]) for part in parts)]
+
+
+async def gather_parts(messages: AsyncIterator, max_elements: int, max_bytes: int):
+    """split_parts' messages back into one, refused (BadRequestError) as soon as what they declare or carry
+    is over `max_elements` tensor elements or `max_bytes`: nothing larger is ever held."""
+    first = await anext(messages, None)
+    if first is None or not first.tensors:
+        return first
+    if len(first.tensors) != 1:
+        raise BadRequestError("each message of a streamed request carries one part of one tensor")
+    head = first.tensors[0]
+    elements = 1
+    for size in head.size:
+        elements *= max(size, 0)
+    if elements > max_elements or min(head.size, default=0) < 0:
+        raise BadRequestError(f"a streamed tensor of shape {tuple(head.size)} is over this server's limit of "
+                              f"{max_elements} elements")
+    if not 1 <= head.chunks <= max_bytes // PART_BYTES + 1:
+        raise BadRequestError(f"a streamed tensor must come in 1 to {max_bytes // PART_BYTES + 1} parts")
+    buffers, received = [head.buffer], len(head.buffer)
+    while received <= max_bytes and len(buffers) < head.chunks:
+        message = await anext(messages, None)
+        if message is None or len(message.tensors) != 1:
+            raise BadRequestError(f"a streamed tensor ended after {len(buffers)} of its {head.chunks} parts")
+        buffers.append(message.tensors[0].buffer)
+        received += len(buffers[-1])
+    if received > max_bytes:
+        raise BadRequestError(f"a streamed tensor is over this server's limit of {max_bytes} bytes")
+    whole = runtime_pb2.Tensor()
+    whole.CopyFrom(head)
+    whole.buffer, whole.chunks = b"".join(buffers), 0
+    return type(first)(tensors=[whole], metadata=first.metadata)

@@ -5,6 +5,8 @@ In data-flow order:
 
     generation.py  Engine: the served models (configured, or discovered in the swarm), sessions opened and closed,
                    and the loop itself: GenerationRequest -> Delta, Delta, ... (text, finish reason, logprobs)
+    catalogue.py   ServedModels: which models are served (configured; discovered ones as DISCOVERED_MODELS says, from
+                   the gateway's own cache), their coverage without loading them, at most MAX_LOADED_MODELS loaded
     served.py      ServedModel (a model's client half: embeddings, LM head, tokenizer) and GatewaySession
     sessions.py    the open sessions: caps overall and per client, idle expiry, one request at a time
     lengths.py     a request's token budget and context length checked, each a 400 naming its field

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from config import ModelConfig, Settings
-from gateway.errors import BadRequest, LengthExceeded, NotFound, from_exception
+from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
 from gateway.engine.metrics import observe_token
 from gateway.engine.sampling import Sampler, SamplingParams
-from gateway.engine.served import CATALOGUE_SECONDS, GatewaySession, ServedModel
+from gateway.engine.catalogue import ServedModels
+from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
 from gateway.engine.stops import StopMatcher
-from swarm.protocol import dht_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +62,14 @@ class Delta:
 
 class Engine:
     def __init__(self, settings: Settings, connect: Optional[Callable[[ModelConfig], object]] = None):
-        """`connect(model_config) -> RemoteModel` builds a model's client half; the default joins the swarm."""
+        """`connect(model_config) -> RemoteModel` builds a model's client half; the default joins the swarm (and
+        reads its catalogue: an engine given its own `connect` discovers no model)."""
         self.settings = settings
         self.limits = settings.gateway.limits
-        self._connect = connect or self._connect_to_swarm
-        self._models: dict[str, ServedModel] = {}
-        self._models_lock = threading.Lock()
         self._client = None  # one swarm client (a DHT node) for every model of this process
         self._client_lock = threading.Lock()
-        self._catalogue: tuple[float, list[ModelConfig]] = (0.0, [])
+        self.models = ServedModels(settings, connect or self._connect_to_swarm,
+                                   self.swarm_client if connect is None else lambda: None)
         self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout,
                                         self.limits.max_sessions_per_client)
         self.stats = EngineStats()
@@ -78,47 +77,24 @@ class Engine:
     # ----------------------------------------------------------------------------------- models
 
     def model_config(self, name: Optional[str]) -> ModelConfig:
-        """A configured model, else one the swarm's catalogue announces."""
-        config = self.settings.gateway.model(name)
-        if config is None:
-            config = next((model for model in self.discovered_models() if model.name == name), None)
-        if config is None:
-            served = ", ".join(model.name for model in (*self.settings.gateway.models, *self.discovered_models()))
-            raise NotFound(f"unknown model {name!r}; served models: {served}", field="model")
-        return config
+        """A configured model, else one the swarm's catalogue announces that this gateway serves."""
+        return self.models.config(name)
 
     def discovered_models(self) -> list[ModelConfig]:
-        """Models the swarm's servers announce that config.py does not name (refreshed every few seconds)."""
-        fetched_at, models = self._catalogue
-        if time.monotonic() - fetched_at < CATALOGUE_SECONDS or self._connect != self._connect_to_swarm:
-            return models
-        client = self.swarm_client()
-        configured = self.settings.gateway.models
-        known = {model.name for model in configured} | {model.dht_prefix or dht_prefix(model.path) for model in configured}
-        try:
-            records = client.catalogue()
-        except Exception:  # the catalogue is a convenience: the configured models are served regardless
-            logger.warning("could not read the swarm's model catalogue", exc_info=True)
-            records = []
-        models = [ModelConfig(name=record.name, path=record.source, dht_prefix=record.prefix)
-                  for record in records if record.name not in known and record.prefix not in known]
-        self._catalogue = (time.monotonic(), models)
-        return models
+        """Models the swarm's servers announce that config.py does not name, as DISCOVERED_MODELS serves them."""
+        return self.models.discovered_configs()
 
     def listed_models(self) -> list[dict]:
         """Every configured model (with whether the swarm covers it), and every discovered one it covers."""
-        listed = []
-        for config, configured in [(model, True) for model in self.settings.gateway.models] + \
-                                  [(model, False) for model in self.discovered_models()]:
-            entry = {"name": config.name, "max_session_length": config.max_session_length,
-                     "source": "config" if configured else "swarm"}
-            try:
-                entry.update(self.coverage(config.name), max_session_length=self.model(config.name).max_session_length)
-            except Exception as error:  # one unreachable model must not hide the others
-                entry.update(covered=False, error=from_exception(error).message)
-            if configured or entry["covered"]:
-                listed.append(entry)
-        return listed
+        return self.models.listed()
+
+    def model(self, name: Optional[str]) -> ServedModel:
+        """The model's client half, loaded by the first request that needs it (see catalogue.py)."""
+        return self.models.get(name)
+
+    def loaded_models(self) -> list[ServedModel]:
+        """The models this process holds loaded (Ollama's /api/ps)."""
+        return self.models.loaded()
 
     def swarm_client(self):
         with self._client_lock:
@@ -136,17 +112,6 @@ class Engine:
                                            block_wait=swarm.block_wait_seconds)
             return self._client
 
-    def model(self, name: Optional[str]) -> ServedModel:
-        config = self.model_config(name)
-        with self._models_lock:  # the first request to a model connects it; the others wait for that
-            if config.name not in self._models:
-                self._models[config.name] = ServedModel(config, self._connect(config))
-            return self._models[config.name]
-
-    def loaded_models(self) -> list[ServedModel]:
-        """The models this process has connected (Ollama's /api/ps); no lock: a model still connecting is not one."""
-        return list(self._models.values())
-
     def _connect_to_swarm(self, config: ModelConfig):
         import torch
 
@@ -159,17 +124,14 @@ class Engine:
                                      dtype=getattr(torch, gateway.dtype))
 
     def coverage(self, name: Optional[str]) -> dict:
-        """Whether the swarm now holds every block of the model, and how many servers serve it."""
-        remote = self.model(name).remote
-        coverage = remote.client.coverage(remote.prefix, remote.num_blocks)
-        return {"num_blocks": coverage.num_blocks, "servers": coverage.servers, "covered": coverage.covered,
-                "missing_blocks": coverage.missing_blocks}
+        """Whether the swarm now holds every block of the model, and how many servers serve it (no weights
+        are loaded for it)."""
+        return self.models.coverage(name)
 
     def swarm_health(self, name: Optional[str]) -> dict:
         """What the swarm looks like for one model: every server that announced a block of it (joining and
         offline ones too), how many online servers hold each block, and the blocks none holds."""
-        remote = self.model(name).remote
-        health = remote.client.health(remote.prefix, remote.num_blocks)
+        health = self.models.health(name)
         return {
             "num_blocks": health.num_blocks,
             "coverage": health.servers_per_block,

@@ -41,13 +41,9 @@ class ServedModel:
 
     @property
     def max_session_length(self) -> int:
-        """The longest session (prompt and reply) it serves: the configured one if set (an override), else what
-        the model was trained for, bounded by the longest session the swarm's servers can hold now."""
-        if self.configured.max_session_length is not None:
-            return self.configured.max_session_length
-        trained = getattr(self.remote.config, "max_position_embeddings", None) or UNKNOWN_CONTEXT
-        held = self._swarm_longest_session()
-        return min(trained, held) if held else trained
+        """The longest session (prompt and reply) it serves: see session_length."""
+        trained = getattr(self.remote.config, "max_position_embeddings", None)
+        return session_length(self.configured, trained, self._swarm_longest_session)
 
     def _swarm_longest_session(self) -> Optional[int]:
         asked_at, longest = self._swarm_context
@@ -81,6 +77,16 @@ class ServedModel:
         """Token ids a client sent (a prompt, a context, ids to decode) must be in the vocabulary."""
         if any(not 0 <= token < self.vocab_size for token in ids):
             raise BadRequest(f"{field}: token ids must be in [0, {self.vocab_size})", field=field)
+
+
+def session_length(configured: ModelConfig, trained: Optional[int], swarm_longest: Callable[[], Optional[int]]) -> int:
+    """The longest session (prompt and reply) a model serves: the configured one if set (an override), else what
+    the model was trained for, bounded by the longest session the swarm's servers can hold now (if known)."""
+    if configured.max_session_length is not None:
+        return configured.max_session_length
+    trained = trained or UNKNOWN_CONTEXT
+    held = swarm_longest()
+    return min(trained, held) if held else trained
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ In data-flow order:
     peers.py         Bans (peers left out for a while) and PeerLoad (the client's own view of each server's load)
     stubs.py         the client's end of the block servers' RPC (swarm/wire.py): info, forward, inference streams,
                      and the per-server step channels that carry all sessions' steps to a server as one message
+    forwards.py      cache-less forwards of any size: unary under hivemind's 4 MiB messages, streamed in parts above
     remote_session.py  RemoteSession: hidden states through the chain; on a failure ban, re-route, replay
                      (what it uses of its SwarmClient comes as ClientServices: it never imports swarm_client)
     spot_check.py    now and then, other servers recompute a hop of a step; a liar is banned

@@ -127,11 +127,11 @@ class SpotChecker:
 
     def _outputs(self, peer: str, link: ChainLink, inputs: torch.Tensor, position: int) -> Optional[torch.Tensor]:
         """Another server's outputs for the positions from `position`, or None if it fails to give them."""
-        from swarm.client.stubs import call_forward
+        from swarm.client.forwards import forward_on
 
-        try:
+        try:  # a long session's history streams: it may be far over one message's 4 MiB
             outputs = self.client.loop.run(
-                call_forward(self.client.node.p2p, peer, inputs, link.start, link.end, self.client.timeout))
+                forward_on(self.client.node.p2p, peer, inputs, link.start, link.end, self.client.timeout))
         except SwarmError as error:
             logger.info("spot check: server %s could not serve as a second opinion: %s", peer, error)
             return None

@@ -20,7 +20,8 @@ from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink, choose_chain, longest_session
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
-from swarm.client.stubs import StepChannels, call_forward, call_info
+from swarm.client.forwards import forward_on
+from swarm.client.stubs import StepChannels, call_info
 from swarm.protocol import (
     CacheFullError,
     InternalServerError,
@@ -182,12 +183,13 @@ class SwarmClient:
         return hidden
 
     def forward(self, chain: list[ChainLink], hidden: torch.Tensor) -> torch.Tensor:
-        """A whole sequence through the chain, with no cache left behind: (batch, length, hidden) in and out."""
+        """A whole sequence through the chain, with no cache left behind: (batch, length, hidden) in and out;
+        a sequence too large for one message streams (swarm/client/forwards.py)."""
 
         async def run_chain():
             output = hidden.to(self.wire_dtype)
             for link in chain:
-                output = await call_forward(self.node.p2p, link.peer_id, output, link.start, link.end, self.timeout)
+                output = await forward_on(self.node.p2p, link.peer_id, output, link.start, link.end, self.timeout)
             return output
 
         return self.loop.run(run_chain()).to(hidden.dtype)

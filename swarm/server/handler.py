@@ -30,12 +30,16 @@ from swarm.protocol import (
 )
 from swarm.server import metrics
 from swarm.server.sessions import is_int
-from swarm.wire import BlockRPC, pack, reply, unpack
+from swarm.wire import BlockRPC, gather_parts, pack, reply, split_parts, unpack
 
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT = 10.0
 REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
+# streamed forwards gathered or computed at once: each holds its whole request and output (up to
+# max_request_tokens of hidden states: 134 MB at hidden size 4096); the others wait, holding a few parts each
+STREAMED_FORWARDS = 2
+STREAMED_FORWARD_TIMEOUT = 120.0  # seconds for one, from its first part to its output (a stalled sender too)
 WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
 # what rpc_info adds to the backend's answer: shows how many sessions' steps share a message
 COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed")
@@ -68,6 +72,7 @@ class BlockHandler(BlockRPC):
         self._pushes: set[asyncio.Task] = set()
         self._stepping: set = set()  # sessions with a multiplexed step running: one at a time each
         self._warned_peers: set[str] = set()
+        self._streamed_forwards = asyncio.Semaphore(STREAMED_FORWARDS)
 
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         self.p2p = p2p
@@ -87,6 +92,28 @@ class BlockHandler(BlockRPC):
             return reply((await self.backend.forward(tensors, metadata),))
         except Exception as error:
             return error_reply(error)
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """rpc_forward for a sequence too large for one unary message: its tensor comes in parts, and its
+        output goes back in parts. A few at a time (each holds a whole request and its output); a request
+        declaring more than this server's max_request_tokens of hidden states is refused at its first part."""
+        try:
+            self._check_caller(context)
+            async with self._streamed_forwards, asyncio.timeout(STREAMED_FORWARD_TIMEOUT):
+                elements = self.backend.limits.max_request_tokens * self.backend.hidden_size
+                request = await gather_parts(requests, elements, elements * 4)  # float32 at most
+                if request is None:
+                    return
+                tensors, metadata = unpack(request)
+                parts = split_parts(reply((await self.backend.forward(tensors, metadata),)))
+        except Exception as error:
+            yield error_reply(error)
+            await _linger(requests)
+            return
+        for part in parts:
+            yield part
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Sessions' steps, pushed by the previous server of their clients' chains: it may name a session only
