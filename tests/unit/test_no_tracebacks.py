@@ -2,6 +2,7 @@
 one clean line (the log has the rest), and a WebSocket idle for too long is closed with a reason."""
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -114,4 +115,4 @@ def test_a_503_says_what_failed_and_only_the_log_has_peers_and_transports(error,
     assert api_error.status == 503 and says in api_error.message
     assert PEER not in api_error.message and "Error(" not in api_error.message and ".py" not in api_error.message
     [record] = caplog.records
-    assert record.levelname == "WARNING" and str(error) in record.getMessage() and record.exc_info is None
+    assert record.levelno == logging.WARNING and str(error) in record.getMessage() and record.exc_info is None
