@@ -4,7 +4,8 @@ answered, and how many step streams it may hold open.
 A message of steps is read from its stream only once the peer has a free slot, and keeps it until its reply
 has been handed to the transport: a peer that sends and never reads its replies stops being read, and the
 libp2p stream's own flow control holds the rest on its side, instead of the server queueing replies without
-bound. An honest client never waits here: it has at most one step of each of its sessions in flight (see
+bound. A stream left so for long is ended (see BlockHandler.rpc_steps): hivemind sees that a peer hung up
+only by reading its stream, so one never read again would hold its slots for good. An honest client never waits here: it has at most one step of each of its sessions in flight (see
 swarm/client/stubs.py), and a peer's sessions are bounded by --max-sessions-per-peer.
 """
 
@@ -36,10 +37,15 @@ class StreamSlots:
     peer: _PeerFlow
     held: int = field(default=0)
 
-    async def take(self) -> None:
-        await self.peer.slots.acquire()
+    async def take(self, timeout: float) -> bool:
+        """A slot for one more message; False if none freed up within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self.peer.slots.acquire(), timeout)
+        except asyncio.TimeoutError:
+            return False
         self.held += 1
         self.peer.in_flight += 1
+        return True
 
     def give_back(self) -> None:
         self.held -= 1

@@ -22,6 +22,7 @@ from swarm.protocol import (
     BadRequestError,
     InternalServerError,
     NotAllowedError,
+    ServerLimitError,
     SessionClosedError,
     SwarmError,
     error_to_wire,
@@ -35,6 +36,7 @@ from swarm.wire import BlockRPC, check_hidden_sizes, misshapen_hidden, reply, un
 logger = logging.getLogger(__name__)
 
 REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
+STALLED_STREAM_SECONDS = 10.0  # a step stream whose peer has read none of its replies for this long is ended
 # what rpc_info adds to the backend's answer: shows how many sessions' steps share a message
 COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed", "pushes_skipped")
 # bytes of a message's metadata: a step's entry (ids, a position, a push target) takes some 250 of them
@@ -144,8 +146,9 @@ class BlockHandler(BlockRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Messages of steps of the caller's sessions; each is answered when all its steps are done, and the
         next ones are read meanwhile (a message of long steps does not hold up a message of short ones), as long
-        as the peer has messages in flight to spare (see swarm/server/flow.py): a peer that never reads its
-        replies stops being read."""
+        as the peer has messages in flight to spare (see swarm/server/flow.py): a peer that does not read its
+        replies stops being read, and after STALLED_STREAM_SECONDS its stream is refused and read to its end
+        unanswered (hivemind sees a hung-up peer only by reading its stream)."""
         peer_id = context.remote_id.to_base58()
         try:
             self._check_caller(context)
@@ -157,9 +160,11 @@ class BlockHandler(BlockRPC):
         replies: asyncio.Queue = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_step_messages(requests, peer_id, slots, replies))
         try:
-            while (response := await replies.get()) is not None:
+            while (item := await replies.get()) is not None:
+                response, holds_slot = item
                 yield response  # returns once the transport took it: the peer reads, or its buffers have room
-                slots.give_back()
+                if holds_slot:
+                    slots.give_back()
         finally:
             reader.cancel()  # the client hung up: the steps still running stop (their sessions stay open)
             self.flow.close_stream(peer_id, slots)
@@ -170,13 +175,18 @@ class BlockHandler(BlockRPC):
 
         async def answer(request):
             try:
-                replies.put_nowait(await self._reply_to_step_message(request, peer_id))
+                replies.put_nowait((await self._reply_to_step_message(request, peer_id), True))
             except Exception as error:  # a bug here must cost one message, never the stream
-                replies.put_nowait(error_reply(error))
+                replies.put_nowait((error_reply(error), True))
 
         try:
             while True:
-                await slots.take()  # none free: the stream is not read until a reply goes out
+                if not await slots.take(STALLED_STREAM_SECONDS):  # none free: not read until a reply goes out
+                    stalled = ServerLimitError(f"peer {peer_id} read none of its replies for "
+                                               f"{STALLED_STREAM_SECONDS:.0f} s: this server ends the step stream")
+                    replies.put_nowait((error_reply(stalled), False))
+                    await _linger(requests)  # unanswered, until the peer ends its side (it may have hung up)
+                    return
                 try:
                     request = await anext(requests)
                 except StopAsyncIteration:

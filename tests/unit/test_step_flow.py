@@ -75,6 +75,27 @@ def test_a_peer_that_never_reads_its_replies_stops_being_read():
     assert read <= server.flow.messages_per_peer + 1 < MESSAGES
 
 
+def test_a_stream_whose_replies_go_unread_too_long_is_ended_and_read_to_its_end(monkeypatch):
+    from swarm.server import handler as handler_module
+
+    monkeypatch.setattr(handler_module, "STALLED_STREAM_SECONDS", 0.05)
+
+    async def scenario():
+        server, requests = handler(), Requests()
+        replies = server.rpc_steps(requests.__aiter__(), context())
+        await anext(replies)
+        await asyncio.sleep(0.3)  # the peer reads nothing meanwhile
+        rest = [unpack(reply)[1] async for reply in replies]  # then reads what is left: the stream has ended
+        return server, requests.read, rest
+
+    server, read, rest = asyncio.run(scenario())
+    assert read == MESSAGES  # read to its end, unanswered: the end of a hung-up peer's stream is seen
+    assert [metadata["message_id"] for metadata in rest[:-1]] == list(range(1, len(rest)))
+    assert len(rest) <= server.flow.messages_per_peer + 1
+    assert "read none of its replies" in str(error_from_wire(rest[-1])) and rest[-1].get("message_id") is None
+    assert server.flow.in_flight() == 0 and not server.flow._peers
+
+
 def test_a_peers_streams_share_its_slots_and_an_ended_stream_gives_them_back():
     async def scenario():
         server = handler()
