@@ -32,6 +32,25 @@ MULTIPLEX_MAX_POSITIONS = 8  # a step of more positions travels alone (it would 
 EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
 
 
+class MalformedOutputsError(ServerUnavailableError):
+    """A server answered a hop with what cannot be its outputs: not the inputs' shape and dtype, or not finite.
+    It lied or broke: the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape
+    in the LM head, which merges the rows of concurrent sessions, would fail every one of them)."""
+
+    code = "malformed_outputs"
+
+
+def checked_outputs(output: torch.Tensor, hidden: torch.Tensor, peer_id: str, blocks: str) -> torch.Tensor:
+    """`output` if it can be a hop's outputs for `hidden`, else MalformedOutputsError."""
+    if output.shape != hidden.shape or output.dtype != hidden.dtype:
+        raise MalformedOutputsError(
+            f"server {peer_id} answered inputs of shape {tuple(hidden.shape)} ({hidden.dtype}) with outputs of "
+            f"shape {tuple(output.shape)} ({output.dtype}) ({blocks})")
+    if not torch.isfinite(output).all():
+        raise MalformedOutputsError(f"server {peer_id} answered with outputs that are not finite ({blocks})")
+    return output
+
+
 async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
     stub = BlockRPC.get_stub(p2p, PeerID.from_base58(peer_id))
     response = await stub.rpc_info(pack(), timeout=timeout)
@@ -49,7 +68,9 @@ async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end:
         raise ServerUnavailableError(f"server {peer_id} {reason} (blocks {start}:{end})") from None
     tensors, metadata = unpack(response)
     raise_if_error(metadata)
-    return tensors[0]
+    if len(tensors) != 1:
+        raise MalformedOutputsError(f"server {peer_id} answered with {len(tensors)} tensors (blocks {start}:{end})")
+    return checked_outputs(tensors[0], hidden, peer_id, f"blocks {start}:{end}")
 
 
 class InferenceStream:

@@ -148,3 +148,16 @@ def test_a_reply_that_does_not_add_up_fails_its_steps(channel):
             await first
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("malform, said", [
+    (lambda output: output[..., :-1], "shape"),
+    (lambda output: output.double(), "float64"),
+    (lambda output: output.fill_(float("inf")), "not finite"),
+])
+def test_what_cannot_be_a_hops_outputs_is_refused_as_the_servers_fault(malform, said):
+    hidden = torch.randn(2, 3, HIDDEN)
+    assert stubs.checked_outputs(hidden * 2, hidden, "QmServer", "blocks 0:2").shape == hidden.shape
+    with pytest.raises(stubs.MalformedOutputsError, match=said) as refusal:
+        stubs.checked_outputs(malform(hidden * 2), hidden, "QmServer", "blocks 0:2")
+    assert isinstance(refusal.value, ServerUnavailableError)  # a server fault: the session fails over
