@@ -3,7 +3,8 @@
 Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus msgpack metadata.
 
     rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
-                         loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed}
+                         loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed,
+                         pushes_skipped, step_messages_in_flight}
     rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less sequences
     rpc_inference  a stream per session: {start, end, max_length, batch_size, session_id?} -> {ok}; it carries
                    nothing more (any other message is refused), and closing it ends the session and frees its
@@ -16,10 +17,13 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
                      reply    [the outputs of the steps that succeeded, in order] {message_id, results: [{} or
                               {error}, ... n]}; a request that is no list of steps: {message_id?, error}
                    a session is stepped only by the peer that opened it, one step at a time (else the step
-                   is refused); one step's error leaves the others of its message as they were
+                   is refused); one step's error leaves the others of its message as they were. A message of
+                   more tensors than the server's sessions per peer, or more tokens in all than one request may
+                   carry, is refused whole before any tensor is decoded (check_hidden_sizes); a peer's messages
+                   are read only while it has few enough unanswered (see swarm/server/flow.py)
     rpc_push       [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} -> {results: [{}
                    or {error}, ... n]}: steps' inputs, pushed by the previous server of their chains (named by
-                   the clients in push_to) as soon as it has them, so that the next server starts before the
+                   the clients in push_to, if that peer announces the next block) as soon as it has them, so that the next server starts before the
                    clients' copies of the same inputs arrive; one message per next server, however many steps
 
 A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a

@@ -36,6 +36,7 @@ from swarm.wire import BlockRPC, check_hidden_sizes, misshapen_hidden, reply, un
 logger = logging.getLogger(__name__)
 
 REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
+UNPACK_OFF_LOOP_BYTES = 4 << 20  # tensors of a step message past which it is decoded on a thread
 STALLED_STREAM_SECONDS = 10.0  # a step stream whose peer has read none of its replies for this long is ended
 # what rpc_info adds to the backend's answer: shows how many sessions' steps share a message
 COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed", "pushes_skipped")
@@ -208,7 +209,7 @@ class BlockHandler(BlockRPC):
             metadata = unpack_metadata(request, self._max_metadata_bytes())
             message_id = metadata.get("message_id") if is_int(metadata.get("message_id")) else None
             self._check_sizes(request)  # before any tensor is decoded
-            tensors, metadata = unpack(request, self._misshapen)
+            tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
@@ -226,6 +227,13 @@ class BlockHandler(BlockRPC):
         outputs = tuple(result[0] for result in results if not isinstance(result, BaseException))
         answers = [wire_error(result) if isinstance(result, BaseException) else {} for result in results]
         return reply(outputs, {"message_id": message_id, "results": answers})
+
+    async def _unpack_steps(self, request) -> tuple[list, dict]:
+        """Decoding copies every tensor: a big message is decoded on a thread, not on the loop that serves
+        every other peer's steps."""
+        if sum(len(tensor.buffer) for tensor in request.tensors) > UNPACK_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(unpack, request, self._misshapen)
+        return unpack(request, self._misshapen)
 
     def _step_entries(self, metadata: dict) -> list:
         entries = metadata.get("steps")

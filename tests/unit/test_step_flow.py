@@ -193,3 +193,20 @@ def test_a_misshapen_tensor_is_refused_for_its_step_alone_undecoded(monkeypatch)
     request = runtime_pb2.ExpertRequest(tensors=[lying], metadata=request.metadata)
     metadata = unpack(asyncio.run(handler()._reply_to_step_message(request, "QmPeer")))[1]
     assert "1000000 tokens is over" in str(error_from_wire(metadata)) and decoded == []
+
+
+def test_a_big_message_is_decoded_off_the_event_loop(monkeypatch):
+    import threading
+
+    from swarm.server import handler as handler_module
+
+    real, threads = wire.deserialize_torch_tensor, []
+    monkeypatch.setattr(wire, "deserialize_torch_tensor",
+                        lambda tensor: threads.append(threading.current_thread()) or real(tensor))
+    monkeypatch.setattr(handler_module, "UNPACK_OFF_LOOP_BYTES", 10 * HIDDEN * 4)
+    entries = [{"session_id": "mine", "position": 0}]
+    for positions in (10, 11):  # at the bound, then past it
+        reply = asyncio.run(handler()._reply_to_step_message(pack((hidden(1, positions),),
+                                                                  {"message_id": 1, "steps": entries}), "QmPeer"))
+        assert unpack(reply)[0][0].shape == (1, positions, HIDDEN)
+    assert threads[0] is threading.main_thread() and threads[2] is not threading.main_thread()
