@@ -153,12 +153,12 @@ class BlockHandler(BlockRPC):
         peer_id = context.remote_id.to_base58()
         try:
             self._check_caller(context)
-            slots = self.flow.open_stream(peer_id)
         except Exception as error:
             yield error_reply(error)
             await _linger(requests)
             return
         replies: asyncio.Queue = asyncio.Queue()
+        slots = self.flow.open_stream(peer_id, end=lambda: reader.cancel())  # a newer stream of the peer's may end it
         reader = asyncio.ensure_future(self._read_step_messages(requests, peer_id, slots, replies))
         try:
             while (item := await replies.get()) is not None:
@@ -181,18 +181,13 @@ class BlockHandler(BlockRPC):
                 replies.put_nowait((error_reply(error), True))
 
         try:
-            while True:
-                if not await slots.take(STALLED_STREAM_SECONDS):  # none free: not read until a reply goes out
+            async for request in requests:
+                if not await slots.take(STALLED_STREAM_SECONDS):  # none free: not read on until a reply goes out
                     stalled = ServerLimitError(f"peer {peer_id} read none of its replies for "
                                                f"{STALLED_STREAM_SECONDS:.0f} s: this server ends the step stream")
                     replies.put_nowait((error_reply(stalled), False))
                     await _linger(requests)  # unanswered, until the peer ends its side (it may have hung up)
                     return
-                try:
-                    request = await anext(requests)
-                except StopAsyncIteration:
-                    slots.give_back()
-                    break
                 task = asyncio.ensure_future(answer(request))
                 running.add(task)
                 task.add_done_callback(running.discard)
