@@ -145,6 +145,18 @@ async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collect
     return [server for _, server in latest.values()]
 
 
+async def servers_of_block(node, prefix: str, block: int, allowed: Collection[str] = ()) -> set[str]:
+    """Peer ids of the online servers whose newest record under block `block` says they hold it (only servers in
+    `allowed`, if given): where a server may push a session's next step."""
+    entry = await node.get(block_key(prefix, block), latest=True)
+    holders = set()
+    for peer_id, record in _signed_entries(entry, allowed):
+        info = ServerInfo.from_wire(record.value)
+        if info is not None and info.state == ServerState.ONLINE and info.start <= block < info.end:
+            holders.add(peer_id)
+    return holders
+
+
 def _signed_entries(entry, allowed: Collection[str] = ()):
     """(peer id of the writer, entry) for each entry of a dictionary value that its writer signed (see
     swarm/trust.py); with `allowed`, only those written by these peers. Every other entry could be anyone's."""

@@ -4,9 +4,10 @@ only records signed under their writer's own subkey.
 hivemind's RSASignatureValidator protects every record whose subkey holds an owner marker,
 ``[owner:<RSA public key>]``: peers refuse to store it, and readers drop it, unless that key signed it. The
 swarm's validator (OwnerSignedRecords) goes further and refuses every record whose subkey is not exactly an
-owner marker, so a server's records live under its own marker, and nothing else is stored at all. A libp2p
-peer id is a hash of the identity's public key, so the marker also says which peer wrote the record
-(owner_peer_id): no one can overwrite a server's record, nor announce one under a server's peer id.
+owner marker, so a server's records live under its own marker, and nothing else is stored at all (nor any
+value over MAX_VALUE_BYTES). A libp2p peer id is a hash of the identity's public key, so the marker also says
+which peer wrote the record (owner_peer_id): no one can overwrite a server's record, nor announce one under a
+server's peer id.
 
 Every node runs the validator (see dht.start_node): a full node (server, bootstrap peer) refuses to store a
 forged record, and every node drops the forged records that a peer sends back for a lookup.
@@ -38,6 +39,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.protocol import BadRequestError
 
 _OWNER_MARKER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+# a record's value, its signature included: a server's record takes some 700 bytes, a catalogue entry at most
+# some 3,500 (names and a source of up to protocol.MAX_NAME_CHARS each). A bigger one is refused whether a peer
+# asks this node to store it or sends it back for a lookup: no one can fill the peers' storage, or every
+# lookup of a block, with megabytes of it.
+MAX_VALUE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ class OwnerSignedRecords(RSASignatureValidator):
     them, and a flood of them under a block's key would slow every lookup of that block."""
 
     def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > MAX_VALUE_BYTES:  # before anything is decoded or verified
+            return False
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
         except Exception:  # whatever a stranger put there

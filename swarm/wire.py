@@ -3,7 +3,8 @@
 Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus msgpack metadata.
 
     rpc_info       {} -> {start, end, dtype, device, cache_tokens_free, positions_served, steps_pushed, version,
-                         loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed}
+                         loaded_names, step_messages, steps_received, push_messages, pushes_sent, pushes_failed,
+                         pushes_skipped, step_messages_in_flight}
     rpc_forward    [hidden] {start, end} -> [hidden]                   cache-less sequences
     rpc_forward_stream  the same, for sequences too large for one unary message (hivemind's stop at 4 MiB):
                    request and reply each travel as messages of one part of the tensor (split_parts), the
@@ -19,10 +20,13 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
                      reply    [the outputs of the steps that succeeded, in order] {message_id, results: [{} or
                               {error}, ... n]}; a request that is no list of steps: {message_id?, error}
                    a session is stepped only by the peer that opened it, one step at a time (else the step
-                   is refused); one step's error leaves the others of its message as they were
+                   is refused); one step's error leaves the others of its message as they were. A message of
+                   more tensors than the server's sessions per peer, or more tokens in all than one request may
+                   carry, is refused whole before any tensor is decoded (check_hidden_sizes); a peer's messages
+                   are read only while it has few enough unanswered (see swarm/server/flow.py)
     rpc_push       [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} -> {results: [{}
                    or {error}, ... n]}: steps' inputs, pushed by the previous server of their chains (named by
-                   the clients in push_to) as soon as it has them, so that the next server starts before the
+                   the clients in push_to, if that peer announces the next block) as soon as it has them, so that the next server starts before the
                    clients' copies of the same inputs arrive; one message per next server, however many steps
 
 A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
@@ -32,7 +36,7 @@ BlockRPC (swarm/server/handler.py); clients call it through BlockRPC.get_stub (s
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -41,10 +45,14 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from swarm.protocol import BadRequestError, error_from_wire
+from swarm.protocol import BadRequestError, SwarmError, error_from_wire
 
 # hivemind widens bfloat16 to float32 on the wire; its bits travel as int16 instead, named under this key
 BFLOAT16_KEY = "bfloat16_tensors"
+# bytes per value of what hidden states travel as, by hivemind's dtype names (bfloat16 goes as int16, see pack;
+# hivemind's own bfloat16 goes as float32)
+HIDDEN_BYTES = {"float32": 4, "float16": 2, "int16": 2, "bfloat16": 4}
+WIDEST_HIDDEN_BYTES = max(HIDDEN_BYTES.values())
 
 
 def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None, request: bool = True):
@@ -58,23 +66,86 @@ def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None
     return message
 
 
-def unpack(message) -> tuple[list[torch.Tensor], dict]:
+def unpack(message, refuse: Optional[Callable[[runtime_pb2.Tensor], Optional[SwarmError]]] = None
+           ) -> tuple[list, dict]:
+    """A message's tensors and metadata. With `refuse`, a tensor it refuses (by what its protobuf declares) is
+    never decoded: the error stands in its place in the list."""
+    metadata = unpack_metadata(message)
     # peers send tensors as they are: hivemind's compressed formats would only widen what a stranger can reach
     if any(tensor.compression != runtime_pb2.CompressionType.NONE for tensor in message.tensors):
         raise BadRequestError("tensors must travel uncompressed")
     try:
+        tensors = [_refused_or_decoded(tensor, refuse) for tensor in message.tensors]
+    except Exception as error:  # any garbage in a stranger's message
+        raise BadRequestError(f"undecodable message: {error}") from None
+    named = metadata.pop(BFLOAT16_KEY, None) or []
+    for index in named if isinstance(named, list) else [named]:
+        if isinstance(index, int) and 0 <= index < len(tensors) and isinstance(tensors[index], SwarmError):
+            continue  # refused already
+        if not isinstance(index, int) or not 0 <= index < len(tensors) or tensors[index].dtype != torch.int16:
+            raise BadRequestError(f"{BFLOAT16_KEY} must name int16 tensors of the message, got {index!r:.40}")
+        tensors[index] = tensors[index].view(torch.bfloat16)
+    return tensors, metadata
+
+
+def _refused_or_decoded(tensor: runtime_pb2.Tensor, refuse):
+    refusal = refuse(tensor) if refuse is not None else None
+    return refusal if refusal is not None else deserialize_torch_tensor(tensor)
+
+
+def unpack_metadata(message, max_bytes: Optional[int] = None) -> dict:
+    """A message's metadata alone (a map), refused undecoded if over `max_bytes`."""
+    if max_bytes is not None and len(message.metadata) > max_bytes:
+        raise BadRequestError(f"a message's metadata of {len(message.metadata)} bytes is over this server's limit "
+                              f"of {max_bytes} bytes")
+    try:
         metadata = MSGPackSerializer.loads(message.metadata) if message.metadata else {}
-        tensors = [deserialize_torch_tensor(tensor) for tensor in message.tensors]
     except Exception as error:  # any garbage in a stranger's message
         raise BadRequestError(f"undecodable message: {error}") from None
     if not isinstance(metadata, dict):
         raise BadRequestError("message metadata must be a map")
-    named = metadata.pop(BFLOAT16_KEY, None) or []
-    for index in named if isinstance(named, list) else [named]:
-        if not isinstance(index, int) or not 0 <= index < len(tensors) or tensors[index].dtype != torch.int16:
-            raise BadRequestError(f"{BFLOAT16_KEY} must name int16 tensors of the message, got {index!r}")
-        tensors[index] = tensors[index].view(torch.bfloat16)
-    return tensors, metadata
+    return metadata
+
+
+def check_hidden_sizes(message, max_tensors: int, max_tokens: int, hidden_size: int) -> None:
+    """Refuse a message of hidden states bigger than the limits, from what its protobuf declares (the number of
+    tensors, their shapes and byte sizes) before any tensor is decoded: an oversized message costs the server
+    no more than reading it. A tensor of the wrong shape is left to `misshapen_hidden`, for its step alone."""
+    if len(message.tensors) > max_tensors:
+        raise BadRequestError(f"a message of {len(message.tensors)} tensors is over this server's limit of "
+                              f"{max_tensors}")
+    tokens = sum(_declared_tokens(tensor, hidden_size) for tensor in message.tensors)
+    if tokens > max_tokens:
+        raise BadRequestError(f"a message of {tokens} tokens is over this server's limit of {max_tokens} tokens per "
+                              f"request")
+    size = sum(len(tensor.buffer) for tensor in message.tensors)
+    if size > max_tokens * hidden_size * WIDEST_HIDDEN_BYTES:
+        raise BadRequestError(f"a message of {size} bytes of tensors is over this server's limit of {max_tokens} "
+                              f"tokens per request")
+
+
+def misshapen_hidden(tensor: runtime_pb2.Tensor, hidden_size: int) -> Optional[BadRequestError]:
+    """The refusal of a tensor that cannot be hidden states of this size, from its protobuf alone; else None."""
+    shape = tuple(tensor.size)
+    if _declared_tokens(tensor, hidden_size) == 0:
+        return BadRequestError(f"hidden states must have shape (batch, length >= 1, {hidden_size}), got "
+                               f"{shape!r:.80}")
+    if tensor.dtype not in HIDDEN_BYTES:
+        return BadRequestError(f"hidden states must be floating point (float32, bfloat16, float16), got "
+                               f"{tensor.dtype!r:.40}")
+    expected = shape[0] * shape[1] * hidden_size * HIDDEN_BYTES[tensor.dtype]
+    if len(tensor.buffer) != expected:
+        return BadRequestError(f"a tensor of shape {shape} and dtype {tensor.dtype} carries {len(tensor.buffer)} "
+                               f"bytes, not {expected}")
+    return None
+
+
+def _declared_tokens(tensor: runtime_pb2.Tensor, hidden_size: int) -> int:
+    """rows x positions of a tensor of hidden states as its protobuf declares them; 0 for any other shape."""
+    shape = tuple(tensor.size)
+    if len(shape) != 3 or shape[2] != hidden_size or min(shape) < 1:
+        return 0
+    return shape[0] * shape[1]
 
 
 def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None):

@@ -1,8 +1,10 @@
 """A block server that fails its compute rounds on demand: a real `python -m swarm.server` process whose span
-raises after a number of rounds, so that tests see a server's own failure (internal_error) from the outside.
+raises after a number of rounds, so that tests see a server's own failure (internal_error) from the outside;
+or one whose sessions' steps answer with what cannot be outputs (another shape, another dtype, NaN).
 Nothing in the server knows: the fault is patched in here, never by a flag of the server's.
 
     python tests/faulty_server.py --fail-after N [block server options]   # rounds N+1, N+2, ... fail
+    python tests/faulty_server.py --malformed shape|dtype|nan [block server options]
 
 From a test (the server stops with the swarm):
 
@@ -24,12 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 FAULT = "injected fault: tests/faulty_server.py fails this compute round on purpose"
 
 
-def add_faulty_server(swarm, args, fail_after: int, wait: bool = True):
-    """One more block server of a LocalSwarm, started through this script: rounds past `fail_after` fail."""
+def add_faulty_server(swarm, args, fail_after: int = 0, wait: bool = True, malformed: str = ""):
+    """One more block server of a LocalSwarm, started through this script: rounds past `fail_after` fail; or,
+    with `malformed`, every step's outputs are malformed so."""
     from swarm.local import READY_TIMEOUT, ChildProcess
 
     name = f"server{len(swarm.servers)}"
-    command = [str(Path(__file__).resolve()), "--fail-after", str(fail_after), "--model", swarm.model,
+    fault = ["--malformed", malformed] if malformed else ["--fail-after", str(fail_after)]
+    command = [str(Path(__file__).resolve()), *fault, "--model", swarm.model,
                *swarm.server_args, *args, "--initial-peers", *swarm.initial_peers]
     server = ChildProcess(name, command, swarm.log_dir, swarm.env)
     swarm.servers.append(server)
@@ -51,11 +55,34 @@ def _fail_rounds_after(count: int) -> None:
     BlockSpan.forward_packed = forward_packed
 
 
+MALFORMED = {  # what a step's outputs become
+    "shape": lambda output: output[..., :-1],
+    "dtype": lambda output: output.double(),
+    "nan": lambda output: output.fill_(float("nan")),
+}
+
+
+def _malformed_outputs(kind: str) -> None:
+    from swarm.server.sessions import ServerSession
+
+    original, malform = ServerSession.step, MALFORMED[kind]
+
+    async def step(self, *args, **kwargs):
+        return malform(await original(self, *args, **kwargs))
+
+    ServerSession.step = step
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "--fail-after" or not argv[1].isdigit():
-        sys.exit("usage: python tests/faulty_server.py --fail-after N [block server options]")
+    if len(argv) < 2 or not (argv[0] == "--fail-after" and argv[1].isdigit()
+                             or argv[0] == "--malformed" and argv[1] in MALFORMED):
+        sys.exit("usage: python tests/faulty_server.py --fail-after N | --malformed shape|dtype|nan "
+                 "[block server options]")
     sys.path.insert(0, str(ROOT))
-    _fail_rounds_after(int(argv[1]))
+    if argv[0] == "--malformed":
+        _malformed_outputs(argv[1])
+    else:
+        _fail_rounds_after(int(argv[1]))
     from swarm.server.main import main as serve
 
     serve(argv[2:])

@@ -13,8 +13,8 @@ import torch
 from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
-from swarm.client.spot_check import SpotChecker
-from swarm.client.stubs import InferenceStream, StepChannels
+from swarm.client.spot_check import LIAR_BAN_SECONDS, SpotChecker
+from swarm.client.stubs import InferenceStream, MalformedOutputsError, StepChannels, checked_outputs
 from swarm.dht import EventLoop
 from swarm.protocol import (
     PAGE_TOKENS,
@@ -140,6 +140,8 @@ class RemoteSession:
         began = time.perf_counter()
         push_to = following.stream if following is not None else None
         output = self.services.loop.run(hop.stream.step(hidden, position, timeout, self._steps, push_to))
+        # checked here, on the session's thread: the event loop serves every session of the client
+        output = checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
         if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
             self.services.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
         return output
@@ -157,7 +159,7 @@ class RemoteSession:
         # a full cache is no fault: that server is only avoided, and keeps the session if no other can take it
         cache_full = isinstance(error, CacheFullError)
         if not cache_full and not isinstance(error, SessionClosedError):  # a closed session is no fault either
-            self.services.bans.ban(failed.link.peer_id)
+            self._ban(failed.link.peer_id, error)
         last_error: Exception = error
         for attempt in range(self.services.max_retries):
             if attempt:
@@ -189,10 +191,17 @@ class RemoteSession:
             hop.record(hidden, 0)
             try:
                 hidden = self._step_hop(hop, hidden, 0)
-            except SERVER_FAULTS:
-                self.services.bans.ban(hop.link.peer_id)
+            except SERVER_FAULTS as error:
+                self._ban(hop.link.peer_id, error)
                 raise
         return hidden
+
+    def _ban(self, peer_id: str, error: Exception) -> None:
+        """A server at fault is banned for a while; one that answered with what cannot be outputs, as a liar."""
+        if isinstance(error, MalformedOutputsError):
+            self.services.bans.ban(peer_id, LIAR_BAN_SECONDS, distrust=True)
+        else:
+            self.services.bans.ban(peer_id)
 
     def _open_hops(self, start: int, end: int, full: Collection[str] = ()) -> list[Hop]:
         """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any

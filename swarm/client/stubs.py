@@ -29,7 +29,32 @@ logger = logging.getLogger(__name__)
 _DRAINING: set[asyncio.Task] = set()
 
 MULTIPLEX_MAX_POSITIONS = 8  # a step of more positions travels alone (it would hold up the others' reply)
+# tokens (rows x positions) of short steps in one message: servers refuse a message of more tokens than one
+# request may carry (--max-request-tokens, 8,192 by default); the steps past it go in the next message
+MULTIPLEX_MAX_TOKENS = 1024
+# a step of more values is packed on a thread: copying its tensor (128 MiB for 8,192 tokens of hidden size
+# 4,096) would hold up the event loop, which carries every session of the client
+PACK_OFF_LOOP_VALUES = 1 << 20
 EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
+
+
+class MalformedOutputsError(ServerUnavailableError):
+    """A server answered a hop with what cannot be its outputs: not the inputs' shape and dtype, or not finite.
+    It lied or broke: the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape
+    in the LM head, which merges the rows of concurrent sessions, would fail every one of them)."""
+
+    code = "malformed_outputs"
+
+
+def checked_outputs(output: torch.Tensor, hidden: torch.Tensor, peer_id: str, blocks: str) -> torch.Tensor:
+    """`output` if it can be a hop's outputs for `hidden`, else MalformedOutputsError."""
+    if output.shape != hidden.shape or output.dtype != hidden.dtype:
+        raise MalformedOutputsError(
+            f"server {peer_id} answered inputs of shape {tuple(hidden.shape)} ({hidden.dtype}) with outputs of "
+            f"shape {tuple(output.shape)} ({output.dtype}) ({blocks})")
+    if not torch.isfinite(output).all():
+        raise MalformedOutputsError(f"server {peer_id} answered with outputs that are not finite ({blocks})")
+    return output
 
 
 async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
@@ -49,7 +74,9 @@ async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end:
         raise ServerUnavailableError(f"server {peer_id} {reason} (blocks {start}:{end})") from None
     tensors, metadata = unpack(response)
     raise_if_error(metadata)
-    return tensors[0]
+    if len(tensors) != 1:
+        raise MalformedOutputsError(f"server {peer_id} answered with {len(tensors)} tensors (blocks {start}:{end})")
+    return checked_outputs(tensors[0], hidden, peer_id, f"blocks {start}:{end}")
 
 
 class InferenceStream:
@@ -195,7 +222,12 @@ class StepChannel:
     async def step(self, hidden: torch.Tensor, entry: dict, timeout: float, blocks: str) -> torch.Tensor:
         step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future())
         if hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
-            self._send([step], batched=False)
+            message_id = next(self._ids)
+            if hidden.numel() > PACK_OFF_LOOP_VALUES:
+                message = await asyncio.to_thread(_pack, [step], message_id)
+            else:
+                message = _pack([step], message_id)
+            self._send([step], batched=False, message_id=message_id, message=message)
         else:
             self._queue.append(step)
             if not self._batching:
@@ -246,16 +278,25 @@ class StepChannel:
         self._queue = []
 
     def _send_queued(self) -> None:
-        waiting, self._queue = [step for step in self._queue if not step.result.done()], []
-        if waiting:
-            self._send(waiting, batched=True)
+        waiting = [step for step in self._queue if not step.result.done()]
+        taken, tokens = 0, 0
+        for step in waiting:  # the first always goes
+            tokens += step.hidden.shape[0] * step.hidden.shape[1]
+            if taken and tokens > MULTIPLEX_MAX_TOKENS:
+                break
+            taken += 1
+        self._queue = waiting[taken:]
+        if taken:
+            self._send(waiting[:taken], batched=True)
 
-    def _send(self, steps: list[_Step], batched: bool) -> None:
+    def _send(self, steps: list[_Step], batched: bool, message_id: Optional[int] = None, message=None) -> None:
+        """Send these steps as one message (`message`, if packed already with `message_id`)."""
         if self._stream is None:
             self._stream = _StepStream(self)
-        message_id = next(self._ids)
-        metadata = {"message_id": message_id, "steps": [step.entry for step in steps]}
-        self._stream.send(pack(tuple(step.hidden for step in steps), metadata))
+        if message_id is None:
+            message_id = next(self._ids)
+            message = _pack(steps, message_id)
+        self._stream.send(message)
         deadline = max(step.timeout for step in steps) + EXPIRY_SLACK
         expiry = asyncio.get_running_loop().call_later(deadline, self._expired, message_id)
         self._messages[message_id] = _Message(self._stream, steps, expiry, batched)
@@ -287,6 +328,10 @@ class StepChannels:
     async def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
+
+
+def _pack(steps: list[_Step], message_id: int):
+    return pack(tuple(step.hidden for step in steps), {"message_id": message_id, "steps": [step.entry for step in steps]})
 
 
 def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, peer_id: str) -> None:

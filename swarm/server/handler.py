@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
 from typing import AsyncIterator, Collection, Optional
 
 import torch
@@ -23,26 +22,31 @@ from swarm.protocol import (
     BadRequestError,
     InternalServerError,
     NotAllowedError,
+    ServerLimitError,
     SessionClosedError,
     SwarmError,
-    error_from_wire,
     error_to_wire,
 )
 from swarm.server import metrics
+from swarm.server.flow import StepFlow, StreamSlots
+from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.sessions import is_int
-from swarm.wire import BlockRPC, gather_parts, pack, reply, split_parts, unpack
+from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, misshapen_hidden, reply, split_parts, unpack,
+                        unpack_metadata)
 
 logger = logging.getLogger(__name__)
 
-PUSH_TIMEOUT = 10.0
 REFUSAL_LINGER = 5.0  # seconds a refused stream stays open for the client to end it
 # streamed forwards gathered or computed at once: each holds its whole request and output (up to
 # max_request_tokens of hidden states: 134 MB at hidden size 4096); the others wait, holding a few parts each
 STREAMED_FORWARDS = 2
 STREAMED_FORWARD_TIMEOUT = 120.0  # seconds for one, from its first part to its output (a stalled sender too)
-WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
+UNPACK_OFF_LOOP_BYTES = 4 << 20  # tensors of a step message past which it is decoded on a thread
+STALLED_STREAM_SECONDS = 10.0  # a step stream whose peer has read none of its replies for this long is ended
 # what rpc_info adds to the backend's answer: shows how many sessions' steps share a message
-COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed")
+COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed", "pushes_skipped")
+# bytes of a message's metadata: a step's entry (ids, a position, a push target) takes some 250 of them
+METADATA_BYTES_PER_STEP, METADATA_BYTES_BASE = 512, 1024
 
 
 def wire_error(error: BaseException) -> dict:
@@ -64,24 +68,24 @@ class BlockHandler(BlockRPC):
     Every request may come from anyone: the backend checks what it carries; here, who sends it (a private
     server takes requests only from `allowed_peers`, if given) and that a peer steps only its own sessions."""
 
-    def __init__(self, backend, allowed_peers: Collection[str] = ()):
+    def __init__(self, backend, allowed_peers: Collection[str] = (), push_targets: Optional[PushTargets] = None):
         self.backend = backend
         self.allowed_peers = frozenset(allowed_peers)
-        self.p2p = None  # set by add_p2p_handlers: pushes go out through it
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self._pushes: set[asyncio.Task] = set()
+        self.pusher = Pusher(self.counters, push_targets)  # push_targets None: nothing is pushed
         self._stepping: set = set()  # sessions with a multiplexed step running: one at a time each
-        self._warned_peers: set[str] = set()
         self._streamed_forwards = asyncio.Semaphore(STREAMED_FORWARDS)
+        self.flow = StepFlow.for_sessions(backend.limits.max_sessions_per_peer)
 
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
-        self.p2p = p2p
+        self.pusher.p2p = p2p
         await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         try:
             self._check_caller(context)
-            return reply(metadata={**self.backend.info(), **self.counters})
+            return reply(metadata={**self.backend.info(), **self.counters,
+                                   "step_messages_in_flight": self.flow.in_flight()})
         except Exception as error:
             return error_reply(error)
 
@@ -120,7 +124,9 @@ class BlockHandler(BlockRPC):
         by its random id, which the client gave only to that server."""
         try:
             self._check_caller(context)
-            tensors, metadata = unpack(request)
+            unpack_metadata(request, self._max_metadata_bytes())
+            self._check_sizes(request)  # before any tensor is decoded
+            tensors, metadata = unpack(request, self._misshapen)
             pushes = metadata.get("pushes")
             if not isinstance(pushes, list) or len(pushes) != len(tensors):
                 raise BadRequestError("field 'pushes' must be a list of maps, one per tensor")
@@ -133,6 +139,8 @@ class BlockHandler(BlockRPC):
         try:
             if not isinstance(entry, dict):
                 raise BadRequestError("each of 'pushes' must be a map")
+            if isinstance(tensor, SwarmError):  # refused undecoded
+                raise tensor
             self.backend.accept_push([tensor], entry)
             return {}
         except Exception as error:
@@ -166,7 +174,11 @@ class BlockHandler(BlockRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Messages of steps of the caller's sessions; each is answered when all its steps are done, and the
-        next ones are read meanwhile (a message of long steps does not hold up a message of short ones)."""
+        next ones are read meanwhile (a message of long steps does not hold up a message of short ones), as long
+        as the peer has messages in flight to spare (see swarm/server/flow.py): a peer that does not read its
+        replies stops being read, and after STALLED_STREAM_SECONDS its stream is refused and read to its end
+        unanswered (hivemind sees a hung-up peer only by reading its stream)."""
+        peer_id = context.remote_id.to_base58()
         try:
             self._check_caller(context)
         except Exception as error:
@@ -174,24 +186,36 @@ class BlockHandler(BlockRPC):
             await _linger(requests)
             return
         replies: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.ensure_future(self._read_step_messages(requests, context.remote_id.to_base58(), replies))
+        slots = self.flow.open_stream(peer_id, end=lambda: reader.cancel())  # a newer stream of the peer's may end it
+        reader = asyncio.ensure_future(self._read_step_messages(requests, peer_id, slots, replies))
         try:
-            while (response := await replies.get()) is not None:
-                yield response
+            while (item := await replies.get()) is not None:
+                response, holds_slot = item
+                yield response  # returns once the transport took it: the peer reads, or its buffers have room
+                if holds_slot:
+                    slots.give_back()
         finally:
             reader.cancel()  # the client hung up: the steps still running stop (their sessions stay open)
+            self.flow.close_stream(peer_id, slots)
 
-    async def _read_step_messages(self, requests: AsyncIterator, peer_id: str, replies: asyncio.Queue) -> None:
+    async def _read_step_messages(self, requests: AsyncIterator, peer_id: str, slots: StreamSlots,
+                                  replies: asyncio.Queue) -> None:
         running: set[asyncio.Task] = set()
 
         async def answer(request):
             try:
-                replies.put_nowait(await self._reply_to_step_message(request, peer_id))
+                replies.put_nowait((await self._reply_to_step_message(request, peer_id), True))
             except Exception as error:  # a bug here must cost one message, never the stream
-                replies.put_nowait(error_reply(error))
+                replies.put_nowait((error_reply(error), True))
 
         try:
             async for request in requests:
+                if not await slots.take(STALLED_STREAM_SECONDS):  # none free: not read on until a reply goes out
+                    stalled = ServerLimitError(f"peer {peer_id} read none of its replies for "
+                                               f"{STALLED_STREAM_SECONDS:.0f} s: this server ends the step stream")
+                    replies.put_nowait((error_reply(stalled), False))
+                    await _linger(requests)  # unanswered, until the peer ends its side (it may have hung up)
+                    return
                 task = asyncio.ensure_future(answer(request))
                 running.add(task)
                 task.add_done_callback(running.discard)
@@ -205,8 +229,10 @@ class BlockHandler(BlockRPC):
         """One message's steps, run at once; the reply, and the outputs pushed on to the next servers."""
         message_id = None
         try:
-            tensors, metadata = unpack(request)
+            metadata = unpack_metadata(request, self._max_metadata_bytes())
             message_id = metadata.get("message_id") if is_int(metadata.get("message_id")) else None
+            self._check_sizes(request)  # before any tensor is decoded
+            tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
@@ -218,12 +244,19 @@ class BlockHandler(BlockRPC):
         else:
             results = await asyncio.gather(*(self._step_one(entry, tensor, peer_id)
                                              for entry, tensor in zip(entries, tensors)), return_exceptions=True)
-        pushes = [_push_of(result[1], entry, result[0]) for entry, result in zip(entries, results)
+        pushes = [push_of(result[1], result[2], entry, result[0]) for entry, result in zip(entries, results)
                   if not isinstance(result, BaseException) and result[1] is not None]
-        self._push(pushes)
+        self.pusher.push(pushes)
         outputs = tuple(result[0] for result in results if not isinstance(result, BaseException))
         answers = [wire_error(result) if isinstance(result, BaseException) else {} for result in results]
         return reply(outputs, {"message_id": message_id, "results": answers})
+
+    async def _unpack_steps(self, request) -> tuple[list, dict]:
+        """Decoding copies every tensor: a big message is decoded on a thread, not on the loop that serves
+        every other peer's steps."""
+        if sum(len(tensor.buffer) for tensor in request.tensors) > UNPACK_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(unpack, request, self._misshapen)
+        return unpack(request, self._misshapen)
 
     def _step_entries(self, metadata: dict) -> list:
         entries = metadata.get("steps")
@@ -235,14 +268,16 @@ class BlockHandler(BlockRPC):
         return entries
 
     async def _step_one(self, entry, tensor: torch.Tensor, peer_id: str):
-        """(outputs, push target) of one step of a multiplexed message."""
+        """(outputs, push target, the block it would start at) of one step of a multiplexed message."""
         session = self._own_session(entry, peer_id)
         push_to = _push_target(entry)  # checked first: a step must not run, then be refused
+        if isinstance(tensor, SwarmError):  # refused undecoded
+            raise tensor
         if session in self._stepping:
             raise BadRequestError("this session has a step running already: a session steps one at a time")
         self._stepping.add(session)
         try:
-            return await session.step([tensor], entry), push_to
+            return await session.step([tensor], entry), push_to, session.end
         finally:
             self._stepping.discard(session)
 
@@ -255,53 +290,21 @@ class BlockHandler(BlockRPC):
                                      "or the server closed it: idle too long, or to make room)")
         return session
 
+    def _max_metadata_bytes(self) -> int:
+        return METADATA_BYTES_BASE + METADATA_BYTES_PER_STEP * self.backend.limits.max_sessions_per_peer
+
+    def _check_sizes(self, request) -> None:
+        """A message of steps or pushes carries one tensor of hidden states per session (of the peer's, at most
+        its limit of them), and no more tokens in all than one request may."""
+        limits = self.backend.limits
+        check_hidden_sizes(request, limits.max_sessions_per_peer, limits.max_request_tokens, self.backend.hidden_size)
+
+    def _misshapen(self, tensor: runtime_pb2.Tensor) -> Optional[SwarmError]:
+        return misshapen_hidden(tensor, self.backend.hidden_size)
+
     def _check_caller(self, context: P2PContext) -> None:
         if self.allowed_peers and context.remote_id.to_base58() not in self.allowed_peers:
             raise NotAllowedError(f"peer {context.remote_id.to_base58()} is not on this server's list of clients")
-
-    def _push(self, pushes: list[tuple[PeerID, dict, torch.Tensor]]) -> None:
-        """Send steps' outputs to the next servers of their clients' chains, beside the replies to the clients:
-        one message per server."""
-        by_peer: dict[PeerID, list[tuple[dict, torch.Tensor]]] = defaultdict(list)
-        for peer, entry, output in pushes:
-            by_peer[peer].append((entry, output))
-        for peer, items in by_peer.items():
-            task = asyncio.ensure_future(self._send_pushes(peer, items))
-            self._pushes.add(task)  # a reference, so that the task is not collected while it runs
-            task.add_done_callback(self._pushes.discard)
-
-    async def _send_pushes(self, peer: PeerID, items: list[tuple[dict, torch.Tensor]]) -> None:
-        entries, outputs = [entry for entry, _ in items], tuple(output for _, output in items)
-        message = pack(outputs, {"pushes": entries})
-        self.counters["push_messages"] += 1
-        self.counters["pushes_sent"] += len(items)
-        try:
-            response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
-            _, metadata = unpack(response)
-        except Exception as error:  # the clients' own copies of the inputs follow anyway
-            self._push_failed(peer, len(items), "unreachable", repr(error))
-            return
-        results = metadata.get("results")
-        if not isinstance(results, list):  # the whole message was refused (or the reply is malformed)
-            results = [metadata] * len(items)
-        refusals = [error for error in map(_error_of, results) if error is not None]
-        if refusals:
-            self._push_failed(peer, len(refusals), "refused", str(refusals[0]))
-
-    def _push_failed(self, peer: PeerID, count: int, reason: str, detail: str) -> None:
-        """Count pushes the next server did not take; say so once per server (then only at DEBUG)."""
-        metrics.PUSHES_FAILED.labels(reason).inc(count)
-        self.counters["pushes_failed"] += count
-        name = peer.to_base58()
-        first = name not in self._warned_peers
-        if len(self._warned_peers) >= WARNED_PEERS_KEPT:
-            self._warned_peers.clear()
-        self._warned_peers.add(name)
-        if first:
-            logger.warning("%d step(s) pushed to %s: %s (%s); its next failed pushes are logged at DEBUG",
-                           count, name, reason, detail)
-        else:
-            logger.debug("%d step(s) pushed to %s: %s (%s)", count, name, reason, detail)
 
 
 async def _until(ended: asyncio.Event, requests: AsyncIterator) -> AsyncIterator:
@@ -337,18 +340,6 @@ async def _linger(requests: AsyncIterator) -> None:
         await asyncio.wait_for(drain(), REFUSAL_LINGER)
 
 
-def _push_of(target: tuple[PeerID, str], metadata: dict, output: torch.Tensor) -> tuple[PeerID, dict, torch.Tensor]:
-    """(server, entry, outputs) of a push: the entry tells the next server its session, and which step of it
-    these inputs are."""
-    peer, session_id = target
-    entry = {"session_id": session_id, "step_id": metadata.get("step_id"), "position": metadata.get("position")}
-    return peer, entry, output
-
-
-def _error_of(result) -> Optional[SwarmError]:
-    return error_from_wire(result) if isinstance(result, dict) else SwarmError("malformed reply")
-
-
 def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
     target = metadata.get("push_to")
     if target is None:
@@ -359,4 +350,4 @@ def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
     try:
         return PeerID.from_base58(target["peer_id"]), target["session_id"]
     except Exception:
-        raise BadRequestError(f"push_to: {target['peer_id']!r} is not a peer id") from None
+        raise BadRequestError(f"push_to: {target['peer_id']!r:.80} is not a peer id") from None

@@ -87,6 +87,7 @@ class Presence:
     @classmethod
     async def join(cls, node, settings: ServerSettings, folder: Path, num_blocks: int) -> "Presence":
         """Claim a span, load it (announced as joining meanwhile), take requests, and announce it online."""
+        from swarm.server.pushes import PushTargets
         from swarm.server.handler import BlockHandler
 
         prefix = settings.dht_prefix or dht_prefix(settings.model)
@@ -102,7 +103,8 @@ class Presence:
         presence = cls(node, settings, folder, num_blocks, span, throughput)
         await asyncio.to_thread(span.capture_graphs_ahead)  # on its pool, before any request can come
         metrics.watch_cache(presence.backend.budget)
-        await BlockHandler(presence.backend, settings.allowed_peers).add_p2p_handlers(node.p2p)
+        push_targets = PushTargets(node, prefix, settings.allowed_servers)
+        await BlockHandler(presence.backend, settings.allowed_peers, push_targets).add_p2p_handlers(node.p2p)
         await presence.announce_online()
         return presence
 

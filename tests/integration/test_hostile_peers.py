@@ -76,6 +76,81 @@ def test_nan_hidden_states_are_refused_and_the_session_goes_on(client, server):
         session.close()
 
 
+FLOOD = 20_000  # messages, each of MAX_SESSIONS_PER_PEER steps of no session: a reply of some 700 bytes each
+
+
+def test_a_peer_that_never_reads_its_replies_stops_being_read(client, server):
+    """A hostile peer sends step messages on one stream and never reads the replies: once the transport's
+    buffers are full, the server stops reading the stream (its messages in flight stay within the bound) and
+    the peer's own writes stall, instead of the server reading on and queueing replies without bound (before:
+    it read all 20,000, and held the replies of most of them)."""
+    from hivemind.p2p import PeerID
+
+    from swarm.client.stubs import call_info
+    from swarm.server.flow import SLACK_MESSAGES
+    from swarm.server.handler import STALLED_STREAM_SECONDS
+    from swarm.wire import BlockRPC, pack
+
+    stub = BlockRPC.get_stub(client.node.p2p, PeerID.from_base58(server.peer_id))
+    entries = [{"session_id": secrets.token_hex(16), "position": 0}] * MAX_SESSIONS_PER_PEER
+    written = 0
+
+    async def requests():
+        nonlocal written
+        for index in range(FLOOD):
+            written += 1
+            yield pack(metadata={"message_id": index, "steps": entries})
+
+    async def flood() -> dict:
+        """What the server says once the peer's writes stall (or, as before, once every message went)."""
+        responses = await stub.rpc_steps(requests())
+        try:
+            while True:
+                before = written
+                await asyncio.sleep(1.0)
+                if written in (before, FLOOD):
+                    return await call_info(client.node.p2p, server.peer_id)
+        finally:
+            await responses.aclose()
+
+    read_before = client.server_info(server.peer_id)["step_messages"]
+    info = client.loop.run(flood(), timeout=120)
+    print(f"\n{written} messages written, {info['step_messages'] - read_before} read by the server, "
+          f"{info['step_messages_in_flight']} in flight")
+    assert written < FLOOD and info["step_messages"] - read_before < FLOOD // 2
+    assert info["step_messages_in_flight"] <= MAX_SESSIONS_PER_PEER + SLACK_MESSAGES
+    # the peer hung up: the server ends the stalled stream, reads it to its end, and lets go of what it held
+    deadline = time.monotonic() + STALLED_STREAM_SECONDS + 20
+    while client.server_info(server.peer_id)["step_messages_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.server_info(server.peer_id)["step_messages_in_flight"] == 0
+
+
+def test_pushes_go_only_to_servers_announcing_the_next_blocks(client, server, tiny_swarm):
+    """A step of a session over every block, told to push its outputs on to a peer that serves none of that
+    model: the server runs the step and pushes nothing (before: it sent them to whichever peer it was told)."""
+    from types import SimpleNamespace
+
+    from swarm.client.stubs import InferenceStream
+
+    stranger = SimpleNamespace(peer_id=tiny_swarm.servers[0].peer_id, session_id=secrets.token_hex(16))
+    stream = InferenceStream(client.node.p2p, server.peer_id, 0, TINY_BLOCKS, 30, client.step_channels)
+    before = client.server_info(server.peer_id)
+    client.loop.run(stream.open(8, batch_size=1))
+    try:
+        output = client.loop.run(stream.step(torch.randn(1, 2, HIDDEN), 0, step_id=1, push_to=stranger))
+    finally:
+        client.loop.run(stream.close())
+    assert output.shape == (1, 2, HIDDEN)
+    deadline = time.monotonic() + 20  # the server looks up who announces block TINY_BLOCKS, then decides
+    while time.monotonic() < deadline:
+        info = client.server_info(server.peer_id)
+        if info["pushes_sent"] + info.get("pushes_skipped", 0) > before["pushes_sent"] + before.get("pushes_skipped", 0):
+            break
+        time.sleep(0.2)
+    assert (info["pushes_sent"], info.get("pushes_skipped")) == (before["pushes_sent"], before["pushes_skipped"] + 1)
+
+
 # ------------------------------------------------------------------------------------------------ fuzzer
 
 SEED = 20240907

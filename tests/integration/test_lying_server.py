@@ -61,3 +61,32 @@ def test_a_lying_server_is_caught_banned_and_routed_around(tiny_swarm, tiny_llam
             assert [link.peer_id for link in session.blocks.chain] != [liar.peer_id]
     finally:
         model.close()
+
+
+@pytest.fixture(scope="module")
+def misshaping(tiny_swarm, servers):
+    """A server of every block whose steps answer with outputs one column short (the liar of the test above
+    and the honest servers are up already)."""
+    from faulty_server import add_faulty_server
+
+    return add_faulty_server(tiny_swarm, ["--blocks", f"0:{TINY_BLOCKS}", "--dht-prefix", PREFIX], malformed="shape")
+
+
+def test_a_server_answering_with_misshapen_outputs_is_banned_and_routed_around(tiny_swarm, tiny_llama, tiny_remote,
+                                                                              servers, misshaping):
+    """Its outputs never reach the LM head (which merges concurrent sessions' rows: a wrong shape there failed
+    them all): the session bans it as a liar, replays on an honest server, and generates as the honest ones do
+    (before: the step failed with a shape error, and the server stayed in favour)."""
+    with tiny_remote.session(max_length=len(PROMPT) + NEW_TOKENS) as session:
+        reference = greedy(session)
+    model = RemoteModel(tiny_llama, SwarmClient(tiny_swarm.initial_peers), str(tiny_llama), PREFIX)
+    try:
+        model.client.allowed_servers = frozenset([misshaping.peer_id])  # so that the session starts there
+        with model.session(max_length=len(PROMPT) + NEW_TOKENS) as session:
+            *honest, _ = servers  # not the other liar: no spot check here to catch it
+            model.client.allowed_servers = frozenset(server.peer_id for server in [*honest, misshaping])
+            assert greedy(session) == reference
+            assert misshaping.peer_id in model.client.bans.distrusted()
+            assert misshaping.peer_id not in [link.peer_id for link in session.blocks.chain]
+    finally:
+        model.close()

@@ -129,3 +129,20 @@ def test_a_peer_that_serves_forged_records_is_not_believed(tiny_swarm, reader):
             fresh.shutdown()
     finally:
         reader.loop.run(liar.shutdown())
+
+
+def test_no_peer_stores_a_record_of_many_kilobytes(reader, forger):
+    """A stranger's own record, rightly signed, but of 64 KiB: every peer refuses it (before: each stored it,
+    and sent it back with every lookup of the block)."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.trust import owner_peer_id
+
+    stranger = forger
+    own_subkey = stranger.protocol.record_validator.local_public_key
+    bloated = {**ServerInfo(ServerState.ONLINE, 0, 1, throughput=1.0, cache_tokens_free=1).to_wire(),
+               "padding": "x" * 65536}
+    key = block_key("bloated", 0)
+    assert not reader.loop.run(stranger.store(key, bloated, get_dht_time() + 30, subkey=own_subkey))
+    entry = reader.loop.run(reader.node.get(key, latest=True))
+    assert entry is None or owner_peer_id(own_subkey) not in {owner_peer_id(subkey) for subkey in entry.value}

@@ -89,7 +89,8 @@ def test_failed_pushes_are_counted_and_said_once_per_next_server(monkeypatch, ca
     from hivemind.p2p import PeerID
 
     from swarm.protocol import ServerUnavailableError, error_to_wire
-    from swarm.server.handler import BlockHandler
+    from swarm.server.handler import COUNTERS
+    from swarm.server.pushes import Pusher
     from swarm.wire import BlockRPC, reply
 
     unreachable, refusing = (PeerID.from_base58(peer) for peer in PEERS)
@@ -108,15 +109,19 @@ def test_failed_pushes_are_counted_and_said_once_per_next_server(monkeypatch, ca
     output = torch.zeros(1, 1, 8)
     entry = {"session_id": "s" * 32, "step_id": 1, "position": 0}
 
+    class EveryoneAnnounces:
+        async def announce(self, peer_id, block):
+            return True
+
     async def scenario():
-        handler = BlockHandler(backend=None)
+        pusher = Pusher(dict.fromkeys(COUNTERS, 0), EveryoneAnnounces())
         for _ in range(3):  # each time: one push to the first server, two in one message to the other
-            handler._push([(unreachable, entry, output), (refusing, entry, output), (refusing, entry, output)])
-            await asyncio.gather(*handler._pushes)
-        return handler.counters
+            pusher.push([(unreachable, 2, entry, output), (refusing, 2, entry, output), (refusing, 2, entry, output)])
+            await asyncio.gather(*pusher.tasks)
+        return pusher.counters
 
     before = {reason: counted(metrics.PUSHES_FAILED, reason) for reason in ("unreachable", "refused")}
-    with caplog.at_level(logging.DEBUG, logger="swarm.server.handler"):
+    with caplog.at_level(logging.DEBUG, logger="swarm.server.pushes"):
         counters = asyncio.run(scenario())
     assert counted(metrics.PUSHES_FAILED, "unreachable") == before["unreachable"] + 3
     assert counted(metrics.PUSHES_FAILED, "refused") == before["refused"] + 6

@@ -148,3 +148,63 @@ def test_a_reply_that_does_not_add_up_fails_its_steps(channel):
             await first
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("malform, said", [
+    (lambda output: output[..., :-1], "shape"),
+    (lambda output: output.double(), "float64"),
+    (lambda output: output.fill_(float("inf")), "not finite"),
+])
+def test_what_cannot_be_a_hops_outputs_is_refused_as_the_servers_fault(malform, said):
+    hidden = torch.randn(2, 3, HIDDEN)
+    assert stubs.checked_outputs(hidden * 2, hidden, "QmServer", "blocks 0:2").shape == hidden.shape
+    with pytest.raises(stubs.MalformedOutputsError, match=said) as refusal:
+        stubs.checked_outputs(malform(hidden * 2), hidden, "QmServer", "blocks 0:2")
+    assert isinstance(refusal.value, ServerUnavailableError)  # a server fault: the session fails over
+
+
+def test_a_big_step_is_packed_off_the_event_loop(channel, monkeypatch):
+    """Packing copies the whole tensor: a long prompt's would hold up every other session's steps."""
+    import threading
+
+    threads = []
+    real_pack = stubs.pack
+    monkeypatch.setattr(stubs, "pack", lambda *args: threads.append(threading.current_thread()) or real_pack(*args))
+    monkeypatch.setattr(stubs, "PACK_OFF_LOOP_VALUES", 20 * HIDDEN)
+
+    async def scenario():
+        small = step(channel, "a", positions=stubs.MULTIPLEX_MAX_POSITIONS + 1)
+        big = step(channel, "bb", positions=32)
+        for _ in range(50):  # the packing thread's result comes back through the loop
+            await asyncio.sleep(0.01)
+            if len(opened[0].sent) == 2:
+                break
+        opened[0].answer(0), opened[0].answer(1)
+        await small, await big
+
+    asyncio.run(scenario())
+    loop_thread = threading.main_thread()
+    assert threads[0] is loop_thread and threads[1] is not loop_thread
+
+
+def test_short_steps_of_too_many_tokens_for_one_message_go_in_the_next(channel):
+    async def scenario():
+        first = step(channel, "a")
+        await settle()
+        rows = stubs.MULTIPLEX_MAX_TOKENS // 2
+        waiting = []
+        for name in ("bb", "ccc", "dddd"):  # half the tokens a message may carry, each
+            hidden = torch.zeros(rows, 1, HIDDEN)
+            waiting.append(asyncio.ensure_future(channel.step(hidden, {"session_id": name}, 5.0, "blocks 0:2")))
+        await settle()
+        stream = opened[0]
+        stream.answer(0)
+        await first
+        await settle()
+        stream.answer(1)
+        await settle()
+        assert [sessions for _, sessions, _ in stream.sent] == [["a"], ["bb", "ccc"], ["dddd"]]
+        stream.answer(2)
+        await asyncio.gather(*waiting)
+
+    asyncio.run(scenario())

@@ -42,3 +42,26 @@ def test_a_non_rsa_identity_is_refused_in_one_line(tmp_path):
     with pytest.raises(BadRequestError, match="not an RSA libp2p identity"):
         with trust.identity(str(path)):
             pass
+
+
+def test_a_value_over_a_few_kilobytes_is_refused_however_well_signed():
+    """validate() runs when a peer asks this node to store a record and when a peer sends one back for a
+    lookup: a value this big is neither stored nor believed (before: any size was)."""
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarm.protocol import MAX_NAME_CHARS, ModelRecord
+    from swarm.trust import MAX_VALUE_BYTES, OwnerSignedRecords
+
+    validator = OwnerSignedRecords(RSAPrivateKey())
+
+    def signed(value) -> DHTRecord:
+        record = DHTRecord(b"key", MSGPackSerializer.dumps(validator.local_public_key), MSGPackSerializer.dumps(value),
+                           get_dht_time() + 60)
+        return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+
+    longest_entry = ModelRecord("n" * MAX_NAME_CHARS, "p" * MAX_NAME_CHARS, 30, "s" * MAX_NAME_CHARS).to_wire()
+    assert validator.validate(signed(longest_entry))  # the biggest value a server writes
+    oversized = signed({"state": 2, "padding": "x" * MAX_VALUE_BYTES})
+    assert len(oversized.value) > MAX_VALUE_BYTES and not validator.validate(oversized)

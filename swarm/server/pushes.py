@@ -1,0 +1,145 @@
+"""Server-to-server pushes: a step's outputs sent on to the next server of its client's chain as soon as they
+are ready, so that it starts before the client's own copy of the same inputs arrives (see
+ServerSession.pushed). Only to servers that announce the blocks the step goes on with, as this server's DHT
+node finds them (a client names the peer, and could otherwise make the server send its outputs to any peer at
+the server's expense), and PUSHES_IN_FLIGHT messages at most on their way: past that, pushes are skipped (they
+only save time; the clients send the same inputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Collection, Optional
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarm.protocol import SwarmError, error_from_wire
+from swarm.server import metrics
+from swarm.wire import BlockRPC, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+PUSH_TIMEOUT = 10.0
+PUSHES_IN_FLIGHT = 64  # push messages on their way at once
+WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
+# how long the servers found under a block are trusted, and how often a peer not among them sends for a new look
+TARGETS_TTL, TARGETS_MISS_REFRESH, TARGETS_LOOKUP_TIMEOUT = 60.0, 5.0, 10.0
+
+
+class PushTargets:
+    """The peers that announce a block in the DHT, as this server's node finds them: the only ones pushed to."""
+
+    def __init__(self, node, prefix: str, allowed: Collection[str] = ()):
+        self.node, self.prefix, self.allowed = node, prefix, frozenset(allowed)
+        self._found: dict[int, tuple[float, set[str]]] = {}  # block -> (when looked up, its servers)
+        self._lookup = asyncio.Lock()
+
+    async def announce(self, peer_id: str, block: int) -> bool:
+        """Whether `peer_id` announces block `block`; looked up again when stale, or at most every few seconds
+        for a peer not found (it may have joined since)."""
+        found = self._found.get(block)
+        if found is None or _stale(found, peer_id):
+            async with self._lookup:
+                found = self._found.get(block)
+                if found is None or _stale(found, peer_id):
+                    found = self._found[block] = (time.monotonic(), await self._servers_of(block))
+        return peer_id in found[1]
+
+    async def _servers_of(self, block: int) -> set[str]:
+        from swarm import dht
+
+        try:
+            return await asyncio.wait_for(dht.servers_of_block(self.node, self.prefix, block, self.allowed),
+                                          TARGETS_LOOKUP_TIMEOUT)
+        except Exception as error:  # the DHT unreachable a moment: no pushes meanwhile (clients send anyway)
+            logger.debug("looking up the servers of block %d failed: %r", block, error)
+            return set()
+
+
+def _stale(found: tuple[float, set[str]], peer_id: str) -> bool:
+    age = time.monotonic() - found[0]
+    return age > TARGETS_TTL or (peer_id not in found[1] and age > TARGETS_MISS_REFRESH)
+
+
+class Pusher:
+    """Sends pushes (one message per next server), counting them in the handler's `counters`."""
+
+    def __init__(self, counters: dict, targets: Optional[PushTargets]):
+        self.p2p = None  # set once the handler has its libp2p endpoint: pushes go out through it
+        self.counters, self.targets = counters, targets  # targets None: nothing is pushed
+        self.tasks: set[asyncio.Task] = set()  # references, so that the tasks are not collected while they run
+        self._warned_peers: set[str] = set()
+
+    def push(self, pushes: list[tuple[PeerID, int, dict, torch.Tensor]]) -> None:
+        """(next server, the block it goes on at, entry, outputs) of each push, beside the replies to clients."""
+        by_peer: dict[PeerID, list[tuple[int, dict, torch.Tensor]]] = defaultdict(list)
+        for peer, block, entry, output in pushes:
+            by_peer[peer].append((block, entry, output))
+        for peer, items in by_peer.items():
+            if len(self.tasks) >= PUSHES_IN_FLIGHT:
+                self._skip(peer, len(items), "too many pushes on their way")
+                continue
+            task = asyncio.ensure_future(self._send(peer, items))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _send(self, peer: PeerID, items: list[tuple[int, dict, torch.Tensor]]) -> None:
+        targets = self.targets
+        announced = [(entry, output) for block, entry, output in items
+                     if targets is not None and await targets.announce(peer.to_base58(), block)]
+        if len(announced) < len(items):
+            self._skip(peer, len(items) - len(announced), "it does not announce the next blocks")
+        if not announced:
+            return
+        entries, outputs = [entry for entry, _ in announced], tuple(output for _, output in announced)
+        message = pack(outputs, {"pushes": entries})
+        self.counters["push_messages"] += 1
+        self.counters["pushes_sent"] += len(announced)
+        try:
+            response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
+            _, metadata = unpack(response)
+        except Exception as error:  # the clients' own copies of the inputs follow anyway
+            self._failed(peer, len(announced), "unreachable", repr(error))
+            return
+        results = metadata.get("results")
+        if not isinstance(results, list):  # the whole message was refused (or the reply is malformed)
+            results = [metadata] * len(announced)
+        refusals = [error for error in map(_error_of, results) if error is not None]
+        if refusals:
+            self._failed(peer, len(refusals), "refused", str(refusals[0]))
+
+    def _skip(self, peer: PeerID, count: int, reason: str) -> None:
+        self.counters["pushes_skipped"] += count
+        logger.debug("%d step(s) not pushed to %s: %s", count, peer.to_base58(), reason)
+
+    def _failed(self, peer: PeerID, count: int, reason: str, detail: str) -> None:
+        """Count pushes the next server did not take; say so once per server (then only at DEBUG)."""
+        metrics.PUSHES_FAILED.labels(reason).inc(count)
+        self.counters["pushes_failed"] += count
+        name = peer.to_base58()
+        first = name not in self._warned_peers
+        if len(self._warned_peers) >= WARNED_PEERS_KEPT:
+            self._warned_peers.clear()
+        self._warned_peers.add(name)
+        if first:
+            logger.warning("%d step(s) pushed to %s: %s (%s); its next failed pushes are logged at DEBUG",
+                           count, name, reason, detail)
+        else:
+            logger.debug("%d step(s) pushed to %s: %s (%s)", count, name, reason, detail)
+
+
+def push_of(target: tuple[PeerID, str], block: int, metadata: dict,
+            output: torch.Tensor) -> tuple[PeerID, int, dict, torch.Tensor]:
+    """(server, the block it goes on at, entry, outputs) of a push: the entry tells the next server its session,
+    and which step of it these inputs are."""
+    peer, session_id = target
+    entry = {"session_id": session_id, "step_id": metadata.get("step_id"), "position": metadata.get("position")}
+    return peer, block, entry, output
+
+
+def _error_of(result) -> Optional[SwarmError]:
+    return error_from_wire(result) if isinstance(result, dict) else SwarmError("malformed reply")

@@ -1,0 +1,86 @@
+"""Server-to-server pushes (swarm/server/pushes.py): only to peers that announce the block a step goes on at, as
+the server's DHT node finds them (looked up once in a while, not per push), and a bounded number on their way."""
+
+import asyncio
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarm.server import pushes
+from swarm.server.handler import COUNTERS
+from swarm.wire import BlockRPC, reply
+
+PEER = PeerID.from_base58("QmNLei78zWmzUdbeRB3CiUfAizWUrbeeZh5K1rhAQKCh51")
+ENTRY = {"session_id": "s" * 32, "step_id": 1, "position": 0}
+
+
+class Stalled:
+    """Push targets whose lookup never ends: every push stays on its way."""
+
+    async def announce(self, peer_id, block):
+        await asyncio.Event().wait()
+
+
+def test_pushes_on_their_way_are_capped_and_the_rest_skipped():
+    async def scenario():
+        pusher = pushes.Pusher(dict.fromkeys(COUNTERS, 0), Stalled())
+        for _ in range(pushes.PUSHES_IN_FLIGHT + 10):
+            pusher.push([(PEER, 2, ENTRY, torch.zeros(1, 1, 8))])
+        on_their_way = len(pusher.tasks)
+        for task in pusher.tasks:
+            task.cancel()
+        return on_their_way, pusher.counters
+
+    on_their_way, counters = asyncio.run(scenario())
+    assert on_their_way == pushes.PUSHES_IN_FLIGHT and counters["pushes_skipped"] == 10
+
+
+def test_the_servers_of_a_block_are_looked_up_once_in_a_while(monkeypatch):
+    lookups, now = [], [1000.0]
+    announcing = {"QmNext"}
+
+    async def servers_of_block(node, prefix, block, allowed):
+        lookups.append(block)
+        return set(announcing)
+
+    from swarm import dht
+
+    monkeypatch.setattr(dht, "servers_of_block", servers_of_block)
+    monkeypatch.setattr(pushes.time, "monotonic", lambda: now[0])
+
+    async def scenario():
+        targets = pushes.PushTargets(node=None, prefix="model")
+        answers = [await targets.announce("QmNext", 2), await targets.announce("QmStranger", 2),
+                   await targets.announce("QmNext", 2)]
+        now[0] += pushes.TARGETS_MISS_REFRESH + 1  # a peer not found may have joined since: looked up again
+        announcing.add("QmJoined")
+        answers += [await targets.announce("QmJoined", 2), await targets.announce("QmStranger", 2)]
+        return answers
+
+    assert asyncio.run(scenario()) == [True, False, True, True, False]
+    assert lookups == [2, 2]
+
+
+def test_a_push_toward_a_peer_that_does_not_announce_the_block_is_not_sent(monkeypatch):
+    sent = []
+
+    class Stub:
+        async def rpc_push(self, message, timeout):
+            sent.append(message)
+            return reply(metadata={"results": [{}]})
+
+    class Announcing:
+        async def announce(self, peer_id, block):
+            return block == 2
+
+    monkeypatch.setattr(BlockRPC, "get_stub", classmethod(lambda cls, p2p, peer: Stub()))
+
+    async def scenario():
+        pusher = pushes.Pusher(dict.fromkeys(COUNTERS, 0), Announcing())
+        pusher.push([(PEER, 2, ENTRY, torch.zeros(1, 1, 8)), (PEER, 3, ENTRY, torch.zeros(1, 1, 8))])
+        await asyncio.gather(*pusher.tasks)
+        return pusher.counters
+
+    counters = asyncio.run(scenario())
+    assert len(sent) == 1 and len(sent[0].tensors) == 1
+    assert (counters["pushes_sent"], counters["pushes_skipped"]) == (1, 1)
