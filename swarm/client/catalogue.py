@@ -6,10 +6,15 @@ none, and where the client-side weights come from.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from swarm.protocol import ModelRecord
 
+if TYPE_CHECKING:
+    from swarm.client.swarm_client import Coverage
 
-def catalogue(client) -> list[tuple[ModelRecord, "Coverage"]]:
+
+def catalogue(client) -> list[tuple[ModelRecord, Coverage]]:
     """Every announced model, and how well the swarm covers it."""
     return [(record, client.coverage(record.prefix, record.num_blocks)) for record in client.catalogue()]
 

@@ -20,6 +20,9 @@ from swarm.server.span import BlockSpan
 MAX_BATCH_SIZE = 64
 # what hidden states may travel as (config.WIRE_DTYPES); any other dtype is refused before it reaches a batch
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# hidden states past this many values are scanned for NaN and infinity on a thread: a long prompt's scan takes
+# milliseconds that the event loop (every other session's steps) should not wait for
+FINITE_SCAN_OFF_LOOP_VALUES = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class Backend:
         compute thread's rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at
         most."""
         start, end = self._block_range(metadata)
-        hidden = self.check_hidden_states(tensors)
+        hidden = await self.check_hidden_states(tensors)
         rows, length = hidden.shape[:2]
         if length > self.max_positions:
             raise SessionLengthError(f"sequence of {length} tokens exceeds {self.max_positions} positions")
@@ -198,7 +201,7 @@ class Backend:
         end = int_field(metadata, "end", start + 1, self.span.end)
         return start, end
 
-    def check_hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
+    async def check_hidden_states(self, tensors: list, batch_size: int | None = None) -> torch.Tensor:
         """The one tensor of hidden states a request carries, refused unless a span can run it as it is."""
         if len(tensors) != 1:
             raise BadRequestError(f"expected one tensor of hidden states, got {len(tensors)}")
@@ -216,6 +219,12 @@ class Backend:
         if tokens > self.limits.max_request_tokens:
             raise BadRequestError(f"a request of {hidden.shape[0]} x {hidden.shape[1]} tokens is over this server's "
                                   f"limit of {self.limits.max_request_tokens} tokens per request")
-        if not torch.isfinite(hidden).all():  # it would poison the session's cache, and anything computed after
+        big = hidden.numel() > FINITE_SCAN_OFF_LOOP_VALUES
+        if not (await asyncio.to_thread(all_finite, hidden) if big else all_finite(hidden)):
+            # it would poison the session's cache, and anything computed after
             raise BadRequestError("hidden states must be finite (no NaN or infinity)")
         return hidden.detach()  # a request may say requires_grad: nothing here needs a graph
+
+
+def all_finite(hidden: torch.Tensor) -> bool:
+    return bool(torch.isfinite(hidden).all())

@@ -57,7 +57,7 @@ class ServerServices:
 
     open_sessions: OpenSessions  # a session joins it when it opens, and leaves it when it closes
     # a step's one tensor of hidden states (and the session's batch size), refused unless the span can run it
-    check_hidden_states: Callable[[list, int], torch.Tensor]
+    check_hidden_states: Callable[[list, int], Awaitable[torch.Tensor]]
     # new positions through the compute thread: (hidden, position, start, end, cache, still_wanted, on_settled)
     # -> outputs; on_settled is called on the event loop once the compute thread is done with them
     compute: Callable[..., Awaitable[torch.Tensor]]
@@ -171,7 +171,7 @@ class ServerSession:
         if self._closed:
             raise SessionClosedError(f"the server closed this session ({self.closed_because})") if self.closed_because \
                 else ServerUnavailableError("this session has ended (closed by its client)")
-        hidden = self.server.check_hidden_states(tensors, self.batch_size)
+        hidden = await self.server.check_hidden_states(tensors, self.batch_size)
         # a position below the current length rewinds the session (regenerate, or a replay after failover)
         position = int_field(metadata, "position", 0, self.length)
         end = position + hidden.shape[1]

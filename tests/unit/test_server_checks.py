@@ -59,7 +59,31 @@ def test_hidden_states_a_span_cannot_run_are_refused(span, tensors, refusal):
     backend = Backend(span, CacheBudget(PAGE_TOKENS), LIMITS)
     try:
         with pytest.raises(BadRequestError, match=refusal):
-            backend.check_hidden_states(tensors)
+            asyncio.run(backend.check_hidden_states(tensors))
+    finally:
+        backend.close()
+
+
+def test_a_long_request_is_scanned_for_nan_off_the_event_loop(span, monkeypatch):
+    """Scanning a long prompt's hidden states takes the event loop's time from every other session's steps: past
+    FINITE_SCAN_OFF_LOOP_VALUES values it runs on a thread; a short one stays on the loop (a thread hop costs more)."""
+    import threading
+
+    from swarm.server import backend as backend_module
+
+    scanned_on = []
+    monkeypatch.setattr(backend_module, "FINITE_SCAN_OFF_LOOP_VALUES", 2 * HIDDEN)
+    monkeypatch.setattr(backend_module, "all_finite",
+                        lambda hidden: scanned_on.append(threading.current_thread()) or True)
+    backend = Backend(span, CacheBudget(PAGE_TOKENS), LIMITS)
+
+    async def check(length: int):
+        await backend.check_hidden_states([torch.zeros(1, length, HIDDEN)])
+        return threading.current_thread()
+
+    try:
+        assert asyncio.run(check(2)) is scanned_on[0]
+        assert asyncio.run(check(3)) is not scanned_on[1]
     finally:
         backend.close()
 

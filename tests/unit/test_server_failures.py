@@ -5,7 +5,6 @@ a failed server-to-server push is counted and said once per next server at WARNI
 import asyncio
 import logging
 
-import pytest
 import torch
 
 from swarm.protocol import BadRequestError, InternalServerError, error_from_wire
