@@ -203,7 +203,7 @@ def test_an_idle_websocket_is_closed_with_a_reason_and_frees_its_session(strict)
 def test_clients_that_never_finish_closing_hold_back_no_one(strict):
     """Idle WebSockets closed by the gateway whose clients never answer the close nor hang up: each connection waits
     for its client in its own thread. (gunicorn's one main thread used to wait up to 2 s for each, one after
-    another, accepting nothing meanwhile: six such clients held /health for 12 s.)"""
+    another, accepting nothing meanwhile: six such clients held /health for seconds.)"""
     sockets = [silent_websocket(strict, "key-silent") for _ in range(6)]
     try:
         time.sleep(LIMITS["WS_IDLE_TIMEOUT"] - 0.5)  # the gateway closes them all at once, half a second from now
