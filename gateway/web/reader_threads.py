@@ -2,14 +2,15 @@
 
 simple-websocket reads each connection in a thread of its own, started with the connection and ended with it.
 Starting and ending a thread both take one process-wide lock of `threading` (with the GIL handed over at each
-step), so when a thousand clients leave at once, a thousand ending threads queue on that lock for tens of seconds,
-and everything else that starts a thread, or asks which threads exist, waits behind them: /health and /metrics
-stalled for over 30 s. Here a reader runs on a thread that outlives its connection and serves the next one, so
-connections coming and going start and end no threads once the pool has grown to the busiest moment's size.
+step), so when a thousand clients leave at once, a thousand ending threads queue on that lock, and everything
+else that starts a thread waits behind them (py-spy found /health's background lookup starting its thread there).
+Here a reader runs on a thread that outlives its connection and serves the next one, so connections coming and
+going start and end no threads once the pool has grown to the busiest moment's size.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -18,27 +19,48 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 
+class IdleTokens:
+    """A count of idle threads that a thousand threads may add to at once: a token each in a C-level queue, whose put
+    and take run whole under the GIL (a lock held over Python code is kept by a thread that loses the GIL there,
+    while every other thread queues for it, each waiting its turn at the GIL)."""
+
+    def __init__(self):
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def release(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._tokens.put(None)
+
+    def __len__(self) -> int:
+        return self._tokens.qsize()
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        try:
+            self._tokens.get(blocking, timeout)
+        except queue.Empty:
+            return False
+        return True
+
+
 class ReaderPool:
     """Daemon threads that each run one reader at a time, and wait for the next; grown when none is free."""
 
     def __init__(self, name: str = "websocket-reader"):
         self.name = name
         self._readers: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = 0  # threads waiting for a reader; each reader handed over either takes one or adds a thread
-        self._lock = threading.Lock()
+        self._idle = IdleTokens()  # each reader handed over either takes an idle thread's token or adds a thread
+        self._started = itertools.count(1)
         self.threads = 0
 
     @property
     def idle(self) -> int:
-        return self._idle
+        return len(self._idle)
 
     def run(self, reader: Callable[[], None]) -> None:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-            else:
-                self.threads += 1
-                threading.Thread(target=self._serve, name=f"{self.name}-{self.threads}", daemon=True).start()
+        if not self._idle.acquire(blocking=False):
+            number = next(self._started)
+            self.threads = max(self.threads, number)
+            threading.Thread(target=self._serve, name=f"{self.name}-{number}", daemon=True).start()
         self._readers.put(reader)
 
     def _serve(self) -> None:
@@ -48,8 +70,7 @@ class ReaderPool:
                 reader()
             except Exception:  # the thread goes on serving others; simple-websocket handles the errors it knows
                 logger.exception("a WebSocket reader failed")
-            with self._lock:
-                self._idle += 1
+            self._idle.release()
 
 
 POOL = ReaderPool()
