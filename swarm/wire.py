@@ -26,8 +26,9 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
                    are read only while it has few enough unanswered (see swarm/server/flow.py)
     rpc_push       [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} -> {results: [{}
                    or {error}, ... n]}: steps' inputs, pushed by the previous server of their chains (named by
-                   the clients in push_to, if that peer announces the next block) as soon as it has them, so that the next server starts before the
-                   clients' copies of the same inputs arrive; one message per next server, however many steps
+                   the clients in push_to, if that peer announces the next block) as soon as it has them, so
+                   that the next server starts before the clients' copies of the same inputs arrive; one
+                   message per next server, however many steps
 
 A refused request is answered with {"error": {code, message}} (see protocol.error_to_wire), never by a
 broken stream, so the client can raise the same SwarmError the server raised. The server implements

@@ -30,7 +30,7 @@ from gateway.ollama.schemas import (
 from gateway.ollama.translate import chat_messages, generate_prompt_ids, plan_reply, refuse_unsupported
 from gateway.web.bodies import load_json, parse
 from gateway.web.current_engine import get_engine
-from gateway.web.limits import check_inputs, work_slot
+from gateway.web.limits import check_input_count, check_input_tokens, work_slot
 from gateway.web.ndjson import ndjson_stream
 
 blueprint = Blueprint("ollama", __name__, url_prefix="/api")
@@ -127,11 +127,11 @@ def embed():
     engine = get_engine()
     stats = engine.stats.begin()
     model, load_seconds = load_model(engine, fields.model)
-    check_inputs(engine.limits, "input", len(fields.input))
+    check_input_count(engine.limits, "input", len(fields.input))
     token_lists = [embedding_ids(model, text, f"input[{index}]", fields.truncate is not False)
                    for index, text in enumerate(fields.input)]
     prompt_tokens = sum(len(ids) for ids in token_lists)
-    check_inputs(engine.limits, "input", len(token_lists), prompt_tokens)
+    check_input_tokens(engine.limits, "input", prompt_tokens)
     vectors = []
     with work_slot(engine):
         for ids in token_lists:
@@ -151,7 +151,7 @@ def embeddings():
     if not fields.prompt:
         return jsonify(embedding=[])
     ids = embedding_ids(model, fields.prompt, "prompt", False)
-    check_inputs(engine.limits, "prompt", 1, len(ids))
+    check_input_tokens(engine.limits, "prompt", len(ids))
     with work_slot(engine):
         return jsonify(embedding=engine.embed(model.name, ids, None))
 

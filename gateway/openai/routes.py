@@ -31,7 +31,7 @@ from gateway.openai.schemas import (
 from gateway.openai.translate import plan_chat, prompt_token_lists
 from gateway.web.bodies import json_body
 from gateway.web.current_engine import get_engine
-from gateway.web.limits import check_inputs, work_slot
+from gateway.web.limits import check_input_count, check_input_tokens, work_slot
 from gateway.web.sse import event_stream
 
 blueprint = Blueprint("openai", __name__)
@@ -108,14 +108,14 @@ def embeddings():
     model = engine.model(fields.model)
     if fields.input == "" or fields.input == []:
         raise BadRequest("input: must not be empty", field="input")
-    check_inputs(engine.limits, "input", input_count(fields.input))
+    check_input_count(engine.limits, "input", input_count(fields.input))
     token_lists = prompt_token_lists(model, fields.input)
     for ids in token_lists:
         if not ids:
             raise BadRequest("input: must not be empty", field="input")
         check_context_length(model.config, len(ids), 0, "input")
     tokens = sum(len(ids) for ids in token_lists)
-    check_inputs(engine.limits, "input", len(token_lists), tokens)
+    check_input_tokens(engine.limits, "input", tokens)
     data = []
     with work_slot(engine):
         for index, ids in enumerate(token_lists):
@@ -142,7 +142,7 @@ def chooses():
     fields = json_body(ChooseRequest)
     engine = get_engine()
     model = engine.model(fields.model)
-    check_inputs(engine.limits, "choices", len(fields.choices))
+    check_input_count(engine.limits, "choices", len(fields.choices))
     context = model.encode("".join([fields.input] if isinstance(fields.input, str) else fields.input), at_start=True)
     continuations = []
     for index, choice in enumerate(fields.choices):
@@ -151,7 +151,7 @@ def chooses():
             raise BadRequest(f"choices[{index}]: must not be empty", field=f"choices[{index}]")
         check_context_length(model.config, len(context) + len(continuation), 0, f"choices[{index}]")
         continuations.append(continuation)
-    check_inputs(engine.limits, "choices", len(continuations), sum(len(context) + len(ids) for ids in continuations))
+    check_input_tokens(engine.limits, "choices", sum(len(context) + len(ids) for ids in continuations))
     with work_slot(engine):
         scored = [(perplexity(engine, model.name, context, continuation), index, choice)
                   for index, (choice, continuation) in enumerate(zip(fields.choices, continuations))]

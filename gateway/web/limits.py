@@ -3,7 +3,8 @@
     install(app, limits)    the body size (413) and each client's requests per minute (429), before any route;
                             and the open WebSockets, overall and per client (429 before the upgrade)
     charge_request()        the same rate limit, for each message on a WebSocket
-    check_inputs()          a request's inputs (embeddings, choices) and their tokens under the per-request caps
+    check_input_count()     a request's inputs (embeddings, choices) under the per-request cap, and
+    check_input_tokens()    their tokens together
     work_slot(engine)       one of the client's session slots, held while a request without a session runs its
                             cache-less forwards (embeddings, /v1/chooses): such work counts like a generation's
 
@@ -61,13 +62,17 @@ def charge_request() -> None:
     current_app.extensions["rate_limiter"].charge(client_id())
 
 
-def check_inputs(limits: Limits, field: str, count: int, tokens: int | None = None) -> None:
-    """`count` inputs (of `tokens` tokens together, once known) in field `field` of one request: a 400 over the caps.
-    Each input is a forward through the whole swarm; check the count before tokenizing anything."""
+def check_input_count(limits: Limits, field: str, count: int) -> None:
+    """`count` inputs in field `field` of one request: a 400 over MAX_INPUTS_PER_REQUEST. Each input is a forward
+    through the whole swarm: checked before anything is tokenized."""
     if count > limits.max_inputs_per_request:
         raise BadRequest(f"{field}: at most {limits.max_inputs_per_request} inputs in one request, got {count} "
                          "(MAX_INPUTS_PER_REQUEST)", field=field)
-    if tokens is not None and tokens > limits.max_input_tokens_per_request:
+
+
+def check_input_tokens(limits: Limits, field: str, tokens: int) -> None:
+    """The tokens of a request's inputs together: a 400 over MAX_INPUT_TOKENS_PER_REQUEST."""
+    if tokens > limits.max_input_tokens_per_request:
         raise BadRequest(f"{field}: at most {limits.max_input_tokens_per_request} tokens in one request, all inputs "
                          f"together, got {tokens} (MAX_INPUT_TOKENS_PER_REQUEST)", field=field)
 

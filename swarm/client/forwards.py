@@ -14,9 +14,9 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 
-from swarm.client.stubs import call_forward
+from swarm.client.stubs import call_forward, forward_outputs
 from swarm.protocol import ServerUnavailableError, SwarmError
-from swarm.wire import PART_BYTES, BlockRPC, gather_parts, pack, raise_if_error, split_parts, unpack
+from swarm.wire import PART_BYTES, BlockRPC, gather_parts, pack, split_parts, unpack
 
 # a request of more bytes of hidden states streams: half of hivemind's 4 MiB, so that the message's framing,
 # its metadata and a reply as large as the request fit whatever the tensor's shape
@@ -47,13 +47,10 @@ async def _streamed_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int,
         reason = "did not answer in time" if isinstance(error, TimeoutError) else f"failed: {error!r}"
         raise ServerUnavailableError(f"server {peer_id} {reason} (blocks {start}:{end})") from None
     try:
-        tensors, metadata = unpack(response) if response is not None else ([], {})
+        answer = unpack(response) if response is not None else ([], {})
     except SwarmError as error:
         raise ServerUnavailableError(f"server {peer_id} sent an undecodable reply: {error}") from None
-    raise_if_error(metadata)
-    if len(tensors) != 1:
-        raise ServerUnavailableError(f"server {peer_id} sent no output (blocks {start}:{end})")
-    return tensors[0]
+    return forward_outputs(answer, hidden, peer_id, start, end)
 
 
 async def _read_to_end(replies) -> None:

@@ -72,7 +72,14 @@ async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end:
     except Exception as error:
         reason = "did not answer in time" if isinstance(error, asyncio.TimeoutError) else f"failed: {error!r}"
         raise ServerUnavailableError(f"server {peer_id} {reason} (blocks {start}:{end})") from None
-    tensors, metadata = unpack(response)
+    return forward_outputs(unpack(response), hidden, peer_id, start, end)
+
+
+def forward_outputs(answer: tuple[list, dict], hidden: torch.Tensor, peer_id: str, start: int, end: int
+                    ) -> torch.Tensor:
+    """A cache-less forward's outputs, from the server's decoded answer (unary or streamed): its error raised,
+    anything but one tensor of the inputs' shape and dtype, all finite, the server's fault."""
+    tensors, metadata = answer
     raise_if_error(metadata)
     if len(tensors) != 1:
         raise MalformedOutputsError(f"server {peer_id} answered with {len(tensors)} tensors (blocks {start}:{end})")

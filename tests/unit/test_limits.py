@@ -109,11 +109,12 @@ def test_with_keys_a_session_by_id_is_its_openers_alone():
 
 def test_inputs_and_their_tokens_are_capped_per_request():
     caps = Limits(max_inputs_per_request=4, max_input_tokens_per_request=100)
-    limits.check_inputs(caps, "input", 4, 100)
+    limits.check_input_count(caps, "input", 4)
+    limits.check_input_tokens(caps, "input", 100)
     with pytest.raises(BadRequest, match=r"^input: at most 4 inputs in one request, got 5 \(MAX_INPUTS_PER_REQUEST\)$"):
-        limits.check_inputs(caps, "input", 5)
+        limits.check_input_count(caps, "input", 5)
     with pytest.raises(BadRequest, match=r"choices: at most 100 tokens .* got 101 \(MAX_INPUT_TOKENS_PER_REQUEST\)"):
-        limits.check_inputs(caps, "choices", 2, 101)
+        limits.check_input_tokens(caps, "choices", 101)
     assert Limits().max_inputs_per_request == 2048  # OpenAI's
 
 
