@@ -13,7 +13,7 @@ from swarm.protocol import RemoteServer, ServerInfo, ServerState, servers_per_bl
 
 logger = logging.getLogger(__name__)
 
-CLAIM_ROUNDS = 3
+CLAIM_ROUNDS = 8  # rounds end as soon as no rival overlaps: more only bound a slow DHT's worst case
 
 
 async def live_others(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
