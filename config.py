@@ -177,6 +177,10 @@ class Limits:
     max_inputs_per_request: int = 2048
     max_input_tokens_per_request: int = 65536  # all of one request's inputs together
     max_stored_response_bytes: int = 64 << 20  # stored responses together, as JSON; the biggest holder gives way
+    # finished conversations kept open on the swarm, so that a request continuing one sends only its new tokens
+    # (gateway/engine/warm.py): how many per gateway process (0: none), and per client; the least recent go first
+    warm_sessions: int = 64
+    warm_sessions_per_client: int = 8
 
     def __post_init__(self):
         if self.max_loaded_models < 1:

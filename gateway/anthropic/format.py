@@ -43,10 +43,11 @@ def tool_use_block(name: str, arguments: str) -> dict:
     return {"type": "tool_use", "id": new_id("toolu"), "name": name, "input": json.loads(arguments)}
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    # the swarm keeps no prompt cache across requests: nothing is ever written to or read from one
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """As Anthropic counts: input_tokens are the prompt's tokens not read from a cache. Every prompt is kept for
+    reuse (engine/warm.py), with or without cache_control, and writing it costs nothing: no cache creation."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
 
 
 def message(message_id: str, model: str, content: list[dict], stop_reason_: Optional[str],
@@ -55,8 +56,9 @@ def message(message_id: str, model: str, content: list[dict], stop_reason_: Opti
             "stop_reason": stop_reason_, "stop_sequence": stop_sequence, "usage": usage_}
 
 
-def message_start(message_id: str, model: str, input_tokens: int) -> dict:
-    return {"type": "message_start", "message": message(message_id, model, [], None, None, usage(input_tokens, 0))}
+def message_start(message_id: str, model: str, input_tokens: int, cached_tokens: int) -> dict:
+    return {"type": "message_start",
+            "message": message(message_id, model, [], None, None, usage(input_tokens, 0, cached_tokens))}
 
 
 def ping() -> dict:
@@ -115,17 +117,18 @@ class MessageReply:
 
     def __init__(self, plan: Plan, stats):
         self.replies, self.model, self.input_tokens = Replies(plan, stats), plan.model, len(plan.prompt_ids)
+        self.cached_tokens = plan.cached_tokens
         self.id = new_id("msg")
 
     def message(self) -> dict:
         [reply] = self.replies.whole()
         blocks, stop_reason_, stop_sequence = self.finish(reply)
         return message(self.id, self.model.name, blocks, stop_reason_, stop_sequence,
-                       usage(self.input_tokens, reply.tokens))
+                       usage(self.input_tokens, reply.tokens, self.cached_tokens))
 
     def events(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
         held = self.replies.held
-        yield message_start(self.id, self.model.name, self.input_tokens)
+        yield message_start(self.id, self.model.name, self.input_tokens, self.cached_tokens)
         if not held:
             yield block_start(0, text_block(""))
         yield ping()

@@ -10,6 +10,7 @@ reply.py sums the deltas into replies; each dialect only formats them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
@@ -54,7 +55,7 @@ def plan_generation(engine: Engine, model: ServedModel, fields: SamplingFields, 
     request = GenerationRequest(
         inputs=None, sampling=sampling, max_new_tokens=max_tokens, stop_sequences=tuple(stop_sequences),
         include_stop=False, stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, constraint=constraint)
-    return Plan(engine, model, prompt_ids, request, fields.n, tool_choice.tools)
+    return Plan(engine, model, prompt_ids, request, fields.n, tool_choice.tools, fields.cache_salt or "")
 
 
 @dataclass(eq=False)
@@ -70,26 +71,32 @@ class Plan:
     request: GenerationRequest  # every choice's, but for its seed
     n: int
     tools: Optional[list[Tool]]  # a reply may be a call of these: known only at its end (reply.py holds it whole)
+    cache_salt: str = ""  # the client's own separation of its cached conversations (see engine/warm.py)
     session: GatewaySession = field(init=False)
+    cached_tokens: int = field(init=False)  # of the prompt, in the servers' caches already: never computed again
 
     def __post_init__(self):
         max_length = len(self.prompt_ids) + self.request.max_new_tokens
-        self.session = self.engine.open_session(self.model.name, max_length, expires=False, owner=client_id())
+        self.session, self.cached_tokens = self.engine.open_for_prompt(self.model, self.prompt_ids, max_length,
+                                                                       client_id(), self.cache_salt)
+        self._given_back = threading.Lock()  # held once the session is given back: it is then another request's
         held_sessions.hold(self)
 
     def close(self) -> None:
-        """Free the session's slot and the servers' caches; a no-op once `run` has done so."""
-        self.engine.close_session(self.session)
+        """Give the session back (kept warm for the client's next request, or closed); a no-op once `run` has."""
+        if self._given_back.acquire(blocking=False):
+            self.engine.finish_session(self.session)
 
     def request_for(self, index: int) -> GenerationRequest:
-        """Choice `index`'s request: the first one sends the prompt; seeds differ, so n choices differ reproducibly."""
+        """Choice `index`'s request: the first one sends the prompt past what the servers hold; seeds differ, so n
+        choices differ reproducibly."""
         sampling = self.request.sampling
         seed = None if sampling.seed is None else sampling.seed + index
         request = replace(self.request, sampling=replace(sampling, seed=seed))
-        return replace(request, input_ids=tuple(self.prompt_ids)) if index == 0 else request
+        return replace(request, input_ids=tuple(self.prompt_ids[self.cached_tokens:])) if index == 0 else request
 
     def run(self, cancelled: Callable[[], bool], stats) -> Iterator[tuple[int, Delta]]:
-        """(choice index, delta) of every choice in turn; the session is closed at the end, however it comes."""
+        """(choice index, delta) of every choice in turn; the session is given back at the end, however it comes."""
         engine, session = self.engine, self.session
         try:
             with engine.sessions.use(session.id):
@@ -99,4 +106,4 @@ class Plan:
                     for delta in engine.generate(session, self.request_for(index), cancelled, stats):
                         yield index, delta
         finally:
-            engine.close_session(session)
+            self.close()

@@ -99,6 +99,8 @@ class SamplingFields(ExtensibleRequest):
     guided_choice: Optional[list[str]] = Field(None, min_length=1)
     guided_grammar: Optional[str] = None
     user: Optional[str] = None
+    # vLLM's: requests reuse cached conversations only with the same salt (and the same client: engine/warm.py)
+    cache_salt: Optional[str] = Field(None, max_length=256)
 
 
 class ContentPart(ExtensibleRequest):

@@ -24,6 +24,7 @@ from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
 from gateway.engine.stops import StopMatcher
+from gateway.engine.warm import WarmKey, WarmSessions
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Engine:
         self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout,
                                         self.limits.max_sessions_per_client)
         self.stats = EngineStats()
+        self.warm = WarmSessions(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
 
     # ----------------------------------------------------------------------------------- models
 
@@ -160,6 +162,36 @@ class Engine:
         self.sessions.remove(session)
         session.close()
 
+    def open_for_prompt(self, model: ServedModel, prompt_ids: list[int], max_length: int, owner: str,
+                        salt: str = "") -> tuple[GatewaySession, int]:
+        """A session for one request's prompt, and how many of its tokens the servers hold already: a warm
+        conversation of the same client continued (see warm.py), else a new session. Either way it may be
+        continued by a later request of the same client once `finish_session` has parked it."""
+        check_max_length(model.config, max_length)
+        key = WarmKey(model.name, owner, salt)
+        with self.sessions.reserve(owner):
+            reuse = self.warm.take(key, prompt_ids, max_length)
+            if reuse is not None:
+                session, cached = reuse.session, reuse.cached
+                session.owner = owner
+            else:
+                # as long as the model allows: a later turn of the conversation must fit in it too (servers take
+                # cache as a session grows, never its max_length up front)
+                longest = max(model.config.max_session_length, max_length)
+                session = GatewaySession(model, model.remote.session(longest), longest, False, owner, warm_key=key)
+                cached = 0
+            self.sessions.add(session)
+        return session, cached
+
+    def finish_session(self, session: GatewaySession) -> None:
+        """A request is done with its session: kept warm for the client's next request if it can be (see
+        open_for_prompt), else closed."""
+        self.sessions.remove(session)
+        if session.warm_key is None or session.broken or session.closed:
+            session.close()
+        else:
+            self.warm.park(session.warm_key, session)
+
     # ----------------------------------------------------------------------------------- the loop
 
     def generate(self, session: GatewaySession, request: GenerationRequest,
@@ -244,7 +276,11 @@ class Engine:
     def _step(session: GatewaySession, feed: list[int]):
         if session.closed:
             raise NotFound(f"inference session {session.id} was closed", field="session_id")
-        logits = session.inference.step([feed], position=len(session.history))[0]  # (vocab,)
+        try:
+            logits = session.inference.step([feed], position=len(session.history))[0]  # (vocab,)
+        except BaseException:
+            session.broken = True  # the servers may hold some of `feed` or none of it: never reuse it
+            raise
         session.history.extend(feed)
         session.last_used = time.monotonic()
         return logits

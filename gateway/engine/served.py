@@ -105,6 +105,15 @@ class GatewaySession:
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    # who may continue it once its request is done (engine/warm.py): None for sessions of their own (HTTP, WebSocket)
+    warm_key: Optional[object] = None
+    broken: bool = False  # a step failed: the servers' caches may not hold `history`, so it is never reused
+
+    def forked(self, length: int) -> "GatewaySession":
+        """A new session whose servers share this one's first `length` positions (copy-on-write) rather than
+        computing them again; this one goes on unchanged."""
+        return GatewaySession(self.model, self.inference.fork(length), self.max_length, self.expires, self.owner,
+                              history=self.history[:length], warm_key=self.warm_key)
 
     @contextlib.contextmanager
     def waits_told_to(self, hook: Optional[Callable[[str], None]]):

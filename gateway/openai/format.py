@@ -62,11 +62,13 @@ def completion_logprobs(tokenizer, logprobs: Sequence[Optional[TokenLogprob]], t
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, timing: Optional[dict] = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, timing: Optional[dict] = None, cached_tokens: int = 0) -> dict:
+    """`cached_tokens`: of the prompt, held by the servers already from an earlier request (engine/warm.py)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         **(timing or {}),
     }
 
@@ -142,6 +144,7 @@ class ChatCompletionReplies:
     def __init__(self, plan: Plan, top: Optional[int], include_usage: bool, stats):
         self.replies, self.model, self.top, self.stats = Replies(plan, stats), plan.model, top, stats
         self.prompt_tokens, self.include_usage = len(plan.prompt_ids), include_usage
+        self.cached_tokens = plan.cached_tokens
         self.request_id = new_id("chatcmpl")
 
     def completion(self) -> dict:
@@ -149,7 +152,7 @@ class ChatCompletionReplies:
         for reply in self.replies.whole():
             content, calls = self.message(reply)
             choices.append(chat_choice(reply.index, content, reply.ended_by, self.logprobs(reply.logprobs), calls))
-        usage_ = usage(self.prompt_tokens, self.replies.tokens, self.stats.timing())
+        usage_ = usage(self.prompt_tokens, self.replies.tokens, self.stats.timing(), self.cached_tokens)
         return chat_completion(self.request_id, self.model.name, choices, usage_)
 
     def chunks(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
@@ -164,7 +167,7 @@ class ChatCompletionReplies:
             else:
                 yield from self.last_chunks(event)
         if self.include_usage:
-            usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing())
+            usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens)
             yield usage_chunk(self.request_id, self.model.name, "chat.completion.chunk", usage_)
 
     def last_chunks(self, finished: Finished) -> Iterator[dict]:
@@ -205,6 +208,7 @@ class TextCompletionReplies:
         self.model, self.include_usage = plans[0].model, include_usage
         self.request_id = new_id("cmpl")
         self.prompt_tokens = sum(len(plan.prompt_ids) for plan in plans)
+        self.cached_tokens = sum(plan.cached_tokens for plan in plans)
 
     def completion(self) -> dict:
         choices = []
@@ -214,14 +218,14 @@ class TextCompletionReplies:
                 logprobs = self.logprobs_of(plan.prompt_ids if self.echo else [], echoed, reply.logprobs)
                 choices.append(text_choice(number * plan.n + reply.index, echo_text + reply.text, reply.ended_by,
                                            logprobs))
-        usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing())
+        usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens)
         return text_completion(self.request_id, self.model.name, choices, usage_)
 
     def chunks(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
         for number, plan in enumerate(self.plans):
             yield from self.prompt_chunks(number, plan, cancelled)
         if self.include_usage:
-            usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing())
+            usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens)
             yield usage_chunk(self.request_id, self.model.name, "text_completion", usage_)
 
     def prompt_chunks(self, number: int, plan: Plan, cancelled: Callable[[], bool]) -> Iterator[dict]:

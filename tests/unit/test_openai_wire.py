@@ -45,8 +45,9 @@ def test_chunks_and_usage():
     chunk = wire.chat_chunk("id", "m", 1, {"content": "x"}, finish_reason="cancelled", with_usage_field=True)
     assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
     assert chunk["choices"] == [{"index": 1, "delta": {"content": "x"}, "logprobs": None, "finish_reason": "stop"}]
-    usage = wire.usage_chunk("id", "m", "chat.completion.chunk", wire.usage(3, 4))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    usage = wire.usage_chunk("id", "m", "chat.completion.chunk", wire.usage(3, 4, cached_tokens=2))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                                         "prompt_tokens_details": {"cached_tokens": 2}}
     choice = wire.chat_choice(0, None, "tool_calls", tool_calls=[wire.tool_call("f", "{}")])
     assert choice["message"]["content"] is None and choice["message"]["tool_calls"][0]["function"]["name"] == "f"
 

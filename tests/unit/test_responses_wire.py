@@ -97,7 +97,7 @@ class ScriptedPlan:
 
     def __init__(self, deltas, tools=None, error=None):
         self.deltas, self.tools, self.error = deltas, tools, error
-        self.prompt_ids, self.n = [0] * 5, 1
+        self.prompt_ids, self.n, self.cached_tokens = [0] * 5, 1, 0
 
     def run(self, cancelled, stats):
         for delta in self.deltas:

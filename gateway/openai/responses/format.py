@@ -70,8 +70,9 @@ def function_call_item(name: str, arguments: str) -> dict:
             "name": name, "arguments": arguments}
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """`cached_tokens`: of the input, held by the servers already (a previous_response_id's conversation)."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 

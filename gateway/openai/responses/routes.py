@@ -131,7 +131,7 @@ class ResponseRun:
     any) kept current. With tools offered, the reply is a call or a text, known only at its end: held whole."""
 
     def __init__(self, body: dict, plan: Plan, stats):
-        self.body, self.prompt_tokens = body, len(plan.prompt_ids)
+        self.body, self.prompt_tokens, self.cached_tokens = body, len(plan.prompt_ids), plan.cached_tokens
         self.replies = Replies(plan, stats)
         self.event = wire.EventCounter()
         self.message_id = wire.new_id("msg")
@@ -206,7 +206,7 @@ class ResponseRun:
         yield self.event(wire.FINAL_EVENTS[status], response=self.body)
 
     def usage(self) -> dict:
-        return wire.usage(self.prompt_tokens, self.replies.tokens)
+        return wire.usage(self.prompt_tokens, self.replies.tokens, self.cached_tokens)
 
     def update(self, **changes) -> None:
         """A new body (readers of the stored one see either the old or the new, whole)."""
