@@ -2,6 +2,10 @@
 every block server's free attention cache (rpc_info's cache_tokens_free, asked of each server directly, since the
 DHT's records lag by an announce period). `Holdings.assert_back()` waits until both are back where they started.
 
+Cache that sessions parked by the gateway hold (finished conversations kept warm for reuse: gateway/engine/warm.py)
+counts as free: any session that needs it gets it (the server evicts parked sessions first), and the gateway
+bounds how many it keeps (WARM_SESSIONS). A request that leaks leaves a session open and unparked.
+
     holdings = Holdings(gateway, tiny_remote.client, tiny_swarm)   # takes the starting point
     ... requests ...
     holdings.assert_back()
@@ -28,8 +32,8 @@ class Holdings:
         return int(float(re.search(r"^gateway_open_sessions (\S+)$", text, re.MULTILINE).group(1)))
 
     def free_cache(self) -> dict[str, int]:
-        """Each running server's free cache slots, by peer id."""
-        return {server.peer_id: self.client.server_info(server.peer_id)["cache_tokens_free"]
+        """Each running server's free cache slots (those of parked sessions too), by peer id."""
+        return {server.peer_id: free_cache(self.client, server)
                 for server in self.swarm.servers if server.process.poll() is None and server.peer_id}
 
     def wait_until_settled(self, seconds: float = SETTLE_SECONDS) -> tuple[int, dict[str, int]]:
@@ -59,8 +63,10 @@ class Holdings:
 
 
 def free_cache(client, server) -> int:
-    """One server's free cache slots (`server`: a swarm.local.ChildProcess), asked of it directly."""
-    return client.server_info(server.peer_id)["cache_tokens_free"]
+    """One server's free cache slots, those of parked sessions included (`server`: a swarm.local.ChildProcess),
+    asked of it directly."""
+    info = client.server_info(server.peer_id)
+    return info["cache_tokens_free"] + info.get("parked_tokens", 0)
 
 
 def wait_for_free_cache(client, server, tokens: int, timeout: float = 60) -> None:
