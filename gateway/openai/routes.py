@@ -2,7 +2,7 @@
 
 `register` puts the routes under PREFIXES (OpenAI's /v1, and Ai00's /api/oai and /api/oai/v1), with the Responses
 API (responses/) beside them; `extras` holds the routes that live at the root (/tokenize, /detokenize, /stats,
-/verbose_stats). Errors take OpenAI's envelope (format.error_body) for the requests that `speaks` says are OpenAI's.
+/verbose_stats), and stateful.py MLC-Chat's stateful /chat/completions and /chat/reset. Errors take OpenAI's envelope (format.error_body) for the requests that `speaks` says are OpenAI's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from gateway.chat.prompts import render_chat
 from gateway.engine.lengths import check_context_length
 from gateway.errors import BadRequest
 from gateway.openai import format as wire
+from gateway.openai import stateful
 from gateway.openai.responses.routes import blueprint as responses_blueprint
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -45,6 +46,7 @@ def register(app) -> None:
     for prefix in PREFIXES:
         app.register_blueprint(blueprint, url_prefix=prefix, name="openai" + prefix.replace("/", "_"))
     app.register_blueprint(extras)
+    app.register_blueprint(stateful.blueprint)  # MLC-Chat's /chat/completions and /chat/reset, at the root
     for prefix in PREFIXES:
         app.register_blueprint(responses_blueprint, url_prefix=prefix,
                                name="openai_responses" + prefix.replace("/", "_"))

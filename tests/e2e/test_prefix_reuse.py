@@ -146,3 +146,32 @@ def test_ollama_counts_only_the_prompt_tokens_it_evaluated(reuse_gateway, local)
     expected, prompt_length = local_greedy(local, messages, 8)
     assert second["message"]["content"] == expected
     assert second["prompt_eval_count"] < prompt_length - first["prompt_eval_count"] + 4
+
+
+def test_mlc_chats_stateful_routes_keep_the_conversation_on_the_server(reuse_gateway, local):
+    headers, url = {"Authorization": "Bearer key-b"}, reuse_gateway.url
+    requests.post(url + "/chat/reset", headers=headers, timeout=30).raise_for_status()
+    body = {"model": "tiny", "temperature": 0, "max_tokens": 8}
+    first = requests.post(url + "/chat/completions", headers=headers, timeout=60,
+                          json={**body, "messages": [SYSTEM, {"role": "user", "content": "Hello there."}]}).json()
+    reply = first["choices"][0]["message"]["content"]
+    # the next turn sends only its new message, streamed this time: the server holds the rest
+    with requests.post(url + "/chat/completions", headers=headers, timeout=60, stream=True,
+                       json={**body, "stream": True, "stream_options": {"include_usage": True},
+                             "messages": [{"role": "user", "content": "And again?"}]}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    text = "".join(choice["delta"].get("content") or "" for chunk in chunks for choice in chunk["choices"])
+    whole = [SYSTEM, {"role": "user", "content": "Hello there."}, {"role": "assistant", "content": reply},
+             {"role": "user", "content": "And again?"}]
+    expected, prompt_length = local_greedy(local, whole, 8)
+    assert text == expected and chunks[-1]["usage"]["prompt_tokens"] == prompt_length
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] - 2
+    # another client has a conversation of its own; a reset starts this one over
+    other = requests.post(url + "/chat/completions", headers={"Authorization": "Bearer key-a"}, timeout=60,
+                          json={**body, "messages": [{"role": "user", "content": "And again?"}]}).json()
+    assert other["usage"]["prompt_tokens"] < prompt_length // 2
+    requests.get(url + "/chat/reset", headers=headers, timeout=30).raise_for_status()
+    alone = requests.post(url + "/chat/completions", headers=headers, timeout=60,
+                          json={**body, "messages": [{"role": "user", "content": "And again?"}]}).json()
+    assert alone["usage"]["prompt_tokens"] == other["usage"]["prompt_tokens"]
