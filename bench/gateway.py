@@ -30,7 +30,7 @@ class Gateway:
     or a folder) and runs its embeddings and LM head on `device` in `dtype`."""
 
     def __init__(self, initial_peers: Sequence[str], max_sessions: int, torch_threads: int, log_dir: Path,
-                 model: str = MODEL, device: str = "cpu", dtype: str = "float32"):
+                 model: str = MODEL, device: str = "cpu", dtype: str = "float32", env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
@@ -44,6 +44,7 @@ class Gateway:
             "MODEL": model,
             "GATEWAY_DEVICE": device,
             "GATEWAY_DTYPE": dtype,
+            **(env or {}),  # any other setting
         }
         self.threads = max(GUNICORN_THREADS, max_sessions + 8)  # + a few for /health and /metrics
         self.log_dir = log_dir
