@@ -12,8 +12,8 @@ rewind to it (a step at an earlier position overwrites the rest), so a history e
 branch is computed again from where it differs, never answered from the wrong prefix.
 
 A session that continues a parked one whole is taken (it leaves the pool); one that shares only part of it
-forks it where supported (the servers share the prefix's pages copy-on-write), leaving the parked conversation
-whole for its own next turn. Parked sessions cost the servers nothing they need: each server evicts its parked
+forks it (the servers share the prefix's pages copy-on-write), leaving the parked conversation whole for its own
+next turn. Parked sessions cost the servers nothing they need: each server evicts its parked
 sessions first when it needs room (their next step then fails over and recomputes: the output is the same), and
 a session in use is never parked. Here, the pool is bounded overall and per client (WARM_SESSIONS,
 WARM_SESSIONS_PER_CLIENT), the least recently parked going first.
@@ -80,7 +80,7 @@ class WarmSessions:
             if found is None:
                 return None
             session, cached = found
-            if cached == len(session.history) and not self._forking[id(session)] or not _can_fork(session):
+            if cached == len(session.history) and not self._forking[id(session)]:
                 del self._parked[id(session)]  # it continues the conversation whole: the request takes it
                 session.history, session.pending = session.history[:cached], []
                 return Reuse(session, cached)
@@ -130,10 +130,6 @@ class WarmSessions:
             parked, self._parked = list(self._parked.values()), OrderedDict()
         for _key, session in parked:
             session.close()
-
-
-def _can_fork(session) -> bool:
-    return hasattr(session.inference, "fork")
 
 
 def _fork(session, length: int):
