@@ -145,3 +145,37 @@ def test_cap_and_idle_expiry(engine, remote):
 def test_unknown_model(engine):
     with pytest.raises(NotFound, match="unknown model 'nope'; served models: tiny"):
         engine.open_session("nope", 16, expires=True)
+
+
+# ------------------------------------------------------------------------------------------ warm conversations
+
+
+def test_a_finished_prompt_is_kept_warm_and_the_next_one_sends_only_its_new_tokens(engine, remote):
+    model = engine.model("tiny")
+    prompt = model.encode("a conversation that goes on and on", at_start=True)
+    session, cached = engine.open_for_prompt(model, prompt, len(prompt) + 4, owner="key:a")
+    assert cached == 0
+    with engine.sessions.use(session.id):
+        first = "".join(delta.text for delta in engine.generate(session, greedy(4, input_ids=tuple(prompt))))
+    engine.finish_session(session)
+    assert len(engine.sessions) == 0 and len(engine.warm) == 1 and not session.closed
+    held = session.history
+    follow_up = held + model.encode(" and then", at_start=False)
+    again, cached = engine.open_for_prompt(model, follow_up, len(follow_up) + 4, owner="key:a")
+    assert again is session and cached == len(held)
+    sent = len(session.inference.sent)
+    with engine.sessions.use(again.id):
+        list(engine.generate(again, greedy(4, input_ids=tuple(follow_up[cached:]))))
+    assert session.inference.sent[sent] == follow_up[cached:]  # only the new tokens went to the "servers"
+    assert first
+
+
+def test_a_session_whose_step_failed_is_never_kept(engine, remote):
+    model = engine.model("tiny")
+    prompt = model.encode("a conversation that fails midway through", at_start=True)
+    session, _ = engine.open_for_prompt(model, prompt, len(prompt) + 4, owner="key:a")
+    session.inference.step = lambda *args, **kwargs: (_ for _ in ()).throw(ConnectionError("a server vanished"))
+    with pytest.raises(ConnectionError), engine.sessions.use(session.id):
+        list(engine.generate(session, greedy(4, input_ids=tuple(prompt))))
+    engine.finish_session(session)
+    assert session.closed and session.broken and len(engine.warm) == 0
