@@ -181,6 +181,7 @@ class Limits:
     # (gateway/engine/warm.py): how many per gateway process (0: none), and per client; the least recent go first
     warm_sessions: int = 64
     warm_sessions_per_client: int = 8
+    max_saved_states_per_client: int = 8  # prefixes saved by name (POST /v1/states: engine/saved_states.py)
 
     def __post_init__(self):
         if self.max_loaded_models < 1:

@@ -33,9 +33,11 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], tools: Optional[list[Tool]], continue_final: bool = False) -> str:
+def render_chat(tokenizer, messages: list[ChatMessage], tools: Optional[list[Tool]], continue_final: bool = False,
+                as_prefix: bool = False) -> str:
     """The prompt text for these messages, ending where the assistant's reply begins; with `continue_final`, where
-    the last (assistant) message ends, so that the reply goes on from it (Anthropic's prefilled replies)."""
+    the last (assistant) message ends, so that the reply goes on from it (Anthropic's prefilled replies); with
+    `as_prefix`, where the last message ends, as the beginning of a longer chat (a saved state)."""
     template = tokenizer.chat_template or ""
     if not template:
         raise BadRequest("this model has no chat template: use /v1/completions", field="messages")
@@ -63,7 +65,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: Optional[list[Too
         rendered = _with_tools_instruction(rendered, tool_dicts)
     try:
         return tokenizer.apply_chat_template(rendered, tools=tool_dicts if template_knows_tools else None,
-                                             add_generation_prompt=not continue_final,
+                                             add_generation_prompt=not (continue_final or as_prefix),
                                              continue_final_message=continue_final, tokenize=False)
     except Exception as error:  # the template itself refused these messages (e.g. roles out of order)
         raise BadRequest(f"messages: the model's chat template refused them: {error}", field="messages") from None

@@ -24,6 +24,7 @@ from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
 from gateway.engine.stops import StopMatcher
+from gateway.engine.saved_states import SavedState, SavedStates
 from gateway.engine.warm import WarmKey, WarmSessions
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Engine:
                                         self.limits.max_sessions_per_client)
         self.stats = EngineStats()
         self.warm = WarmSessions(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
+        self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client)
 
     # ----------------------------------------------------------------------------------- models
 
@@ -182,6 +184,24 @@ class Engine:
                 cached = 0
             self.sessions.add(session)
         return session, cached
+
+    def save_state(self, model: ServedModel, name: str, prompt_ids: list[int], owner: str, salt: str = "",
+                   messages: Optional[list] = None) -> SavedState:
+        """Run `prompt_ids` through the swarm once and keep them by `name` for `owner`'s requests to fork
+        (see saved_states.py); saving a name again replaces it."""
+        longest = model.config.max_session_length
+        check_max_length(model.config, len(prompt_ids))
+        key = WarmKey(model.name, owner, salt)
+        with self.sessions.reserve(owner):
+            session = GatewaySession(model, model.remote.session(longest), longest, False, owner, warm_key=key)
+        try:
+            self._step(session, prompt_ids)  # every token into the servers' caches: what forks of it share
+            state = SavedState(name, key, session, messages)
+            self.states.save(state)
+        except BaseException:
+            session.close()
+            raise
+        return state
 
     def finish_session(self, session: GatewaySession) -> None:
         """A request is done with its session: kept warm for the client's next request if it can be (see

@@ -13,7 +13,7 @@ branch is computed again from where it differs, never answered from the wrong pr
 
 A session that continues a parked one whole is taken (it leaves the pool); one that shares only part of it
 forks it (the servers share the prefix's pages copy-on-write), leaving the parked conversation whole for its own
-next turn. Parked sessions cost the servers nothing they need: each server evicts its parked
+next turn. Saved states (saved_states.py) are pinned here: never taken, never given way, only forked. Parked sessions cost the servers nothing they need: each server evicts its parked
 sessions first when it needs room (their next step then fails over and recomputes: the output is the same), and
 a session in use is never parked. Here, the pool is bounded overall and per client (WARM_SESSIONS,
 WARM_SESSIONS_PER_CLIENT), the least recently parked going first.
@@ -67,6 +67,7 @@ class WarmSessions:
         self.max_sessions, self.max_per_client = max_sessions, max_per_client or max_sessions
         self._parked: OrderedDict[int, tuple[WarmKey, object]] = OrderedDict()  # id(session) -> ..., oldest first
         self._forking: Counter[int] = Counter()  # parked sessions being forked now
+        self._pinned: dict[int, tuple[WarmKey, object]] = {}  # saved states (saved_states.py): only ever forked
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -80,7 +81,7 @@ class WarmSessions:
             if found is None:
                 return None
             session, cached = found
-            if cached == len(session.history) and not self._forking[id(session)]:
+            if cached == len(session.history) and not self._forking[id(session)] and id(session) not in self._pinned:
                 del self._parked[id(session)]  # it continues the conversation whole: the request takes it
                 session.history, session.pending = session.history[:cached], []
                 return Reuse(session, cached)
@@ -96,7 +97,7 @@ class WarmSessions:
 
     def _best(self, key: WarmKey, prompt: list[int], max_length: int) -> Optional[tuple[object, int]]:
         best, cached = None, 0
-        for session_key, session in self._parked.values():
+        for session_key, session in [*self._parked.values(), *self._pinned.values()]:
             if session_key != key or session.max_length < max_length:
                 continue
             # the last prompt token is always sent: its step gives the logits of the reply's first token
@@ -124,6 +125,15 @@ class WarmSessions:
                 evicted.append(self._parked.popitem(last=False)[1][1])
         for parked in evicted:
             parked.close()
+
+    def pin(self, key: WarmKey, session) -> None:
+        """Keep `session` for requests of `key` until unpinned: a saved state, which they only ever fork."""
+        with self._lock:
+            self._pinned[id(session)] = (key, session)
+
+    def unpin(self, session) -> None:
+        with self._lock:
+            self._pinned.pop(id(session), None)
 
     def close_all(self) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ from gateway.chat.prompts import render_chat
 from gateway.engine.lengths import check_context_length
 from gateway.errors import BadRequest
 from gateway.openai import format as wire
-from gateway.openai import stateful
+from gateway.openai import stateful, states
 from gateway.openai.responses.routes import blueprint as responses_blueprint
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -29,7 +29,7 @@ from gateway.openai.schemas import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from gateway.openai.translate import plan_chat, prompt_token_lists
+from gateway.openai.translate import plan_chat, prompt_token_lists, saved_state
 from gateway.web.bodies import json_body
 from gateway.web.current_engine import get_engine
 from gateway.web.limits import check_input_count, check_input_tokens, work_slot
@@ -50,6 +50,7 @@ def register(app) -> None:
     for prefix in PREFIXES:
         app.register_blueprint(responses_blueprint, url_prefix=prefix,
                                name="openai_responses" + prefix.replace("/", "_"))
+        app.register_blueprint(states.blueprint, url_prefix=prefix, name="openai_states" + prefix.replace("/", "_"))
 
 
 def speaks() -> bool:
@@ -81,6 +82,10 @@ def completions():
     engine = get_engine()
     model = engine.model(fields.model)
     prompts = prompt_token_lists(model, fields.prompt)
+    if fields.state is not None:  # each prompt goes on from the state's tokens, which its servers already hold
+        state = saved_state(engine, model, fields.state, chat=False)
+        prompts = [state.tokens + ids for ids in prompts]
+        fields = fields.model_copy(update={"cache_salt": state.key.salt})
     if len(prompts) > engine.sessions.max_per_client:  # each prompt holds a session of its own while it runs
         raise BadRequest(f"prompt: at most {engine.sessions.max_per_client} prompts in one request "
                          "(MAX_SESSIONS_PER_CLIENT)", field="prompt")

@@ -19,6 +19,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
+    state: Optional[str] = Field(None, max_length=64)  # Ai00's: a saved state's messages come first
 
 
 class CompletionRequest(SamplingFields):
@@ -26,6 +27,17 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     suffix: Optional[str] = None
+    state: Optional[str] = Field(None, max_length=64)  # Ai00's: a saved state's tokens come first
+
+
+class SaveStateRequest(ExtensibleRequest):
+    """POST /v1/states: a prefix computed once and kept by name (gateway/engine/saved_states.py)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    model: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)  # rendered as a chat's beginning
+    prompt: Optional[Union[str, list[int]]] = Field(None, min_length=1)  # or plain text, or token ids
+    cache_salt: Optional[str] = Field(None, max_length=256)
 
 
 class EmbeddingRequest(ExtensibleRequest):

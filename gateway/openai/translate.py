@@ -3,6 +3,7 @@
     plan_chat(engine, fields)            a chat completion (and a Responses request, translated into one): the model,
                                          the tool choice, the prompt rendered with the model's chat template, the plan
     prompt_token_lists(model, prompt)    a completion's (or embedding's) prompt: text, texts, ids or lists of ids
+    saved_state(engine, model, name)     the saved state a request's `state` field names (engine/saved_states.py)
 """
 
 from __future__ import annotations
@@ -11,17 +12,34 @@ from gateway.chat.params import offered_tools
 from gateway.chat.plan import Plan, chat_prompt_ids, plan_generation
 from gateway.engine.generation import Engine
 from gateway.engine.served import ServedModel
+from gateway.engine.saved_states import SavedState
 from gateway.errors import BadRequest
 from gateway.openai.schemas import ChatCompletionRequest
+from gateway.web.access import client_id
 
 
 def plan_chat(engine: Engine, fields: ChatCompletionRequest, logprobs=None) -> Plan:
     """A chat request planned: its messages rendered with the model's chat template, then checked and its session
     opened (chat/plan.py); `logprobs`: None, or how many alternatives each token comes with."""
     model = engine.model(fields.model)
+    if fields.state is not None:
+        state = saved_state(engine, model, fields.state, chat=True)
+        fields = fields.model_copy(update={"messages": state.messages + list(fields.messages),
+                                           "cache_salt": state.key.salt})
     tool_choice = offered_tools(fields.tool_choice, fields.tools, fields.parallel_tool_calls)
     prompt_ids = chat_prompt_ids(model, fields.messages, tool_choice.tools)
     return plan_generation(engine, model, fields, prompt_ids, "messages", tool_choice, logprobs)
+
+
+def saved_state(engine: Engine, model: ServedModel, name: str, chat: bool) -> SavedState:
+    """The client's saved state named by a request's `state` field, for this model and this kind of request."""
+    state = engine.states.get(client_id(), name)
+    if state.key.model != model.name:
+        raise BadRequest(f"state: {name!r} was saved for model {state.key.model}, not {model.name}", field="state")
+    if chat and state.messages is None:
+        raise BadRequest(f"state: {name!r} was saved from a prompt, not messages: use it on /v1/completions",
+                         field="state")
+    return state
 
 
 def prompt_token_lists(model: ServedModel, prompt) -> list[list[int]]:
