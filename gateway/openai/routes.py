@@ -19,7 +19,7 @@ from gateway.chat.prompts import render_chat
 from gateway.engine.lengths import check_context_length
 from gateway.errors import BadRequest
 from gateway.openai import format as wire
-from gateway.openai import stateful, states
+from gateway.openai import state_routes, stateful
 from gateway.openai.responses.routes import blueprint as responses_blueprint
 from gateway.openai.schemas import (
     ChatCompletionRequest,
@@ -50,7 +50,8 @@ def register(app) -> None:
     for prefix in PREFIXES:
         app.register_blueprint(responses_blueprint, url_prefix=prefix,
                                name="openai_responses" + prefix.replace("/", "_"))
-        app.register_blueprint(states.blueprint, url_prefix=prefix, name="openai_states" + prefix.replace("/", "_"))
+        app.register_blueprint(state_routes.blueprint, url_prefix=prefix,
+                               name="openai_states" + prefix.replace("/", "_"))
 
 
 def speaks() -> bool:
