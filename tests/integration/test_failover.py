@@ -195,3 +195,42 @@ def test_a_seeded_sample_is_identical_when_a_server_dies_mid_reply(chaos_swarm, 
     assert chains[-1][hop] != victims[0].peer_id  # a replica took the dead server's place in the chain
     span = SPANS[hop]  # back to two replicas of each span for the next case
     chaos_swarm.add_server(["--blocks", f"{span[0]}:{span[1]}"])
+
+
+# ------------------------------------------------------------------ a warm conversation whose server died
+
+
+def greedy_reply(engine, prompt: list[int], tokens: int) -> tuple[object, list[int], int]:
+    """(session, reply ids, tokens reused) of the engine's greedy reply to `prompt`, the session given back (parked)."""
+    from gateway.engine.generation import GenerationRequest
+    from gateway.engine.sampling import SamplingParams
+
+    model = engine.model("tiny")
+    session, cached = engine.open_for_prompt(model, prompt, len(prompt) + tokens, owner="key:warm")
+    request = GenerationRequest(inputs=None, sampling=SamplingParams(), max_new_tokens=tokens,
+                                input_ids=tuple(prompt[cached:]), logprobs=0)
+    try:
+        with engine.sessions.use(session.id):
+            ids = [entry.token_id for delta in engine.generate(session, request) for entry in delta.logprobs]
+    finally:
+        engine.finish_session(session)
+    return session, ids, cached
+
+
+def test_a_warm_conversation_whose_server_died_is_recomputed_with_identical_output(chaos_swarm, engine, model):
+    first_prompt = PROMPT * 4
+    session, first, _ = greedy_reply(engine, first_prompt, 8)
+    follow_up = first_prompt + first[:-1] + [3, 1, 4, 1, 5]  # the servers hold all but the last reply token
+    victim = server_of(chaos_swarm, session.inference.blocks.chain[1].peer_id)
+    victim.process.send_signal(signal.SIGKILL)  # the second hop of the parked conversation dies meanwhile
+    again, second, cached = greedy_reply(engine, follow_up, 8)
+    assert again is session and cached == len(follow_up) - 5  # reused as far as the gateway knows...
+    assert victim.peer_id not in [link.peer_id for link in session.inference.blocks.chain]  # ...but recomputed there
+    with model.session(max_length=len(follow_up) + 8) as fresh:  # the same prompt on fresh sessions, no reuse
+        logits, expected = fresh.step([follow_up]), []
+        for _ in range(8):
+            expected.append(int(logits[0].argmax()))
+            logits = fresh.step([[expected[-1]]])
+    assert second == expected
+    victim.process.wait(10)
+    chaos_swarm.add_server(["--blocks", f"{SPANS[1][0]}:{SPANS[1][1]}"])  # two replicas again
