@@ -175,3 +175,40 @@ def test_mlc_chats_stateful_routes_keep_the_conversation_on_the_server(reuse_gat
     alone = requests.post(url + "/chat/completions", headers=headers, timeout=60,
                           json={**body, "messages": [{"role": "user", "content": "And again?"}]}).json()
     assert alone["usage"]["prompt_tokens"] == other["usage"]["prompt_tokens"]
+
+
+def test_a_saved_state_is_forked_by_every_request_that_starts_with_it(reuse_gateway, local):
+    headers, url = {"Authorization": "Bearer key-b"}, reuse_gateway.url
+    preamble = [{"role": "system", "content": "You know these tools: " + "search, fetch, summarize. " * 6}]
+    saved = requests.post(url + "/v1/states", headers=headers, timeout=60,
+                          json={"name": "tools", "model": "tiny", "messages": preamble}).json()
+    assert saved["name"] == "tools" and saved["kind"] == "messages" and saved["tokens"] > 100
+    client = openai_client(reuse_gateway, "key-b")
+    for question in ("What can you do?", "Fetch the news."):  # two conversations, each forking the state
+        messages = [{"role": "user", "content": question}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8,
+                                               extra_body={"state": "tools"})
+        expected, prompt_length = local_greedy(local, preamble + messages, 8)
+        assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == prompt_length
+        assert reply.usage.prompt_tokens_details.cached_tokens == saved["tokens"]
+    # the same prefix without naming the state forks it too; another client's never does
+    text, usage = chat(client, preamble + [{"role": "user", "content": "Hi."}])
+    assert usage.prompt_tokens_details.cached_tokens == saved["tokens"]
+    text, usage = chat(openai_client(reuse_gateway, "key-a"), preamble + [{"role": "user", "content": "Hi."}])
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    listed = requests.get(url + "/v1/states", headers=headers, timeout=30).json()["data"]
+    assert [state["name"] for state in listed] == ["tools"]
+    assert requests.get(url + "/v1/states", headers={"Authorization": "Bearer key-a"}, timeout=30).json()["data"] == []
+    assert requests.delete(url + "/v1/states/tools", headers=headers, timeout=30).json()["deleted"] is True
+    missing = requests.post(url + "/v1/chat/completions", headers=headers, timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "state": "tools"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "state"
+
+
+def test_saving_a_state_checks_its_fields(reuse_gateway):
+    headers, url = {"Authorization": "Bearer key-a"}, reuse_gateway.url
+    for body, field in (({"name": "x"}, "messages"), ({"name": "a b", "prompt": "hi"}, "name"),
+                        ({"name": "x", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                        ({"name": "x", "prompt": [10 ** 9]}, "prompt")):
+        response = requests.post(url + "/v1/states", headers=headers, json=body, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, body
