@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
-from gateway.engine.metrics import observe_token
+from gateway.engine.metrics import CACHED_PROMPT_TOKENS, observe_token
 from gateway.engine.sampling import Sampler, SamplingParams
 from gateway.engine.catalogue import ServedModels
 from gateway.engine.served import GatewaySession, ServedModel
@@ -176,6 +176,7 @@ class Engine:
             if reuse is not None:
                 session, cached = reuse.session, reuse.cached
                 session.owner = owner
+                CACHED_PROMPT_TOKENS.labels(model.name).inc(cached)
             else:
                 # as long as the model allows: a later turn of the conversation must fit in it too (servers take
                 # cache as a session grows, never its max_length up front)

@@ -3,6 +3,7 @@
     gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
     gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
     gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
+    gateway_cached_prompt_tokens_total{model}   counter    prompt tokens the servers held already (engine/warm.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ TIME_TO_FIRST_TOKEN = Histogram("gateway_time_to_first_token_seconds",
 INTER_TOKEN_LATENCY = Histogram("gateway_inter_token_latency_seconds", "Between two tokens of one generation",
                                 ["model"], buckets=_LATENCY_BUCKETS)
 GENERATED_TOKENS = Counter("gateway_generated_tokens_total", "Tokens generated (rate() gives tokens/s)", ["model"])
+CACHED_PROMPT_TOKENS = Counter("gateway_cached_prompt_tokens_total",
+                               "Prompt tokens the servers held already from an earlier request: never computed again",
+                               ["model"])
 
 
 def observe_token(model: str, seconds: float, first: bool) -> None:

@@ -47,6 +47,9 @@ class SavedStates:
         self._states: dict[tuple[str, str], SavedState] = {}  # (client, name) ->
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._states)
+
     def save(self, state: SavedState) -> None:
         """Keep `state` (replacing the client's state of that name); over the client's cap, a 429."""
         client = state.key.client

@@ -11,8 +11,8 @@ none can learn another's prompts by timing. Within a key, the longest common pre
 rewind to it (a step at an earlier position overwrites the rest), so a history edited in the middle or a divergent
 branch is computed again from where it differs, never answered from the wrong prefix.
 
-A session that continues a parked one whole is taken (it leaves the pool); one that shares only part of it
-forks it (the servers share the prefix's pages copy-on-write), leaving the parked conversation whole for its own
+A session that continues a parked one whole (or but for a few tokens) is taken (it leaves the pool); one that
+shares only part of it forks it (the servers share the prefix's pages copy-on-write), leaving the parked conversation whole for its own
 next turn. Saved states (saved_states.py) are pinned here: never taken, never given way, only forked. Parked sessions cost the servers nothing they need: each server evicts its parked
 sessions first when it needs room (their next step then fails over and recomputes: the output is the same), and
 a session in use is never parked. Here, the pool is bounded overall and per client (WARM_SESSIONS,
@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 # A prefix shorter than this is not worth holding a conversation for: another request may continue it whole
 MIN_SHARED_TOKENS = PAGE_TOKENS
+# A conversation that a prompt leaves at most this many tokens of is taken and rewound rather than forked: a reply
+# rendered back into a chat often tokenizes a little differently at its end, and keeping that tail is not worth a
+# second session
+SHORT_TAIL_TOKENS = PAGE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,9 @@ class WarmSessions:
             if found is None:
                 return None
             session, cached = found
-            if cached == len(session.history) and not self._forking[id(session)] and id(session) not in self._pinned:
-                del self._parked[id(session)]  # it continues the conversation whole: the request takes it
+            short_tail = len(session.history) - cached <= SHORT_TAIL_TOKENS
+            if short_tail and not self._forking[id(session)] and id(session) not in self._pinned:
+                del self._parked[id(session)]  # it continues the conversation (near enough) whole: the request takes it
                 session.history, session.pending = session.history[:cached], []
                 return Reuse(session, cached)
             self._forking[id(session)] += 1  # nobody takes it whole (and rewinds it) while its pages are shared
@@ -147,6 +152,6 @@ def _fork(session, length: int):
     request then starts afresh: its prompt is computed whole)."""
     try:
         return session.forked(length)
-    except Exception:
-        logger.info("forking session %s failed", session.id, exc_info=True)
+    except Exception as error:
+        logger.warning("forking session %s failed (%r); computing the prompt afresh", session.id, error)
         return None

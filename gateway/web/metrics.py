@@ -2,6 +2,9 @@
 
     gateway_open_sessions                       gauge      HTTP and WebSocket sessions open now
     gateway_open_websockets                     gauge      WebSocket connections open now (MAX_WEBSOCKETS)
+    gateway_warm_sessions                       gauge      finished conversations kept on the servers (WARM_SESSIONS)
+    gateway_saved_states                        gauge      prefixes saved by name (POST /v1/states)
+    gateway_cached_prompt_tokens_total{model}   counter    prompt tokens the servers held already: never computed
     gateway_requests_total{api, status}         counter    api: petals_http, petals_ws, openai, anthropic, ollama;
                                                            status: HTTP code
     gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token
@@ -25,6 +28,8 @@ import swarm.client  # noqa: F401  (registers the swarm client's counters, even 
 
 OPEN_SESSIONS = Gauge("gateway_open_sessions", "Inference sessions open on this gateway, HTTP and WebSocket")
 OPEN_WEBSOCKETS = Gauge("gateway_open_websockets", "WebSocket connections open on this gateway")
+WARM_SESSIONS = Gauge("gateway_warm_sessions", "Finished conversations kept open on the servers for reuse")
+SAVED_STATES = Gauge("gateway_saved_states", "Prefixes saved by name, forked by the requests starting with them")
 REQUESTS = Counter("gateway_requests_total", "API requests (WebSocket: messages) by API and status code",
                    ["api", "status"])
 
@@ -35,6 +40,8 @@ def install(app) -> None:
     def metrics():
         OPEN_SESSIONS.set(len(app.extensions["engine"].sessions))  # read at scrape time: never stale
         OPEN_WEBSOCKETS.set(len(app.extensions["websocket_slots"]))
+        WARM_SESSIONS.set(len(app.extensions["engine"].warm))
+        SAVED_STATES.set(len(app.extensions["engine"].states))
         return Response(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
 
     @app.after_request

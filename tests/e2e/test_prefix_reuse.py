@@ -4,6 +4,7 @@ recomputation would; reuse never crosses clients or salts, and a history edited 
 from where it differs."""
 
 import json
+import re
 
 import anthropic
 import openai
@@ -90,6 +91,9 @@ def test_a_multi_turn_chat_reuses_every_earlier_turn_and_answers_as_recomputed(r
             assert usage.prompt_tokens_details.cached_tokens > 16 + len(earlier_prompt) // 2
         earlier_prompt, earlier_reply = ids, generated
         messages.append({"role": "assistant", "content": text})
+    metrics = requests.get(reuse_gateway.url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=30).text
+    assert re.search(r'^gateway_cached_prompt_tokens_total\{model="tiny"\} ([1-9]\d*)', metrics, re.MULTILINE)
+    assert re.search(r"^gateway_warm_sessions [1-9]", metrics, re.MULTILINE)
 
 
 def test_an_edit_in_the_middle_of_a_history_is_computed_again_from_there(reuse_gateway, local):

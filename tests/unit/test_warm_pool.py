@@ -36,7 +36,7 @@ class FakeSession:
 
 
 A, B = WarmKey("tiny", "key:a"), WarmKey("tiny", "key:b")
-CONVERSATION = list(range(100, 140))  # 40 tokens
+CONVERSATION = list(range(100, 160))  # 60 tokens
 
 
 def test_shared_prefix():
@@ -48,8 +48,17 @@ def test_a_prompt_continuing_a_conversation_takes_it_whole_cut_to_the_shared_par
     pool.park(A, session)
     assert session.inference.parked == 1 and len(pool) == 1
     reuse = pool.take(A, CONVERSATION + [7, 8], max_length=100)
-    assert reuse.session is session and reuse.cached == 40 and session.history == CONVERSATION
+    assert reuse.session is session and reuse.cached == 60 and session.history == CONVERSATION
     assert session.pending == [] and len(pool) == 0  # the request's now: nobody else takes it meanwhile
+
+
+def test_a_prompt_leaving_a_short_tail_takes_the_conversation_and_rewinds_it():
+    """A reply rendered back into a chat may tokenize differently at its end: not worth keeping a second session."""
+    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION)
+    pool.park(A, session)
+    reuse = pool.take(A, CONVERSATION[:-3] + [1, 2], max_length=100)
+    assert reuse.session is session and reuse.cached == 57 and session.history == CONVERSATION[:57]
+    assert session.inference.forks == [] and len(pool) == 0
 
 
 def test_the_prompts_last_token_is_always_computed_again():
