@@ -149,11 +149,11 @@ class Connection:
             pass  # nothing is being generated: there is nothing to stop
 
     def open_session(self, message: WsOpenSession) -> None:
-        sessions = self.engine.sessions
         if message.session_id is None:
             self.session = self.engine.open_session(message.model, message.max_length, expires=False, owner=self.client)
-            sessions.keep(self.session)
+            self.engine.sessions.keep(self.session)  # its id resumes it on another connection, after a restart too
             return
+        sessions = self.engine.sessions
         session = sessions.resume(message.session_id, self.client)
         if message.model and self.engine.model_config(message.model).name != session.model.name:
             sessions.detach(session)
