@@ -105,7 +105,7 @@ class SessionRegistry:
         """Forget the session: closed or expired, so its stored row goes too."""
         with self._lock:
             self._sessions.pop(session.id, None)
-        if session.stored:
+        if self.store is not None and session.stored:
             self._store_call("delete", session.id)
 
     def detach(self, session) -> None:
