@@ -39,7 +39,6 @@ CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     model TEXT NOT NULL,
     owner TEXT NOT NULL,
-    expires INTEGER NOT NULL,      -- whether it expires when idle while open (HTTP) or lives with its connection
     max_length INTEGER NOT NULL,
     history TEXT NOT NULL,         -- JSON token ids in the servers' caches
     pending TEXT NOT NULL,         -- JSON token ids sampled but not yet sent (the last one, or none)
@@ -51,7 +50,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     updated_at REAL NOT NULL
 )
 """
-COLUMNS = ("id", "model", "owner", "expires", "max_length", "history", "pending", "reply_start", "state", "holder",
+COLUMNS = ("id", "model", "owner", "max_length", "history", "pending", "reply_start", "state", "holder",
            "last_used", "expires_at", "updated_at")
 
 
@@ -64,7 +63,6 @@ class StoredSession:
     id: str
     model: str
     owner: str
-    expires: bool
     max_length: int
     history: tuple[int, ...]
     pending: tuple[int, ...]
@@ -137,7 +135,7 @@ class SessionStore:
         """The session as it is now, held by this process, in one transaction."""
         now = time.time()
         last_used = now - max(time.monotonic() - session.last_used, 0.0)
-        row = (session.id, session.model.name, session.owner, int(session.expires), session.max_length,
+        row = (session.id, session.model.name, session.owner, session.max_length,
                json.dumps(session.history), json.dumps(session.pending), session.reply_start,
                json.dumps(session.state), self.holder, last_used, last_used + idle_timeout, now)
         with self._transaction():
@@ -169,6 +167,8 @@ class SessionStore:
         with self._lock:
             rows = self._db.execute("SELECT id, holder FROM sessions WHERE expires_at < ?", (time.time(),)).fetchall()
         gone = [session_id for session_id, holder in rows if holder != self.holder and not holder_alive(holder)]
+        if not gone:
+            return 0
         with self._transaction():
             self._db.executemany("DELETE FROM sessions WHERE id = ? AND expires_at < ?",
                                  [(session_id, time.time()) for session_id in gone])
@@ -185,8 +185,7 @@ class SessionStore:
         if row is None:
             return None
         values = dict(zip(COLUMNS, row))
-        return StoredSession(values["id"], values["model"], values["owner"], bool(values["expires"]),
-                             values["max_length"], tuple(json.loads(values["history"])),
+        return StoredSession(values["id"], values["model"], values["owner"], values["max_length"], tuple(json.loads(values["history"])),
                              tuple(json.loads(values["pending"])), values["reply_start"], json.loads(values["state"]),
                              values["holder"], values["last_used"], values["expires_at"])
 
@@ -235,9 +234,10 @@ def open_store(setting: Optional[str]) -> Optional[SessionStore]:
 
 def reopen_session(engine, stored: StoredSession) -> GatewaySession:
     """A stored session opened again on a fresh chain of servers: its history replayed into their caches in one
-    step, the pending token kept for the next generation's first step, exactly as it was."""
+    step, the pending token kept for the next generation's first step, exactly as it was. It expires when idle, as
+    an HTTP session does, unless a WebSocket takes it up (it then lives with that connection)."""
     model = engine.model(stored.model)
-    session = GatewaySession(model, model.remote.session(stored.max_length), stored.max_length, stored.expires,
+    session = GatewaySession(model, model.remote.session(stored.max_length), stored.max_length, True,
                              stored.owner, id=stored.id, reply_start=stored.reply_start, state=dict(stored.state),
                              stored=True)
     try:

@@ -159,6 +159,7 @@ class Connection:
             sessions.detach(session)
             session.close()
             raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
+        session.expires = False  # it lives with this connection now
         self.session, self.chat = session, ChatTranscript.resumed(self.engine, session)
 
     def generate(self, message: WsGenerate) -> None:

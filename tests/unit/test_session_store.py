@@ -35,7 +35,7 @@ def test_a_saved_session_loads_as_it_was(tmp_path):
     store = SessionStore(tmp_path / "sessions.sqlite3")
     store.save(fake_session(reply_start=3, state={"chat": [{"role": "user", "content": "hi"}]}), idle_timeout=60)
     stored = SessionStore(tmp_path / "sessions.sqlite3").load("s1")  # another connection: what is on disk
-    assert (stored.model, stored.owner, stored.expires, stored.max_length) == ("tiny", "key:a", True, 64)
+    assert (stored.model, stored.owner, stored.max_length) == ("tiny", "key:a", 64)
     assert (stored.history, stored.pending, stored.reply_start) == ((1, 2, 3), (4,), 3)
     assert stored.state == {"chat": [{"role": "user", "content": "hi"}]}
     assert stored.holder == this_process() and stored.expires_at - stored.last_used == pytest.approx(60)
@@ -204,8 +204,15 @@ def test_a_session_open_in_another_live_process_is_not_opened_twice(tmp_path, ti
     first.sessions.keep(session)
     parent = f"{os.getppid()}@{_start_time(os.getppid())}"
     SessionStore(store)._db.execute("UPDATE sessions SET holder = ?", (parent,))  # a second gunicorn worker's
+    second = engine_on(store, tiny_llama, remote)
     with pytest.raises(SessionBusy, match="open in another process"):
-        engine_on(store, tiny_llama, remote).sessions.get(session.id, "key:a")
+        second.sessions.get(session.id, "key:a")
+    with pytest.raises(SessionBusy, match="open on another connection"):
+        first.sessions.resume(session.id, "key:a")  # a WebSocket's, still held by its first connection here
+
+    SessionStore(store)._db.execute("UPDATE sessions SET holder = ?", (_dead_process(),))  # that worker died
+    reopened = second.sessions.resume(session.id, "key:a")
+    assert reopened.expires  # a WebSocket's session, reopened, expires when idle until a connection takes it up
 
 
 def test_sessions_not_named_by_id_are_never_written(tmp_path, tiny_llama, remote):
