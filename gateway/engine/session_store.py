@@ -104,6 +104,8 @@ class SessionStore:
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None,
                                        check_same_thread=False)
             self._check_and_migrate()
+            logger.info("session store %s: %d stored sessions, %d of them expired and gone", self.path,
+                        self.count(), self.sweep())
         except (sqlite3.Error, OSError) as error:
             raise SessionStoreError(f"SESSION_STORE={self.path}: cannot use the session store ({error}); "
                                     "move the file away to start with no stored sessions, or set "
@@ -126,8 +128,8 @@ class SessionStore:
         if tuple(columns) != COLUMNS:
             raise sqlite3.DatabaseError(f"its sessions table is not this gateway's (columns {', '.join(columns)})")
 
-    def _transaction(self, immediate: bool = False):
-        return _Transaction(self._db, self._lock, immediate)
+    def _transaction(self):
+        return _Transaction(self._db, self._lock)
 
     # --------------------------------------------------------------------------------- writes
 
@@ -155,7 +157,7 @@ class SessionStore:
     def claim(self, session_id: str) -> Optional[StoredSession]:
         """The stored session, now held by this process; None if there is none, it expired, or a live process
         holds it (each caller learns which from `load` first)."""
-        with self._transaction(immediate=True):  # no other process can claim it between the read and the write
+        with self._transaction():  # no other process can claim it between the read and the write
             stored = self._load(session_id)
             if stored is None or not self._claimable(stored):
                 return None
@@ -206,16 +208,17 @@ class SessionStore:
 
 
 class _Transaction:
-    """One transaction on the shared connection, under the process's lock: committed at the end of the block,
-    rolled back if it raises. `immediate` takes SQLite's write lock at once (a read, then a write that depends on it)."""
+    """One write transaction on the shared connection, under the process's lock: committed at the end of the block,
+    rolled back if it raises. It takes SQLite's write lock at once (IMMEDIATE), waiting out other processes' writes
+    (the busy timeout): a deferred one that read first could only fail, at once, once another process had written."""
 
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock, immediate: bool):
-        self.db, self.lock, self.immediate = db, lock, immediate
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock):
+        self.db, self.lock = db, lock
 
     def __enter__(self):
         self.lock.acquire()
         try:
-            self.db.execute("BEGIN IMMEDIATE" if self.immediate else "BEGIN")
+            self.db.execute("BEGIN IMMEDIATE")
         except BaseException:
             self.lock.release()
             raise

@@ -6,6 +6,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -84,12 +85,33 @@ def test_a_process_killed_mid_write_loses_no_committed_save(tmp_path):
             store.save(fake_session(history=range(length), pending=()), idle_timeout=60)
             print(length, flush=True)
     """)], stdout=subprocess.PIPE, text=True)
-    reported = [int(child.stdout.readline()) for _ in range(30)]
+    reported = [int(child.stdout.readline())]
+    parent = SessionStore(path)
+    for length in range(1, 31):  # this process writes meanwhile: SQLite's locks and the busy timeout share the file
+        parent.save(fake_session("parent", history=range(length)), idle_timeout=60)
+        reported.append(int(child.stdout.readline()))
     child.kill()
     child.wait()
     store = SessionStore(path)  # checked at open: a damaged file would raise
     stored = store.load("s1")
     assert len(stored.history) >= reported[-1] and stored.history == tuple(range(len(stored.history)))
+    assert store.load("parent").history == tuple(range(30))
+
+
+def test_threads_share_the_store(tmp_path):
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+
+    def save_many(thread: int) -> None:
+        for length in range(20):
+            store.save(fake_session(f"t{thread}", history=range(length)), idle_timeout=60)
+            assert store.load(f"t{thread}").history == tuple(range(length))
+
+    threads = [threading.Thread(target=save_many, args=(number,)) for number in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert store.count() == 8 and all(store.load(f"t{number}").history == tuple(range(19)) for number in range(8))
 
 
 def test_a_failed_transaction_leaves_the_last_committed_state(tmp_path):
@@ -188,6 +210,13 @@ def test_a_restored_session_keeps_its_owner_expiry_and_caps(tmp_path, tiny_llama
     with pytest.raises(TooManySessions):
         second.sessions.get(opened[1].id, "key:a")  # restored sessions count once open again
     assert SessionStore(store).load(opened[1].id).holder is None  # let go: it may come back later
+
+    expired = first.open_session("tiny", 64, expires=True, owner="key:a")
+    first.sessions.keep(expired)
+    SessionStore(store)._db.execute("UPDATE sessions SET holder = ?, expires_at = ? WHERE id = ?",
+                                    (_dead_process(), time.time() - 1, expired.id))  # idle past the timeout
+    with pytest.raises(NotFound):
+        second.sessions.get(expired.id, "key:a")
 
     second.close_session(second.sessions.get(opened[0].id))
     assert SessionStore(store).load(opened[0].id) is None  # closed for good
