@@ -118,7 +118,8 @@ class SessionStore:
             raise sqlite3.DatabaseError(f"the file is damaged: {'; '.join(problems[:3])}")
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"written by a newer gateway (schema {version}; this one reads {SCHEMA_VERSION})")
+            raise sqlite3.DatabaseError(f"written by a newer gateway (schema {version}; this one reads "
+                                        f"{SCHEMA_VERSION})")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before save returns
         with self._transaction():
@@ -187,9 +188,10 @@ class SessionStore:
         if row is None:
             return None
         values = dict(zip(COLUMNS, row))
-        return StoredSession(values["id"], values["model"], values["owner"], values["max_length"], tuple(json.loads(values["history"])),
-                             tuple(json.loads(values["pending"])), values["reply_start"], json.loads(values["state"]),
-                             values["holder"], values["last_used"], values["expires_at"])
+        return StoredSession(values["id"], values["model"], values["owner"], values["max_length"],
+                             tuple(json.loads(values["history"])), tuple(json.loads(values["pending"])),
+                             values["reply_start"], json.loads(values["state"]), values["holder"],
+                             values["last_used"], values["expires_at"])
 
     def held_elsewhere(self, stored: StoredSession) -> bool:
         """Whether another live process (a second gunicorn worker) has the session open."""

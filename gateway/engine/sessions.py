@@ -9,8 +9,9 @@ it (another key gets the same 404 as an unknown id, as for stored responses: `vi
 is only its address, which proves nothing, so the id (random, unguessable) is what grants access.
 
 With a store (session_store.py, SESSION_STORE), every session a client names by id (`keep`) is saved when it opens
-and after each request, and its row deleted when it is closed or expires. A request naming a session this process does not hold (the gateway
-restarted) reopens the stored one, under the same caps and the same owner check: `get` does, for every dialect.
+and after each request, and its row deleted when it is closed or expires. A request naming a session this process
+does not hold (the gateway restarted) reopens the stored one, under the same caps and the same owner check: `get`
+does, for every dialect. A WebSocket that ends `detach`es its session: forgotten here, kept in the store.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def http_turn(gateway, session_id: str, inputs: str) -> str:
 
 
 def http_open(gateway) -> str:
-    return requests.post(gateway.url + "/api/v1/open_inference_session", json={"max_length": 256}, timeout=60).json()["session_id"]
+    opened = requests.post(gateway.url + "/api/v1/open_inference_session", json={"max_length": 256}, timeout=60)
+    return opened.json()["session_id"]
 
 
 def ws_call(ws, **message) -> list[dict]:
