@@ -1,7 +1,8 @@
 """Petals Chat's WebSocket API, /api/v2/generate: one inference session per connection.
 
     -> {type: "open_inference_session", model?, max_length}          <- {ok: true, session_id}
-    -> {type: "open_inference_session", session_id}                  <- {ok: true, session_id}  (resumes it)
+    -> {type: "open_inference_session", session_id}                  <- {ok: true, session_id}
+       (resumes that session, with its own max_length and chat transcript)
     -> {type: "generate", inputs, max_new_tokens, stop_sequence?, ...} <- {ok, outputs, stop, token_count} ...
        or {type: "generate", messages: [new chat turns], stream: true, max_reply_tokens?, regenerate?}
     -> {type: "stop"}                    ends the reply being generated (its last frame has stop: true);
