@@ -264,3 +264,21 @@ def _dead_process() -> str:
     token = f"{child.pid}@{_start_time(child.pid)}"
     child.wait()
     return token
+
+
+def test_a_session_whose_connection_ended_is_resumed_in_the_same_process(tmp_path, tiny_llama, remote):
+    store = tmp_path / "sessions.sqlite3"
+    engine = engine_on(store, tiny_llama, remote)
+    session = engine.open_session("tiny", 64, expires=False, owner="key:a")
+    engine.sessions.keep(session)
+    generate(engine, session.id, "Hello")
+    history = session.history + session.pending
+    engine.sessions.detach(session)  # its WebSocket went away (websocket.Connection.leave_session)
+    session.close()
+    assert len(engine.sessions) == 0 and SessionStore(store).load(session.id).holder is None
+
+    resumed = engine.sessions.resume(session.id, "key:a")
+    assert resumed is not session and resumed.history + resumed.pending == history
+    engine.close_session(resumed)  # close_inference_session: gone for good
+    with pytest.raises(NotFound):
+        engine.sessions.resume(session.id, "key:a")
