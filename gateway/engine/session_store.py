@@ -169,12 +169,13 @@ class SessionStore:
         """Delete the expired rows that no live process holds; return how many."""
         with self._lock:
             rows = self._db.execute("SELECT id, holder FROM sessions WHERE expires_at < ?", (time.time(),)).fetchall()
-        gone = [session_id for session_id, holder in rows if holder != self.holder and not holder_alive(holder)]
+        gone = [(session_id, holder) for session_id, holder in rows
+                if holder != self.holder and not holder_alive(holder)]
         if not gone:
             return 0
-        with self._transaction():
-            self._db.executemany("DELETE FROM sessions WHERE id = ? AND expires_at < ?",
-                                 [(session_id, time.time()) for session_id in gone])
+        with self._transaction():  # unless another process claimed one meanwhile
+            self._db.executemany("DELETE FROM sessions WHERE id = ? AND holder IS ? AND expires_at < ?",
+                                 [(session_id, holder, time.time()) for session_id, holder in gone])
         return len(gone)
 
     # --------------------------------------------------------------------------------- reads
