@@ -17,8 +17,12 @@ from typing import Optional
 
 from config import Settings
 from gateway import create_app
+from gateway.engine.session_store import SessionStoreError
 from gateway.web.request_ids import configure_logging
 from swarm.cli import fail, settings_from_env
+
+
+APP_LOAD_ERROR = 4  # gunicorn's master stops on a worker exiting with this, rather than starting it again
 
 
 def device_problem(device: str) -> Optional[str]:
@@ -53,7 +57,10 @@ _device_problem = device_problem(_settings.gateway.device)
 if _device_problem:  # one line now, rather than a 500 on the first request that needs a model
     fail(f"bad environment: GATEWAY_DEVICE={_settings.gateway.device}: {_device_problem}", status=2)
 configure_logging(_settings.gateway.log_level)  # every log line with its request id
-app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request that needs it
+try:
+    app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request that needs it
+except SessionStoreError as _error:  # corrupt or unreadable: one line, and no start that would lose its sessions
+    fail(str(_error), status=APP_LOAD_ERROR)
 
 
 def _parser():
@@ -79,6 +86,9 @@ def _parser():
     parser.add_argument("--trusted-proxies", type=int, help="reverse proxies in front whose X-Forwarded-For "
                         "names the client (default: 0)")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default: INFO")
+    parser.add_argument("--session-store", metavar="PATH", help="the SQLite file that keeps inference sessions "
+                        "(token ids and settings) across restarts, or off: memory only (SESSION_STORE; default: "
+                        "SWARM_CACHE_DIR/sessions.sqlite3)")
     limits = parser.add_argument_group("limits", "each also an environment variable, named in capitals")
     for name, field in Limits.__dataclass_fields__.items():
         limits.add_argument("--" + name.replace("_", "-"), type=type(field.default), metavar="N",
@@ -105,6 +115,7 @@ def main(argv=None) -> None:
         "ALLOW_CREDENTIALS": "true" if args.allow_credentials else "",
         "TRUSTED_PROXIES": args.trusted_proxies,
         "LOG_LEVEL": args.log_level,
+        "SESSION_STORE": args.session_store,
         **{name.upper(): getattr(args, name) for name in Limits.__dataclass_fields__},
     }
     environment = [part for name, value in settings.items() if value is not None and value != ""

@@ -24,6 +24,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
+    SESSION_STORE     where the gateway keeps its inference sessions (token ids and settings) so that they outlive a
+                      restart: an SQLite file (default: SWARM_CACHE_DIR/sessions.sqlite3), or off (memory only)
     LOG_LEVEL         the gateway's log level (default INFO)
     GATEWAY_DEVICE    where the gateway runs its half of each model (embeddings, final norm, LM head): cpu (default),
                       cuda or cuda:N
@@ -72,6 +74,13 @@ def _default_cache_dir(environ: Mapping[str, str]) -> Path:
         return Path(environ["SWARM_CACHE_DIR"]).expanduser()
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "swarm-gateway"
+
+
+def _session_store(environ: Mapping[str, str]) -> str | None:
+    setting = environ.get("SESSION_STORE", "").strip()
+    if setting.lower() in ("off", "none", "memory"):
+        return None
+    return setting or str(_default_cache_dir(environ) / "sessions.sqlite3")
 
 
 @dataclass(frozen=True)
@@ -244,6 +253,9 @@ class GatewaySettings:
     # which models the swarm announces, besides `models`, are served (DISCOVERED_MODELS): "none"; "cached", those
     # found in this gateway's model cache by name; or names of such models (space- or comma-separated)
     discovered_models: str = "none"
+    # the SQLite file that keeps sessions across restarts (SESSION_STORE); None: memory only (from_env's default is
+    # a file in the cache folder; "off" turns it off)
+    session_store: str | None = None
 
     def __post_init__(self):
         names = _split_list(self.discovered_models)
@@ -283,7 +295,8 @@ class GatewaySettings:
         return cls(models=models, limits=Limits.from_env(environ), access=AccessSettings.from_env(environ),
                    log_level=environ.get("LOG_LEVEL", "INFO").upper(),
                    device=environ.get("GATEWAY_DEVICE") or "cpu", dtype=environ.get("GATEWAY_DTYPE") or "float32",
-                   discovered_models=environ.get("DISCOVERED_MODELS") or "none")
+                   discovered_models=environ.get("DISCOVERED_MODELS") or "none",
+                   session_store=_session_store(environ))
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ def openapi_document(limits: Limits = Limits(), max_session_length: Optional[int
         "openapi": "3.1.0",
         "info": {"title": "Swarm inference gateway", "version": "0.1.0",
                  "description": "Petals Chat's HTTP API and an OpenAI-compatible API over a swarm of block servers. "
-                                "WebSocket: /api/v2/generate. The OpenAI routes also live under /api/oai and "
+                                "WebSocket: /api/v2/generate (open_inference_session with a session_id resumes "
+                                "a stored session). The OpenAI routes also live under /api/oai and "
                                 "/api/oai/v1. Ollama's API lives under /api (its streams are NDJSON)."},
         "paths": paths,
         "security": [{}, {"bearer": []}],  # a key only when the gateway is configured with keys

@@ -20,12 +20,14 @@ from processes import ROOT, free_port
 class Gateway:
     """A real gunicorn process serving app:app on a free port, healthy once constructed (see running_gateway)."""
 
-    def __init__(self, env: dict, log_path: Path):
-        self.port = free_port()
+    def __init__(self, env: dict, log_path: Path, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        # each gateway its own session store, beside its log, unless the test shares one on purpose
+        env = {"SESSION_STORE": str(log_path.parent / "sessions.sqlite3"), **env}
         # the product's gunicorn.conf.py (read from ROOT) decides the worker: threads sized from the limits in `env`
         command = [sys.executable, "-m", "gunicorn", "app:app", "--bind", f"127.0.0.1:{self.port}"]
         self.process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
@@ -46,6 +48,17 @@ class Gateway:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL to the worker and the master at once, as a crash or an OOM kill would: nothing is cleaned up."""
+        import psutil
+
+        workers = psutil.Process(self.process.pid).children(recursive=True)
+        self.process.kill()  # the master first, so that it starts no worker in place of one killed
+        for worker in workers:
+            worker.kill()
+        self.process.wait(20)
+        self._log.close()
 
     def stop(self) -> None:
         self.process.terminate()

@@ -9,6 +9,7 @@ In data-flow order:
                    the gateway's own cache), their coverage without loading them, at most MAX_LOADED_MODELS loaded
     served.py      ServedModel (a model's client half: embeddings, LM head, tokenizer) and GatewaySession
     sessions.py    the open sessions: caps overall and per client, idle expiry, one request at a time
+    session_store.py  sessions that outlive the process: an SQLite file (SESSION_STORE), reopened by id with a replay
     lengths.py     a request's token budget and context length checked, each a 400 naming its field
     sampling.py    SamplingParams, the one form every dialect's fields converge to, and the Sampler per sequence
     grammar.py     structured output: a token mask per step from a JSON schema, grammar or regex (llguidance)

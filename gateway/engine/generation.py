@@ -23,6 +23,7 @@ from gateway.engine.catalogue import ServedModels
 from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
+from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
 from gateway.engine.saved_states import SavedState, SavedStates
 from gateway.engine.warm import WarmKey, WarmSessions
@@ -73,7 +74,8 @@ class Engine:
         self.models = ServedModels(settings, connect or self._connect_to_swarm,
                                    self.swarm_client if connect is None else lambda: None)
         self.sessions = SessionRegistry(self.limits.max_sessions, self.limits.session_idle_timeout,
-                                        self.limits.max_sessions_per_client)
+                                        self.limits.max_sessions_per_client, open_store(settings.gateway.session_store),
+                                        reopen=lambda stored: reopen_session(self, stored))
         self.stats = EngineStats()
         self.warm = WarmSessions(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
         self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client)

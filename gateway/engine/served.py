@@ -102,6 +102,8 @@ class GatewaySession:
     history: list[int] = field(default_factory=list)  # token ids in the servers' caches
     pending: list[int] = field(default_factory=list)  # the last sampled token, shown but not yet sent
     reply_start: Optional[int] = None  # session length where the last reply began: regenerate rewinds there
+    state: dict = field(default_factory=dict)  # what a dialect keeps to continue it (JSON values), stored with it
+    stored: bool = False  # a session clients name by id: kept in the session store, so that it outlives a restart
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False

@@ -85,7 +85,9 @@ def _generate(engine: Engine, session, fields: HttpGenerate, request_: Generatio
 @blueprint.route("/api/v1/open_inference_session", methods=["GET", "POST"])
 def open_inference_session():
     fields = parse(OpenSession, request_fields())
-    session = get_engine().open_session(fields.model, fields.max_length, expires=True, owner=client_id())
+    engine = get_engine()
+    session = engine.open_session(fields.model, fields.max_length, expires=True, owner=client_id())
+    engine.sessions.keep(session)  # its id continues it after a restart too (SESSION_STORE)
     return jsonify(ok=True, session_id=session.id)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from gateway.chat.schemas import ChatMessage
 from gateway.errors import BadRequest
@@ -55,6 +55,14 @@ class CloseSession(_Request):
 
 class WsOpenSession(OpenSession):
     type: Literal["open_inference_session"]
+    max_length: Optional[int] = Field(None, ge=1)  # required unless session_id resumes a session (it keeps its own)
+    session_id: Optional[str] = None  # resume this stored session (the reply to an earlier open named it)
+
+    @model_validator(mode="after")
+    def _max_length_or_session(self):
+        if self.max_length is None and self.session_id is None:
+            raise BadRequest("max_length: required to open a new session", field="max_length")
+        return self
 
 
 class WsGenerate(GenerationFields):

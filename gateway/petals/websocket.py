@@ -1,6 +1,8 @@
 """Petals Chat's WebSocket API, /api/v2/generate: one inference session per connection.
 
-    -> {type: "open_inference_session", model?, max_length}          <- {ok: true}
+    -> {type: "open_inference_session", model?, max_length}          <- {ok: true, session_id}
+    -> {type: "open_inference_session", session_id}                  <- {ok: true, session_id}
+       (resumes that session, with its own max_length and chat transcript)
     -> {type: "generate", inputs, max_new_tokens, stop_sequence?, ...} <- {ok, outputs, stop, token_count} ...
        or {type: "generate", messages: [new chat turns], stream: true, max_reply_tokens?, regenerate?}
     -> {type: "stop"}                    ends the reply being generated (its last frame has stop: true);
@@ -15,6 +17,12 @@ a frame with empty outputs: {ok: true, outputs: "", stop: false, token_count: 0,
 Chat mode (`messages`) renders turns with the model's chat template and keeps the transcript, so each turn
 sends only its new text; `regenerate` rewinds the session to the start of the last reply.
 Any error is a frame {ok: false, error, code, traceback}, after which the connection stays usable.
+
+A session outlives its connection (with a session store, SESSION_STORE): when the connection ends, for whatever
+reason, the servers free its caches but the gateway keeps its tokens and chat transcript, and an
+open_inference_session naming its session_id (on a new connection, after a gateway restart too) resumes it exactly,
+for the same client (the same API key, when keys are configured), until SESSION_IDLE_TIMEOUT passes unused.
+close_inference_session, or opening another session on the connection, ends it for good.
 
 Limits: each message counts against the client's REQUESTS_PER_MINUTE (over it: an error frame, the connection
 stays); a connection whose client sends nothing for WS_IDLE_TIMEOUT seconds gets an idle_timeout frame and is
@@ -101,7 +109,7 @@ class Connection:
             from_exception(error)
             self.ws.close(reason=CloseReason.INTERNAL_ERROR, message="internal error (see the gateway's log)")
         finally:
-            self.close_session()
+            self.leave_session()
 
     def next_message(self):
         """The next message, or None once the client has been idle for too long (the connection is then closed)."""
@@ -131,8 +139,8 @@ class Connection:
         message = parse_ws_message(load_json(raw, "the message"))
         if isinstance(message, WsOpenSession):
             self.close_session()  # opening again starts a new conversation on the same connection
-            self.session = self.engine.open_session(message.model, message.max_length, expires=False, owner=self.client)
-            self.send({"ok": True})
+            self.open_session(message)
+            self.send({"ok": True, "session_id": self.session.id})
         elif isinstance(message, WsGenerate):
             self.generate(message)
         elif isinstance(message, WsCloseSession):
@@ -140,6 +148,20 @@ class Connection:
             self.send({"ok": True})
         elif isinstance(message, WsStop):
             pass  # nothing is being generated: there is nothing to stop
+
+    def open_session(self, message: WsOpenSession) -> None:
+        if message.session_id is None:
+            self.session = self.engine.open_session(message.model, message.max_length, expires=False, owner=self.client)
+            self.engine.sessions.keep(self.session)  # its id resumes it on another connection, after a restart too
+            return
+        sessions = self.engine.sessions
+        session = sessions.resume(message.session_id, self.client)
+        if message.model and self.engine.model_config(message.model).name != session.model.name:
+            sessions.detach(session)
+            session.close()
+            raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
+        session.expires = False  # it lives with this connection now
+        self.session, self.chat = session, ChatTranscript.resumed(self.engine, session)
 
     def generate(self, message: WsGenerate) -> None:
         if self.session is None:
@@ -166,6 +188,7 @@ class Connection:
                 session.reply_start = reply_start  # what a regenerate goes back to: the last reply that was
                 raise
             self.chat.replied(reply)
+            self.chat.keep_in(session)  # saved with the session as the request ends (sessions.use)
 
     def send_reply(self, session, request, chunk_size) -> str:
         """Generate the reply in frames of `chunk_size` tokens (None: one frame); return its whole text."""
@@ -192,6 +215,7 @@ class Connection:
             raise BadRequest("regenerate: there is no reply to regenerate yet", field="regenerate")
         self.engine.rewind(session, session.reply_start)
         self.chat.forget_last_reply()
+        self.chat.keep_in(session)
 
     def stop_requested(self) -> bool:
         """Between two tokens: has the client asked to stop? Other messages wait in the inbox."""
@@ -208,10 +232,18 @@ class Connection:
             raise ConnectionClosed() from None
 
     def close_session(self) -> None:
+        """End the session for good: the servers free its caches, and the store forgets it."""
         self.chat = ChatTranscript(self.engine)
         if self.session is not None:
             session, self.session = self.session, None
             self.engine.close_session(session)
+
+    def leave_session(self) -> None:
+        """The connection ends: the servers free the session's caches, the store keeps it for a resume."""
+        if self.session is not None:
+            session, self.session = self.session, None
+            self.engine.sessions.detach(session)
+            session.close()
 
 
 def _is_stop(raw) -> bool:
@@ -228,10 +260,19 @@ class ChatTranscript:
     before: a turn whose generation fails (too long for the session, say) is forgotten, so that the next turn (or
     the same one again) is rendered without it."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, messages: list | None = None):
         self.engine = engine
-        self.messages: list = []
+        self.messages: list = messages or []
         self.turn: list = []  # the messages of the turn being generated
+
+    @classmethod
+    def resumed(cls, engine: Engine, session) -> "ChatTranscript":
+        """The transcript a stored session was saved with (keep_in)."""
+        return cls(engine, [ChatMessage.model_validate(message) for message in session.state.get("chat", [])])
+
+    def keep_in(self, session) -> None:
+        """The transcript into the session's state, which the session store saves with it."""
+        session.state["chat"] = [message.model_dump(mode="json", exclude_none=True) for message in self.messages]
 
     def turns(self, session, new_messages: list) -> str:
         """The new text for the session: the whole rendered transcript minus what the session already holds."""

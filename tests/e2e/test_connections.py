@@ -21,6 +21,7 @@ import resource
 import statistics
 import threading
 import time
+from unittest.mock import ANY
 
 import pytest
 import requests
@@ -107,7 +108,7 @@ class HealthProbe:
 async def generate(ws) -> list[float]:
     """One session's reply, a frame per token: the frames' arrival times."""
     await ws.send(json.dumps({"type": "open_inference_session", "max_length": 128}))
-    assert json.loads(await ws.recv()) == {"ok": True}
+    assert json.loads(await ws.recv()) == {"ok": True, "session_id": ANY}
     await ws.send(json.dumps({"type": "generate", "inputs": "Hello", "stream": True, "max_new_tokens": 1,
                               "max_reply_tokens": TOKENS}))
     arrivals = []

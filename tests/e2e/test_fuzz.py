@@ -22,6 +22,7 @@ import os
 import random
 from collections import Counter
 from dataclasses import asdict
+from unittest.mock import ANY
 
 import pytest
 import requests
@@ -208,7 +209,7 @@ def read_answer(ws) -> list[dict]:
 def valid_request_succeeds(gateway) -> None:
     with connect(gateway.ws_url, open_timeout=30) as ws:
         ws.send(json.dumps(OPEN))
-        assert read_answer(ws) == [{"ok": True}]
+        assert read_answer(ws) == [{"ok": True, "session_id": ANY}]
         ws.send(json.dumps({"type": "generate", "inputs": "Hello", "max_new_tokens": 2}))
         assert read_answer(ws)[-1]["ok"]
 
@@ -250,7 +251,8 @@ def test_websocket_messages_out_of_order_and_interleaved(fuzz_gateway, holdings)
             assert frame["ok"] is (message["type"] == "close_inference_session")
         ws.send(json.dumps(OPEN))
         ws.send(json.dumps(OPEN))  # opening again starts over
-        assert read_answer(ws) == read_answer(ws) == [{"ok": True}]
+        opened = [read_answer(ws), read_answer(ws)]
+        assert opened == [[{"ok": True, "session_id": ANY}]] * 2 and opened[0] != opened[1]  # two sessions
         # a long reply with messages arriving meanwhile: a stop ends it, the others are answered in turn after it
         ws.send(json.dumps({"type": "generate", "inputs": "Go", "stream": True, "max_new_tokens": 1}))
         for raw in ("garbage", json.dumps({"type": "stop"}), json.dumps({"type": "fly"}), json.dumps(OPEN)):
@@ -258,6 +260,6 @@ def test_websocket_messages_out_of_order_and_interleaved(fuzz_gateway, holdings)
         reply = read_answer(ws)
         assert reply[-1]["stop"] and reply[-1]["finish_reason"] in ("cancelled", "length", "stop")
         assert [frame["code"] for frame in read_answer(ws) + read_answer(ws)] == ["invalid_request", "invalid_request"]
-        assert read_answer(ws) == [{"ok": True}]
+        assert read_answer(ws) == [{"ok": True, "session_id": ANY}]
     assert requests.get(fuzz_gateway.url + "/health").status_code == 200
     holdings.assert_back("an interleaved WebSocket conversation")

@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from urllib.parse import urlsplit
+from unittest.mock import ANY
 
 import openai
 import pytest
@@ -75,16 +76,16 @@ def test_every_api_needs_a_key_and_health_stays_open(strict):
     assert handshake_status(strict) == 401
     assert handshake_status(strict, key="wrong") == 401
     with ws_connect(strict, key="key-access") as ws:  # a browser's way: ?api_key=
-        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
     with ws_connect(strict, additional_headers=bearer("key-access")) as ws:  # any other client's
-        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
 
 
 def test_websocket_handshakes_follow_the_origin_allowlist(strict):
     assert handshake_status(strict, key="key-access", origin="https://evil.example") == 403
     for origin in (ALLOWED_ORIGIN, strict.url):  # the allowlist, and the gateway's own chat page
         with ws_connect(strict, key="key-access", origin=origin) as ws:
-            assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+            assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
     preflight = requests.options(strict.url + "/v1/chat/completions",
                                  headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert "Access-Control-Allow-Origin" not in preflight.headers
@@ -155,7 +156,7 @@ def test_websocket_messages_count_too_and_the_connection_stays(strict):
         assert answered in range(39, 43)  # the handshake took one
         assert "REQUESTS_PER_MINUTE" in frame["error"]
         time.sleep(1.6)  # one request's worth: 1.5 s at 40 a minute (and less than WS_IDLE_TIMEOUT)
-        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
 
 
 # ------------------------------------------------------------------------------------------ sessions
@@ -175,7 +176,7 @@ def test_open_sessions_per_client(strict):
         assert other.status_code == 200  # another client is not held back
         post(strict, "/api/v1/close_inference_session", "key-other", json={"session_id": other.json()["session_id"]})
         post(strict, "/api/v1/close_inference_session", "key-sessions", json={"session_id": opened[0]["session_id"]})
-        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
     post(strict, "/api/v1/close_inference_session", "key-sessions", json={"session_id": opened[1]["session_id"]})
 
 
@@ -185,7 +186,7 @@ def open_sessions(strict) -> int:
 
 def test_an_idle_websocket_is_closed_with_a_reason_and_frees_its_session(strict):
     with ws_connect(strict, key="key-ws") as ws:
-        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
         for _ in range(2):  # each message restarts the clock: idle for 2 s at most, 4 s in all
             time.sleep(LIMITS["WS_IDLE_TIMEOUT"] - 1)
             assert ws_call(ws, type="generate", inputs="hi", max_new_tokens=1)["ok"]
@@ -241,7 +242,7 @@ def test_a_websocket_message_over_the_limit_closes_with_1009(strict):
             ws.recv(timeout=10)
         assert closed.value.rcvd.code == 1009
     with ws_connect(strict, key="key-ws") as ws:  # the gateway goes on
-        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True}
+        assert ws_call(ws, type="open_inference_session", max_length=16) == {"ok": True, "session_id": ANY}
 
 
 # ------------------------------------------------------------------------------------------ logs

@@ -7,6 +7,7 @@ locked the client out until the gateway restarted."""
 from __future__ import annotations
 
 import json
+from unittest.mock import ANY
 
 import pytest
 import requests
@@ -56,7 +57,7 @@ def test_a_refused_later_prompt_closes_the_sessions_of_the_earlier_ones(leak_gat
     assert completion(leak_gateway, ["ok", "fine"]).status_code == 200  # the client may still open sessions
     with connect(leak_gateway.ws_url, open_timeout=30) as ws:
         ws.send(json.dumps({"type": "open_inference_session", "max_length": 16}))
-        assert json.loads(ws.recv(timeout=30)) == {"ok": True}
+        assert json.loads(ws.recv(timeout=30)) == {"ok": True, "session_id": ANY}
 
 
 def test_a_later_prompt_over_the_session_cap_closes_the_earlier_ones(leak_gateway, holdings):
@@ -105,7 +106,7 @@ def test_a_websocket_dropped_mid_reply_leaves_nothing_open(leak_gateway, holding
     for _ in range(PER_CLIENT + 1):
         ws = connect(leak_gateway.ws_url, open_timeout=30)
         ws.send(json.dumps({"type": "open_inference_session", "max_length": CONTEXT}))
-        assert json.loads(ws.recv(timeout=30)) == {"ok": True}
+        assert json.loads(ws.recv(timeout=30)) == {"ok": True, "session_id": ANY}
         ws.send(json.dumps({"type": "generate", "inputs": "hi", "stream": True, "max_new_tokens": 1}))
         assert json.loads(ws.recv(timeout=30))["ok"]
         ws.socket.close()  # no close frame: the connection just ends

@@ -2,6 +2,7 @@
 
 import json
 import logging
+from unittest.mock import ANY
 
 import pytest
 import requests
@@ -35,7 +36,9 @@ def ws(gateway):
 
 def open_session(ws, max_length=128):
     send(ws, type="open_inference_session", max_length=max_length)
-    assert receive(ws) == {"ok": True}
+    opened = receive(ws)
+    assert opened == {"ok": True, "session_id": ANY} and isinstance(opened["session_id"], str)
+    return opened["session_id"]
 
 
 def http_greedy(gateway, inputs, count):
@@ -114,7 +117,7 @@ def test_session_belongs_to_the_connection_and_can_be_closed(gateway, ws):
         (json.dumps({"type": "generate", "inputs": "x"}), "open_inference_session first"),
         (json.dumps({"type": "fly"}), "type: must be one of"),
         (json.dumps({"max_length": 5}), "type: must be one of"),
-        (json.dumps({"type": "open_inference_session"}), "max_length: Field required"),
+        (json.dumps({"type": "open_inference_session"}), "max_length: required to open a new session"),
         (json.dumps({"type": "open_inference_session", "max_length": "long"}), "max_length"),
         (json.dumps({"type": "open_inference_session", "max_length": -3}), "max_length"),
         (json.dumps({"type": "open_inference_session", "max_length": 10**8}), "max_length: at most 1024"),

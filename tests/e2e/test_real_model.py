@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest.mock import ANY
 
 import psutil
 import pytest
@@ -116,7 +117,7 @@ def test_websocket_greedy_equals_transformers(real_gateway, expected):
     prompt, text, _, prompt_tokens = expected
     with connect(real_gateway.ws_url) as ws:
         ws.send(json.dumps({"type": "open_inference_session", "max_length": 512}))
-        assert json.loads(ws.recv(timeout=60)) == {"ok": True}
+        assert json.loads(ws.recv(timeout=60)) == {"ok": True, "session_id": ANY}
         ws.send(json.dumps({"type": "generate", "inputs": prompt, "max_new_tokens": 1, "stop_sequence": "<|im_end|>",
                             "max_length": prompt_tokens + 48}))
         frames = []
@@ -140,7 +141,7 @@ def test_python_app_py_answers_within_a_minute(tmp_path):
             try:
                 with connect(f"ws://127.0.0.1:{port}/api/v2/generate", open_timeout=5) as ws:
                     ws.send(json.dumps({"type": "open_inference_session", "max_length": 128}))
-                    if json.loads(ws.recv(timeout=30)) != {"ok": True}:
+                    if json.loads(ws.recv(timeout=30)) != {"ok": True, "session_id": ANY}:
                         time.sleep(1)  # the worker is up but the swarm is not announced yet
                         continue
                     ws.send(json.dumps({"type": "generate", "inputs": "Hi!", "max_new_tokens": 5}))

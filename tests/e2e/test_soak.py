@@ -11,6 +11,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from unittest.mock import ANY
 
 import openai
 import psutil
@@ -62,7 +63,7 @@ async def websocket_client(url: str, deadline: float, tally: Tally, rng: random.
     while time.monotonic() < deadline:
         async with connect(url, max_size=None) as ws:
             await ws.send(json.dumps({"type": "open_inference_session", "max_length": 512}))
-            assert json.loads(await ws.recv()) == {"ok": True}
+            assert json.loads(await ws.recv()) == {"ok": True, "session_id": ANY}
             used = 0
             while time.monotonic() < deadline and used < 400:
                 count = rng.randint(4, 24)

@@ -2,6 +2,7 @@
 through real gunicorn in front of the tiny swarm."""
 
 from __future__ import annotations
+from unittest.mock import ANY
 
 import json
 import time
@@ -205,7 +206,7 @@ def test_gateway_metrics(gateway):
     assert requests.post(gateway.url + "/api/v1/generate", json={"inputs": "x", "session_id": "nope"}).status_code == 404
     with connect(gateway.ws_url) as ws:
         ws.send(json.dumps({"type": "open_inference_session", "max_length": 64}))
-        assert json.loads(ws.recv(timeout=60)) == {"ok": True}
+        assert json.loads(ws.recv(timeout=60)) == {"ok": True, "session_id": ANY}
         ws.send(json.dumps({"type": "generate", "inputs": "Hi", "max_new_tokens": 3}))
         assert json.loads(ws.recv(timeout=60))["token_count"] == 3
         ws.send("not json")

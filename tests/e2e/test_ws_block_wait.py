@@ -5,6 +5,7 @@ waits, the metrics show both waiting, and both replies then equal the no-gap rep
 import json
 import threading
 import time
+from unittest.mock import ANY
 
 import pytest
 import requests
@@ -55,7 +56,7 @@ def test_a_gap_is_waited_out_and_a_streamed_reply_says_so(tiny_swarm, spans, gap
     served = metric(gap_gateway, "swarm_client_block_waits_total", outcome="served")
     with connect(gap_gateway.ws_url) as ws:
         ws.send(json.dumps({"type": "open_inference_session", "model": "gap", "max_length": 64}))
-        assert json.loads(ws.recv(timeout=60)) == {"ok": True}
+        assert json.loads(ws.recv(timeout=60)) == {"ok": True, "session_id": ANY}
         spans.pop("second").stop()  # the only server of blocks 2..3 leaves
         ws.send(json.dumps({"type": "generate", "inputs": "Hello", "stream": True, "max_new_tokens": 1,
                             "max_reply_tokens": NEW_TOKENS}))
