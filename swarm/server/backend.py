@@ -139,8 +139,8 @@ class Backend:
                                   self.give_back_cache, self.limits.session_idle_timeout, self.warm.trim)
         session = ServerSession(services, cache, start, end, max_length, batch_size, peer_id, session_id, length)
         try:
-            if not cache.covers(length + 1):
-                await session.reserve(length, length + 1)
+            if not cache.pages:  # its first page (a fork pays for its pages as it writes)
+                await session.reserve(0, 1)
         except BaseException:
             session.close()
             raise
