@@ -53,6 +53,11 @@ class Backend:
             session.evicted = True
         self.span = span
 
+    @property
+    def cache_tokens_available(self) -> int:
+        """What a new session may have: the free cache, and what parked sessions would give back if evicted."""
+        return self.budget.free + self.warm.parked_tokens()
+
     def info(self) -> dict:
         return {
             "start": self.span.start,
