@@ -131,3 +131,15 @@ def test_a_fork_of_a_session_a_server_no_longer_holds_is_recomputed_there(model,
             tokens, seen = greedy(forked, forked.step([[9]]), 4)
     assert tokens == want_tokens
     torch.testing.assert_close(torch.cat(seen), torch.cat(want_logits), rtol=0, atol=1e-4)
+
+
+def test_the_prefix_share_benchmark_measures_forks_within_the_bound(model, servers):
+    """bench/prefix_share.py's measurement, small: 4 forks of a saved 64-token prefix on these servers."""
+    from bench.prefix_share import bound_pages, measure
+
+    figures, same = measure(model, [server.peer_id for server in servers], 4 * PAGE_TOKENS, 4, 5, 3)
+    assert same
+    for figure in figures:
+        assert figure.pages_used == 4 + 4 * 1 and figure.pages_shared == 4  # the prefix once, a page each
+        assert figure.bound == bound_pages(4 * PAGE_TOKENS, 4, 8) == 6 + 4 and figure.verdict == "PASS"
+        assert figure.copies == 4 * 5 + 4
