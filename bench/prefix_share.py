@@ -78,9 +78,9 @@ def measure(model, peer_ids: list[str], prefix_tokens: int, forks: int, new_toke
     with model.session(max_length=length) as fresh:
         fresh_tokens = greedy(fresh, prefix + [offset % 200 + 10 for offset in range(new_tokens)], decode)
     own = new_tokens + decode
+    copies = forks * pages(prefix_tokens + own) + pages(prefix_tokens)
     figures = [ShareFigures(peer_id, info["cache_pages_used"], info["cache_pages_shared"],
-                            bound_pages(prefix_tokens, forks, own), forks * pages(prefix_tokens + own) + pages(prefix_tokens))
-               for peer_id, info in zip(peer_ids, infos)]
+                            bound_pages(prefix_tokens, forks, own), copies) for peer_id, info in zip(peer_ids, infos)]
     return figures, tokens[0] == fresh_tokens if tokens else True
 
 

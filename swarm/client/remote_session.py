@@ -132,6 +132,8 @@ class RemoteSession:
         `length`. A server that cannot fork (it closed this session, or refuses) is opened fresh and replayed:
         the outputs are the same either way."""
         max_length = self.max_length if max_length is None else max_length
+        if not self.hops:
+            raise ValueError("a closed session cannot be forked")
         if not 0 <= length <= min(self.position, max_length):
             raise ValueError(f"a fork's length must be in [0, {min(self.position, max_length)}] (the session's "
                              f"position, and the fork's max_length), got {length}")

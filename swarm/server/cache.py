@@ -130,7 +130,8 @@ class KVPool:
     def copy_of(self, page: int) -> int:
         """A new page holding what `page` holds (of every layer), for a holder about to write it."""
         copy = self.take_page()
-        source, target = slice(page * PAGE_TOKENS, (page + 1) * PAGE_TOKENS), slice(copy * PAGE_TOKENS, (copy + 1) * PAGE_TOKENS)
+        source = slice(page * PAGE_TOKENS, (page + 1) * PAGE_TOKENS)
+        target = slice(copy * PAGE_TOKENS, (copy + 1) * PAGE_TOKENS)
         for tensor in (self.keys, self.values):
             tensor[:, target] = tensor[:, source]
         return copy

@@ -172,3 +172,14 @@ def test_an_inference_stream_carries_park_and_nothing_else(span):
         assert unpack(_control(session, pack(metadata={"park": True})))[1] == {"ok": True} and session.parked
 
     run(span, scenario)
+
+
+def test_the_warm_share_is_a_server_flag_within_0_and_1(capsys):
+    from swarm.server.settings import parse_settings
+
+    peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"]
+    assert parse_settings(["--blocks", "0:1", *peer]).limits.warm_cache_share == 0.5
+    assert parse_settings(["--blocks", "0:1", *peer, "--warm-cache-share", "0"]).limits.warm_cache_share == 0
+    with pytest.raises(SystemExit):
+        parse_settings(["--blocks", "0:1", *peer, "--warm-cache-share", "1.5"])
+    assert "--warm-cache-share must be in [0, 1], got 1.5" in capsys.readouterr().err
