@@ -12,7 +12,7 @@ import torch
 
 from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
 from swarm.server.batching import Scheduler
-from swarm.server.cache import PAGE_TOKENS, CacheBudget, pages_for
+from swarm.server.cache import PAGE_TOKENS, CacheBudget, SessionCache, pages_for
 from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field, is_int
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
@@ -130,14 +130,10 @@ class Backend:
         if max_length * batch_size > self.limits.max_session_tokens:
             raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
                                    f"server's limit of {self.limits.max_session_tokens} tokens per session")
-        if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer and not self.warm.evict_one(peer_id):
-            raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
-                                   f"server already, its limit per peer")
+        self._check_session_count(peer_id)
         fork = metadata.get("fork")
         if fork is not None:  # the pages of the source's first positions, shared
-            length = _fork_length(fork, max_length)
-            source = self._fork_source(fork, peer_id, start, end, batch_size)
-            cache = await source.fork_cache(length)
+            cache, length = await self._forked_cache(fork, peer_id, start, end, batch_size, max_length)
         else:  # an empty cache: it takes pages as the session grows
             cache, length = self.span.new_cache(batch_size), 0
         services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.submit, self.take_cache,
@@ -150,6 +146,25 @@ class Backend:
             session.close()
             raise
         return session
+
+    def _check_session_count(self, peer_id: str) -> None:
+        """Refuse a session past the peer's limit of open ones, unless one of its parked sessions makes way."""
+        if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer and not self.warm.evict_one(peer_id):
+            raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
+                                   f"server already, its limit per peer")
+
+    async def _forked_cache(self, fork, peer_id: str, start: int, end: int, batch_size: int, max_length: int
+                            ) -> tuple[SessionCache, int]:
+        """A fork's cache, sharing its source's pages, and its length. The count of the peer's sessions is
+        checked again once the source let it fork: others may have opened while it waited."""
+        length = _fork_length(fork, max_length)
+        cache = await self._fork_source(fork, peer_id, start, end, batch_size).fork_cache(length)
+        try:
+            self._check_session_count(peer_id)
+        except ServerLimitError:  # the source may have closed meanwhile: what this cache alone held is freed
+            self.give_back_cache(peer_id, cache.release() * PAGE_TOKENS)
+            raise
+        return cache, length
 
     def _fork_source(self, fork: dict, peer_id: str, start: int, end: int, batch_size: int) -> ServerSession:
         """The open session a new one forks: the same peer's, over the same blocks, with the same batch size."""

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from swarm.protocol import PAGE_TOKENS, BadRequestError, CacheFullError
+from swarm.protocol import PAGE_TOKENS, BadRequestError, CacheFullError, ServerLimitError
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.cache import CacheBudget, KVPool
 from swarm.server.span import load_span
@@ -193,6 +193,41 @@ def test_a_fork_of_what_cannot_be_forked_is_refused_clearly(span, fork_field, pe
         with pytest.raises(BadRequestError, match=message):
             await backend.open_session({**OPENING, **opening, "fork": field}, peer)
         assert len(backend.sessions) == 1
+        assert_consistent(backend)
+
+    run(span, scenario)
+
+
+def test_forks_wait_for_their_sources_step_and_stay_within_the_peers_limit_of_sessions(span):
+    """Forks asked for while a step of the source runs wait for it (a round writing the pages they would share
+    must be done first); those over the peer's limit of sessions once they may fork are refused, and give back
+    what they alone held."""
+
+    async def scenario(backend):
+        source = await opened(backend)
+        await source.step([torch.randn(1, PAGE_TOKENS + 3, HIDDEN)], {"position": 0})
+        async with source._one_step_at_a_time:  # a step running
+            waiting = [asyncio.ensure_future(fork(backend, source, PAGE_TOKENS + 3)) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert not any(task.done() for task in waiting) and span.pool.shared_pages == 0
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert sum(isinstance(result, ServerLimitError) for result in results) == 1
+        assert span.pool.shared_pages == 2 and len(backend.sessions) == 3
+        assert_consistent(backend)
+
+    run(span, scenario, ServerLimits(**{**LIMITS.__dict__, "max_sessions_per_peer": 3}))
+
+
+def test_a_fork_of_a_source_that_closes_while_it_waits_is_refused(span):
+    async def scenario(backend):
+        source = await opened(backend)
+        await source.step([torch.randn(1, 4, HIDDEN)], {"position": 0})
+        async with source._one_step_at_a_time:
+            waiting = asyncio.ensure_future(fork(backend, source, 4))
+            await asyncio.sleep(0.05)
+            source.close()
+        with pytest.raises(BadRequestError, match="has ended"):
+            await waiting
         assert_consistent(backend)
 
     run(span, scenario)
