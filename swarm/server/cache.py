@@ -179,6 +179,11 @@ class SessionCache:
         """Pages this cache's tables hold (shared ones included)."""
         return sum(len(table) for table in self.tables)
 
+    @property
+    def private_pages(self) -> int:
+        """Pages only this cache holds: what releasing it would free now."""
+        return sum(1 for table in self.tables for page in table if self.pool.holders(page) == 1)
+
     def pages_needed(self, start: int, end: int) -> int:
         """Pages a write of positions [start, end) of every row would take: new ones past the tables' end, and
         a copy of each shared page covering them."""

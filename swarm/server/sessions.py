@@ -267,8 +267,8 @@ class ServerSession:
             self._closed, self.closed_because = True, reason
             if reason is not None:
                 metrics.SESSIONS_CLOSED.labels(reason).inc()
-                logger.info("closed a session of peer %s (%s), letting go of %d cache pages", self.peer_id, reason,
-                            self.cache.pages)
+                logger.info("closed a session of peer %s (%s), freeing %d cache tokens", self.peer_id, reason,
+                            self.cache.private_pages * PAGE_TOKENS)
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
             self.ended.set()
