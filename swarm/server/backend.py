@@ -185,13 +185,15 @@ class Backend:
         gateway on its own small swarm), but a peer within its share that finds the cache full then gets room
         from the idle sessions of peers that hold at least as much, least recently active first: a peer that
         came first and opened sessions it never steps cannot keep others out, nor can several identities that
-        each hold their share (see _reclaim)."""
+        each hold their share (see _reclaim). Parked sessions (swarm/server/warm.py) make way before any of
+        that: the peer's own when it is at its share, anyone's when the cache is full."""
         limit = self.peer_cache_limit()
         held = self.cache_by_peer[peer_id]
-        if held + tokens > limit:  # its own parked sessions make way first
+        shared_with_others = any(other != peer_id for other in self.cache_by_peer)
+        if held + tokens > limit and shared_with_others:  # its own parked sessions make way first
             self.warm.make_room(lambda: self.cache_by_peer[peer_id] + tokens <= limit, peer_id)
             held = self.cache_by_peer[peer_id]
-        if held + tokens > limit and any(other != peer_id for other in self.cache_by_peer):
+        if held + tokens > limit and shared_with_others:
             raise ServerLimitError(
                 f"peer {peer_id} holds {held} of this server's {self.budget.total} cache tokens: {tokens} more would "
                 f"be over its share of {limit} while other peers use this server; try another server")

@@ -183,3 +183,19 @@ def test_the_warm_share_is_a_server_flag_within_0_and_1(capsys):
     with pytest.raises(SystemExit):
         parse_settings(["--blocks", "0:1", *peer, "--warm-cache-share", "1.5"])
     assert "--warm-cache-share must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_a_peer_alone_keeps_its_parked_sessions_past_its_share(span):
+    """Its share binds a peer only while other peers use the server: alone, its parked sessions stay."""
+
+    async def scenario(backend):
+        short = 4 * PAGE_TOKENS
+        parked = [await stepped(backend, max_length=short) for _ in range(3)]
+        for session in parked:
+            session.park()
+        await stepped(backend, max_length=short)
+        await stepped(backend, max_length=short)  # 5 pages: over its share of 4, with room to spare
+        assert not any(session.ended.is_set() for session in parked)
+
+    run(span, scenario, ServerLimits(**{**LIMITS.__dict__, "max_cache_share_per_peer": 0.5,
+                                        "max_session_tokens": 4 * PAGE_TOKENS}))
