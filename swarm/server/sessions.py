@@ -206,12 +206,16 @@ class ServerSession:
         While it waits, a sharer may let go of a page (fewer copies needed): what was paid and not taken goes
         back."""
         paid = 0
-        while (needed := self.cache.pages_needed(start, end)) > paid:
-            await self.server.take_cache(self.peer_id, (needed - paid) * PAGE_TOKENS)
-            paid = needed
-            if self._closed:  # closed while waiting: give the pages straight back
+        try:
+            while (needed := self.cache.pages_needed(start, end)) > paid:
+                await self.server.take_cache(self.peer_id, (needed - paid) * PAGE_TOKENS)
+                paid = needed
+                if self._closed:  # closed while waiting: what it paid goes straight back
+                    raise ServerUnavailableError("the session ended while waiting for cache")
+        except BaseException:
+            if paid:
                 self.server.give_back_cache(self.peer_id, paid * PAGE_TOKENS)
-                raise ServerUnavailableError("the session ended while waiting for cache")
+            raise
         taken = self.cache.prepare(start, end) if paid else 0
         if paid > taken:
             self.server.give_back_cache(self.peer_id, (paid - taken) * PAGE_TOKENS)
