@@ -118,9 +118,12 @@ class RemoteSession:
     def park(self) -> None:
         """Tell every server of the chain that this session is idle, kept for reuse: each may close it to make
         room (its next step then recomputes it there or elsewhere, with the same outputs); the next step
-        un-parks it. Never raises: a server gone or refusing is left to that next step."""
+        un-parks it. Never raises: a server gone, stalled (a step's timeout) or refusing is left to that next
+        step. It waits for the servers' answers: a step sent after it must never find its session parked."""
+        timeout = self.services.step_timeout
+
         async def park_all():
-            return await asyncio.gather(*(hop.stream.park() for hop in self.hops), return_exceptions=True)
+            return await asyncio.gather(*(hop.stream.park(timeout) for hop in self.hops), return_exceptions=True)
 
         for hop, result in zip(self.hops, self.services.loop.run(park_all())):
             if isinstance(result, BaseException):

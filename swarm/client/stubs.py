@@ -112,9 +112,9 @@ class InferenceStream:
             opening["fork"] = {"session_id": fork[0].session_id, "length": fork[1]}
         await self._exchange(pack(metadata=opening), self.timeout)
 
-    async def park(self) -> None:
+    async def park(self, timeout: Optional[float] = None) -> None:
         """Tell the server the session is idle, kept for reuse: it may close it to make room."""
-        await self._exchange(pack(metadata={"park": True}), self.timeout)
+        await self._exchange(pack(metadata={"park": True}), timeout or self.timeout)
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None, step_id: int = 0,
                    push_to: Optional["InferenceStream"] = None) -> torch.Tensor:
