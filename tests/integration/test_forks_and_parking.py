@@ -113,6 +113,7 @@ def test_a_parked_session_is_evicted_for_a_new_one_and_its_next_step_recomputes_
             assert all(info["parked_sessions"] == 0 for info in infos(model, servers))
             assert all(info["cache_pages_used"] == 1 + 29 for info in infos(model, servers))  # in_use kept its page
             assert [hop.link.peer_id for hop in big.blocks.hops] == [server.peer_id for server in servers]
+        parked.park()  # again, on servers that closed it: nothing to do, and no error
         tokens, seen = greedy(parked, logits, 6)  # its sessions are gone: replayed, then on as before
         in_use.step([[4]], position=3)  # its session is still there
     assert tokens == want_tokens
