@@ -93,7 +93,14 @@ def test_a_fork_and_its_source_go_on_independently_as_fresh_sessions_would(span,
         forked = await fork(backend, source, length)
         assert forked.length == length and span.pool.shared_pages == (3 if length % PAGE_TOKENS else 2)
         # the source writes first, into the page they share mid-page: it takes a copy, the fork reads the original
+        shared = forked.cache.tables[0]
+        before = [(span.pool.keys[:, page * PAGE_TOKENS : (page + 1) * PAGE_TOKENS].clone(),
+                   span.pool.values[:, page * PAGE_TOKENS : (page + 1) * PAGE_TOKENS].clone()) for page in shared]
         source_output = await source.step([ours], {"position": length})
+        for page, (keys, values) in zip(shared, before):  # not one value of a shared page written
+            assert torch.equal(span.pool.keys[:, page * PAGE_TOKENS : (page + 1) * PAGE_TOKENS], keys)
+            assert torch.equal(span.pool.values[:, page * PAGE_TOKENS : (page + 1) * PAGE_TOKENS], values)
+        assert source.cache.tables[0][-1] not in shared
         fork_output = await forked.step([theirs], {"position": length})
         assert_consistent(backend)
         torch.testing.assert_close(source_output, (await fresh_outputs(backend, prefix, ours))[1], rtol=0, atol=0)
