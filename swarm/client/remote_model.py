@@ -149,6 +149,17 @@ class InferenceSession:
         hidden = self.blocks.step(hidden, position)
         return self.model.logits(hidden[:, -1])
 
+    def park(self) -> None:
+        """Keep this session for reuse while it has no step to send: its servers may close it to make room, and
+        its next step (which un-parks it) then recomputes what they dropped, with the same outputs."""
+        self.blocks.park()
+
+    def fork(self, length: int, max_length: Optional[int] = None) -> "InferenceSession":
+        """A new session continuing from this one's first `length` positions (a saved prefix, a conversation's
+        common part): its servers share those positions' cache with this session instead of recomputing it
+        (copy-on-write). Both go on independently; max_length defaults to this session's."""
+        return InferenceSession(self.model, self.blocks.fork(length, max_length))
+
     def close(self) -> None:
         self.blocks.close()
 

@@ -3,6 +3,7 @@ their failures (ban, re-route, replay)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -87,17 +88,25 @@ class RemoteSession:
     outputs are the same as without the failure. Retries are bounded, with backoff. When no server holds some
     of its blocks, it waits up to the client's block_wait for one (SwarmClient.wait_for_chain), telling
     `on_wait(message)`, if set, once per wait.
+
+    A session kept for reuse while it has no step to send is parked (park): its servers may then close it to
+    make room, and its next step recomputes it (replay) where they did. A fork (fork) continues from its first
+    positions in a new session whose servers share their pages of them with this one's (copy-on-write).
     """
 
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
-                 on_wait: Optional[Callable[[str], None]] = None):
+                 on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None):
+        """`forked`: (a session, a length) to start as a fork of (see fork), else the session starts empty."""
         self.services, self.route, self.max_length, self.batch_size = services, route, max_length, batch_size
         self.on_wait = on_wait
         self.position = 0  # tokens already in the servers' caches
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
         self.hops: list[Hop] = []
         try:
-            self.hops = self._open_hops(0, route.num_blocks)
+            if forked is None:
+                self.hops = self._open_hops(0, route.num_blocks)
+            else:
+                self._open_forks(*forked)
         except BaseException:
             self.close()
             raise
@@ -105,6 +114,56 @@ class RemoteSession:
     @property
     def chain(self) -> list[ChainLink]:
         return [hop.link for hop in self.hops]
+
+    def park(self) -> None:
+        """Tell every server of the chain that this session is idle, kept for reuse: each may close it to make
+        room (its next step then recomputes it there or elsewhere, with the same outputs); the next step
+        un-parks it. Never raises: a server gone, stalled (a step's timeout) or refusing is left to that next
+        step. It waits for the servers' answers: a step sent after it must never find its session parked."""
+        timeout = self.services.step_timeout
+
+        async def park_all():
+            return await asyncio.gather(*(hop.stream.park(timeout) for hop in self.hops), return_exceptions=True)
+
+        for hop, result in zip(self.hops, self.services.loop.run(park_all())):
+            if isinstance(result, BaseException):
+                logger.debug("server %s did not park the session: %s", hop.link.peer_id, result)
+
+    def fork(self, length: int, max_length: Optional[int] = None) -> "RemoteSession":
+        """A new session on the same chain, at position `length`, whose servers share this one's cache of
+        positions [0, length) instead of recomputing it; its inputs for a replay are this session's first
+        `length`. A server that cannot fork (it closed this session, or refuses) is opened fresh and replayed:
+        the outputs are the same either way."""
+        max_length = self.max_length if max_length is None else max_length
+        if not self.hops:
+            raise ValueError("a closed session cannot be forked")
+        if not 0 <= length <= min(self.position, max_length):
+            raise ValueError(f"a fork's length must be in [0, {min(self.position, max_length)}] (the session's "
+                             f"position, and the fork's max_length), got {length}")
+        return RemoteSession(self.services, self.route, max_length, self.batch_size, self.on_wait, (self, length))
+
+    def _open_forks(self, source: "RemoteSession", length: int) -> None:
+        """Open a fork of each of `source`'s hops at `length`, else that hop's blocks afresh with a replay."""
+        services = self.services
+        for hop in source.hops:
+            inputs = hop.inputs[:, :length] if hop.inputs is not None else None
+            stream = InferenceStream(services.p2p, hop.link.peer_id, hop.link.start, hop.link.end,
+                                     services.open_timeout, services.step_channels)
+            forked = Hop(hop.link, stream, inputs)
+            services.load.opened(hop.link.peer_id)
+            try:
+                services.loop.run(stream.open(self.max_length, self.batch_size, fork=(hop.stream, length)))
+                self.hops.append(forked)
+                continue
+            except Exception as error:  # gone, full, or the source session closed there: recompute
+                logger.debug("server %s did not fork the session (%s): replaying %d positions", hop.link.peer_id,
+                             error, length)
+                self._close_hop(forked)
+            replacement = self._open_hops(hop.link.start, hop.link.end)
+            self.hops.extend(replacement)  # closed with the session if the replay fails
+            if length:
+                self._replay(replacement, inputs)
+        self.position = length
 
     def step(self, hidden: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
         """Run new positions (batch, length, hidden) through every server; `position` < current rewinds."""

@@ -97,7 +97,10 @@ class InferenceStream:
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses = None
 
-    async def open(self, max_length: int, batch_size: int) -> None:
+    async def open(self, max_length: int, batch_size: int, fork: Optional[tuple["InferenceStream", int]] = None
+                   ) -> None:
+        """Open the session; with `fork` (a stream of this server's, a length), as a fork of that stream's
+        session sharing the cache of its first `length` positions."""
         stub = BlockRPC.get_stub(self.p2p, PeerID.from_base58(self.peer_id))
         try:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._iterate_requests()), self.timeout)
@@ -105,7 +108,13 @@ class InferenceStream:
             raise ServerUnavailableError(f"server {self.peer_id} could not be reached: {error!r}") from None
         opening = {"start": self.start, "end": self.end, "max_length": max_length, "batch_size": batch_size,
                    "session_id": self.session_id}
+        if fork is not None:
+            opening["fork"] = {"session_id": fork[0].session_id, "length": fork[1]}
         await self._exchange(pack(metadata=opening), self.timeout)
+
+    async def park(self, timeout: Optional[float] = None) -> None:
+        """Tell the server the session is idle, kept for reuse: it may close it to make room."""
+        await self._exchange(pack(metadata={"park": True}), timeout or self.timeout)
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None, step_id: int = 0,
                    push_to: Optional["InferenceStream"] = None) -> torch.Tensor:

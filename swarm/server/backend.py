@@ -12,10 +12,11 @@ import torch
 
 from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
 from swarm.server.batching import Scheduler
-from swarm.server.cache import PAGE_TOKENS, CacheBudget, pages_for
-from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field
+from swarm.server.cache import PAGE_TOKENS, CacheBudget, SessionCache, pages_for
+from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field, is_int
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
+from swarm.server.warm import WarmSessions
 
 MAX_BATCH_SIZE = 64
 # what hidden states may travel as (config.WIRE_DTYPES); any other dtype is refused before it reaches a batch
@@ -38,6 +39,7 @@ class Backend:
         self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
         self.scheduler = Scheduler(lambda: self.span, **batching)
         self.sessions = OpenSessions()
+        self.warm = WarmSessions(self.sessions, budget, limits.warm_cache_share)  # parked sessions (see warm.py)
         self.cache_by_peer: Counter[str] = Counter()  # cache slots each peer's sessions hold or wait for (> 0)
         # forwards longer than a chunk run one at a time: each holds a temporary cache (see _forward_in_chunks)
         self._long_forwards = asyncio.Semaphore(1)
@@ -51,6 +53,11 @@ class Backend:
             session.evicted = True
         self.span = span
 
+    @property
+    def cache_tokens_available(self) -> int:
+        """What a new session may have: the free cache, and what parked sessions would give back if evicted."""
+        return self.budget.free + self.warm.parked_tokens()
+
     def info(self) -> dict:
         return {
             "start": self.span.start,
@@ -59,6 +66,10 @@ class Backend:
             "quantization": self.span.quantization,
             "device": str(self.span.device),
             "cache_tokens_free": self.budget.free,
+            "cache_pages_used": self.span.pool.pages - self.span.pool.free_pages,
+            "cache_pages_shared": self.span.pool.shared_pages,  # held by several sessions (forks): copy-on-write
+            "parked_sessions": len(self.warm.parked()),
+            "parked_tokens": self.warm.parked_tokens(),
             "positions_served": self.sessions.positions_served,
             "steps_pushed": self.sessions.steps_pushed,
             "version": PROTOCOL_VERSION,
@@ -119,20 +130,51 @@ class Backend:
         if max_length * batch_size > self.limits.max_session_tokens:
             raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
                                    f"server's limit of {self.limits.max_session_tokens} tokens per session")
-        if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer:
-            raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
-                                   f"server already, its limit per peer")
+        self._check_session_count(peer_id)
+        fork = metadata.get("fork")
+        if fork is not None:  # the pages of the source's first positions, shared
+            cache, length = await self._forked_cache(fork, peer_id, start, end, batch_size, max_length)
+        else:  # an empty cache: it takes pages as the session grows
+            cache, length = self.span.new_cache(batch_size), 0
         services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.submit, self.take_cache,
-                                  self.give_back_cache, self.limits.session_idle_timeout)
-        # an empty cache: it takes pages as the session grows
-        session = ServerSession(services, self.span.new_cache(batch_size), start, end, max_length, batch_size,
-                                peer_id, session_id)
+                                  self.give_back_cache, self.limits.session_idle_timeout, self.warm.trim)
+        session = ServerSession(services, cache, start, end, max_length, batch_size, peer_id, session_id, length)
         try:
-            await session.reserve(1)
+            if not cache.pages:  # its first page (a fork pays for its pages as it writes)
+                await session.reserve(0, 1)
         except BaseException:
             session.close()
             raise
         return session
+
+    def _check_session_count(self, peer_id: str) -> None:
+        """Refuse a session past the peer's limit of open ones, unless one of its parked sessions makes way."""
+        if self.sessions.per_peer[peer_id] >= self.limits.max_sessions_per_peer and not self.warm.evict_one(peer_id):
+            raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
+                                   f"server already, its limit per peer")
+
+    async def _forked_cache(self, fork, peer_id: str, start: int, end: int, batch_size: int, max_length: int
+                            ) -> tuple[SessionCache, int]:
+        """A fork's cache, sharing its source's pages, and its length. The count of the peer's sessions is
+        checked again once the source let it fork: others may have opened while it waited."""
+        length = _fork_length(fork, max_length)
+        cache = await self._fork_source(fork, peer_id, start, end, batch_size).fork_cache(length)
+        try:
+            self._check_session_count(peer_id)
+        except ServerLimitError:  # the source may have closed meanwhile: what this cache alone held is freed
+            self.give_back_cache(peer_id, cache.release() * PAGE_TOKENS)
+            raise
+        return cache, length
+
+    def _fork_source(self, fork: dict, peer_id: str, start: int, end: int, batch_size: int) -> ServerSession:
+        """The open session a new one forks: the same peer's, over the same blocks, with the same batch size."""
+        source = self.sessions.by_id.get(fork.get("session_id")) if isinstance(fork.get("session_id"), str) else None
+        if source is None or source.peer_id != peer_id:  # another peer's session reads as no session at all
+            raise BadRequestError("field 'fork.session_id' names no open session of yours on this server")
+        if (source.start, source.end, source.batch_size) != (start, end, batch_size):
+            raise BadRequestError(f"a fork must have its source's blocks and batch size: {source.start}:{source.end} "
+                                  f"x {source.batch_size}, got {start}:{end} x {batch_size}")
+        return source
 
     async def take_cache(self, peer_id: str, tokens: int) -> None:
         """`tokens` cache slots for a session of `peer_id`, waiting up to --cache-wait for them.
@@ -143,13 +185,19 @@ class Backend:
         gateway on its own small swarm), but a peer within its share that finds the cache full then gets room
         from the idle sessions of peers that hold at least as much, least recently active first: a peer that
         came first and opened sessions it never steps cannot keep others out, nor can several identities that
-        each hold their share (see _reclaim)."""
+        each hold their share (see _reclaim). Parked sessions (swarm/server/warm.py) make way before any of
+        that: the peer's own when it is at its share, anyone's when the cache is full."""
         limit = self.peer_cache_limit()
         held = self.cache_by_peer[peer_id]
-        if held + tokens > limit and any(other != peer_id for other in self.cache_by_peer):
+        shared_with_others = any(other != peer_id for other in self.cache_by_peer)
+        if held + tokens > limit and shared_with_others:  # its own parked sessions make way first
+            self.warm.make_room(lambda: self.cache_by_peer[peer_id] + tokens <= limit, peer_id)
+            held = self.cache_by_peer[peer_id]
+        if held + tokens > limit and shared_with_others:
             raise ServerLimitError(
                 f"peer {peer_id} holds {held} of this server's {self.budget.total} cache tokens: {tokens} more would "
                 f"be over its share of {limit} while other peers use this server; try another server")
+        self.warm.make_room(lambda: self.budget.free >= tokens)  # parked sessions of any peer, before anyone else's
         if tokens > self.budget.free and held + tokens <= limit:
             self._reclaim(peer_id, tokens)
         self.cache_by_peer[peer_id] += tokens  # before the wait: the peer's other sessions see it
@@ -228,3 +276,14 @@ class Backend:
 
 def all_finite(hidden: torch.Tensor) -> bool:
     return bool(torch.isfinite(hidden).all())
+
+
+def _fork_length(fork, max_length: int) -> int:
+    """How many of its source's first positions a fork shares, from the opening's field 'fork'."""
+    if not isinstance(fork, dict):
+        raise BadRequestError("field 'fork' must be a map with a 'session_id' and a 'length'")
+    length = fork.get("length")
+    if not is_int(length) or not 0 <= length <= max_length:
+        raise BadRequestError(f"field 'fork.length' must be an integer in [0, {max_length}] (the new session's "
+                              f"max_length), got {length!r}")
+    return length

@@ -12,6 +12,12 @@ PAGE_TOKENS slots; each sequence of a session has a page table (SessionCache.tab
 copied as a session grows: it gets another page, and attention gathers its keys through the table
 (swarm/server/attention.py). Two more pages: one that stays zero (padding keys point at it) and one
 that padding sequences of a captured CUDA graph write to (swarm/server/graphs.py).
+
+Pages are counted (copy-on-write): a session forked from another at length L (SessionCache.fork) holds the
+pages of positions [0, L) of the source's tables instead of copies. A shared page is never written: before a
+step writes positions [p, end), SessionCache.prepare replaces each shared page covering them by a private copy
+(on the event loop, like every page taken). The budget counts physical pages: a page's slots come back when
+its last holder lets go (release returns how many pages that freed).
 """
 
 from __future__ import annotations
@@ -73,10 +79,10 @@ class CacheBudget:
 class KVPool:
     """Keys and values of every layer of a span, for `tokens` slots: (layers, slots, kv_heads, head_dim) each,
     in pages of PAGE_TOKENS slots, handed out and taken back on the server's event loop, never on the compute
-    thread: the scheduler sees every page a round will write before the round starts (see SessionCache.fit)."""
+    thread: the scheduler sees every page a round will write before the round starts (see SessionCache.prepare)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype, device):
-        pages = max(tokens // PAGE_TOKENS, 1)
+        self.pages = pages = max(tokens // PAGE_TOKENS, 1)
         shape = (layers, (pages + 2) * PAGE_TOKENS, kv_heads, head_dim)  # + the zero page and a scratch page
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # untouched pages cost no memory on a CPU
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -86,11 +92,20 @@ class KVPool:
         for tensor in (self.keys, self.values):
             tensor[:, self.zero_slot : self.scratch_slot].zero_()  # padding reads it: finite (0 x NaN is NaN)
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
+        self._holders = [0] * pages  # how many page tables hold each page (0: free)
         self._free_lock = threading.Lock()  # a caller on another thread must never get a page handed out twice
 
     @property
     def free_pages(self) -> int:
         return len(self._free)
+
+    @property
+    def shared_pages(self) -> int:
+        """Pages that more than one page table holds."""
+        return sum(1 for holders in self._holders if holders > 1)
+
+    def holders(self, page: int) -> int:
+        return self._holders[page]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values, (slots, kv_heads, head_dim) each."""
@@ -105,15 +120,40 @@ class KVPool:
             if not self._free:  # the budget keeps this from happening; a bug must not corrupt another session
                 raise CacheFullError("the server's cache pool has no free page")
             page = self._free.pop()
+            self._holders[page] = 1
         # attention reads whole pages, masking the positions past a sequence's length: those must hold finite
         # values (a masked 0 x NaN is still NaN), and memory never written may hold anything
         for tensor in (self.keys, self.values):
             tensor[:, page * PAGE_TOKENS : (page + 1) * PAGE_TOKENS].zero_()
         return page
 
-    def give_back(self, pages: list[int]) -> None:
+    def copy_of(self, page: int) -> int:
+        """A new page holding what `page` holds (of every layer), for a holder about to write it."""
+        copy = self.take_page()
+        source = slice(page * PAGE_TOKENS, (page + 1) * PAGE_TOKENS)
+        target = slice(copy * PAGE_TOKENS, (copy + 1) * PAGE_TOKENS)
+        for tensor in (self.keys, self.values):
+            tensor[:, target] = tensor[:, source]
+        return copy
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of these pages (held already)."""
         with self._free_lock:
-            self._free.extend(pages)
+            for page in pages:
+                if self._holders[page] < 1:
+                    raise RuntimeError(f"page {page} is free: it cannot be shared")
+                self._holders[page] += 1
+
+    def give_back(self, pages: list[int]) -> int:
+        """One holder less for each of these pages; those nobody holds any more are free again. Returns how many."""
+        freed = 0
+        with self._free_lock:
+            for page in pages:
+                self._holders[page] -= 1
+                if self._holders[page] == 0:
+                    self._free.append(page)
+                    freed += 1
+        return freed
 
     def slot_map(self, tables: list[list[int]], positions: int) -> torch.Tensor:
         """(sequences, positions): the pool slot of each position 0..positions-1 of each page table (past a
@@ -124,30 +164,63 @@ class KVPool:
 
 
 class SessionCache:
-    """A session's pages of the pool: one page table per sequence (row). `reserved` positions per row are
-    paid for in the budget; `fit` takes the pages that cover them, on the event loop, before the step that
-    needs them is submitted: a round only ever writes pages its sessions already hold. Once released, a
-    cache takes no page again (a closed session's late step must not take pages nobody gives back)."""
+    """A session's pages of the pool: one page table per sequence (row). `prepare` takes the pages a step
+    writes (new ones, and private copies of shared ones), on the event loop, before the step is submitted: a
+    round only ever writes pages its sessions already hold, and hold alone. Once released, a cache takes no
+    page again (a closed session's late step must not take pages nobody gives back)."""
 
     def __init__(self, pool: KVPool, rows: int):
         self.pool, self.rows = pool, rows
         self.tables: list[list[int]] = [[] for _ in range(rows)]
-        self.reserved = 0  # positions per row
         self.released = False
 
     @property
-    def tokens(self) -> int:
-        """Budget slots this session holds."""
-        return self.reserved * self.rows
+    def pages(self) -> int:
+        """Pages this cache's tables hold (shared ones included)."""
+        return sum(len(table) for table in self.tables)
 
-    def fit(self, positions: Optional[int] = None) -> None:
-        """Pages for `positions` positions of every row (default: the reserved ones)."""
+    @property
+    def private_pages(self) -> int:
+        """Pages only this cache holds: what releasing it would free now."""
+        return sum(1 for table in self.tables for page in table if self.pool.holders(page) == 1)
+
+    def pages_needed(self, start: int, end: int) -> int:
+        """Pages a write of positions [start, end) of every row would take: new ones past the tables' end, and
+        a copy of each shared page covering them."""
+        first, last = start // PAGE_TOKENS, pages_for(end)
+        needed = 0
+        for table in self.tables:
+            needed += max(last - len(table), 0)
+            needed += sum(1 for page in table[first:last] if self.pool.holders(page) > 1)
+        return needed
+
+    def prepare(self, start: int, end: int) -> int:
+        """Make positions [start, end) of every row writable by this cache alone: pages for them, shared ones
+        replaced by private copies. Returns how many pages it took."""
         if self.released:
             raise ServerUnavailableError("this session's cache was given back: the session has ended")
-        needed = pages_for(self.reserved if positions is None else positions)
+        first, last = start // PAGE_TOKENS, pages_for(end)
+        taken = 0
         for table in self.tables:
-            while len(table) < needed:
+            for index in range(first, min(last, len(table))):
+                if self.pool.holders(table[index]) > 1:
+                    shared, table[index] = table[index], self.pool.copy_of(table[index])
+                    self.pool.give_back([shared])  # another holder keeps it
+                    taken += 1
+            while len(table) < last:
                 table.append(self.pool.take_page())
+                taken += 1
+        return taken
+
+    def fork(self, length: int) -> "SessionCache":
+        """A cache holding this one's pages of positions [0, length), shared (copy-on-write)."""
+        if self.released:
+            raise ServerUnavailableError("this session's cache was given back: the session has ended")
+        forked = SessionCache(self.pool, self.rows)
+        forked.tables = [table[: pages_for(length)] for table in self.tables]
+        for table in forked.tables:
+            self.pool.share(table)
+        return forked
 
     def covers(self, positions: int) -> bool:
         """Whether every row holds the pages of positions 0..positions-1 (what a round writes and reads)."""
@@ -160,9 +233,10 @@ class SessionCache:
         keys, values = self.pool.layer(layer)
         return keys[slots], values[slots]
 
-    def release(self) -> None:
-        """Give every page back to the pool; only once no round can write them any more (see ServerSession)."""
-        for table in self.tables:
-            self.pool.give_back(table)
+    def release(self) -> int:
+        """Let go of every page; only once no round can write them any more (see ServerSession). Returns how
+        many pages that freed (shared ones stay with their other holders)."""
+        freed = sum(self.pool.give_back(table) for table in self.tables)
         self.tables = [[] for _ in range(self.rows)]
         self.released = True
+        return freed

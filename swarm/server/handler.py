@@ -47,6 +47,7 @@ STALLED_STREAM_SECONDS = 10.0  # a step stream whose peer has read none of its r
 COUNTERS = ("step_messages", "steps_received", "push_messages", "pushes_sent", "pushes_failed", "pushes_skipped")
 # bytes of a message's metadata: a step's entry (ids, a position, a push target) takes some 250 of them
 METADATA_BYTES_PER_STEP, METADATA_BYTES_BASE = 512, 1024
+CONTROL_BYTES = 64  # a control message of an inference stream: {"park": true} takes 6
 
 
 def wire_error(error: BaseException) -> dict:
@@ -149,8 +150,10 @@ class BlockHandler(BlockRPC):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A session's stream: its first message opens the session, and the session lasts as long as the stream
-        (or until the server closes it: idle, or to make room). Its steps go through rpc_steps."""
+        """A session's stream: its first message opens the session (a fresh one, or a fork of another: see
+        Backend.open_session), and the session lasts as long as the stream (or until the server closes it: idle,
+        or to make room). Its steps go through rpc_steps; the stream carries only control messages: {"park":
+        true} (see ServerSession.park), answered {"ok": true}."""
         try:
             opening = await anext(requests)
             self._check_caller(context)
@@ -164,9 +167,8 @@ class BlockHandler(BlockRPC):
             return
         try:
             yield reply(metadata={"ok": True})
-            async for _ in _until(session.ended, requests):  # the stream holds the session open; it carries no steps
-                yield error_reply(BadRequestError("an inference stream carries only its opening: steps go through "
-                                                  "rpc_steps"))
+            async for request in _until(session.ended, requests):  # the stream holds the session open
+                yield _control(session, request)
         finally:
             session.close()
 
@@ -305,6 +307,19 @@ class BlockHandler(BlockRPC):
     def _check_caller(self, context: P2PContext) -> None:
         if self.allowed_peers and context.remote_id.to_base58() not in self.allowed_peers:
             raise NotAllowedError(f"peer {context.remote_id.to_base58()} is not on this server's list of clients")
+
+
+def _control(session, request):
+    """The reply to a control message of a session's inference stream."""
+    try:
+        metadata = unpack_metadata(request, CONTROL_BYTES)
+        if request.tensors or metadata != {"park": True}:
+            raise BadRequestError('an inference stream carries its opening and {"park": true} only: steps go '
+                                  'through rpc_steps')
+        session.park()
+        return reply(metadata={"ok": True})
+    except Exception as error:
+        return error_reply(error)
 
 
 async def _until(ended: asyncio.Event, requests: AsyncIterator) -> AsyncIterator:

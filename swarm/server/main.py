@@ -112,7 +112,8 @@ class Presence:
         # within the bounds clients accept (swarm/protocol.py), or they would ignore the record
         throughput = min(self.throughput, MAX_THROUGHPUT)
         max_session_tokens = min(self.backend.limits.max_session_tokens, self.backend.budget.total)
-        return ServerInfo(state, self.start, self.end, throughput, min(self.backend.budget.free, MAX_CACHE_TOKENS),
+        available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
+        return ServerInfo(state, self.start, self.end, throughput, available,
                           max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS))
 
     async def announce_online(self) -> None:

@@ -39,10 +39,12 @@ INTERNAL_ERRORS = Counter("swarm_server_internal_errors_total",
 SESSIONS_CLOSED = Counter("swarm_server_sessions_closed_total",
                           "Sessions the server closed on its own, by reason (idle: no step for --session-idle-timeout; "
                           "reclaimed: an idle session of a peer over its cache share, closed to make room for another "
-                          "peer); their clients fail over", ["reason"], registry=SERVER_REGISTRY)
+                          "peer; evicted: a session its client parked, closed to make room or to keep parked "
+                          "sessions within --warm-cache-share); their clients fail over", ["reason"],
+                          registry=SERVER_REGISTRY)
 for _where in ("compute", "handler"):  # shown at 0 from the start: an alert can tell 'none' from 'no data'
     INTERNAL_ERRORS.labels(_where)
-for _reason in ("idle", "reclaimed"):
+for _reason in ("idle", "reclaimed", "evicted"):
     SESSIONS_CLOSED.labels(_reason)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClosedError, SessionLengthError
 from swarm.server import metrics
-from swarm.server.cache import PAGE_TOKENS, SessionCache, pages_for
+from swarm.server.cache import PAGE_TOKENS, SessionCache
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class ServerServices:
     take_cache: Callable[[str, int], Awaitable[None]]  # (peer id, tokens), within the peer's share, waiting a while
     give_back_cache: Callable[[str, int], None]
     idle_timeout: float  # --session-idle-timeout (0: never)
+    # told when a session parks or closes: the parked sessions' share of the cache may have grown (see warm.py)
+    parked_changed: Callable[[], None] = lambda: None
 
 @dataclass
 class EarlyStep:
@@ -98,7 +100,12 @@ class ServerSession:
 
     The server closes a session that has had no step for --session-idle-timeout seconds, or, idle, to make
     room for another peer when its peer holds at least as much of the cache (Backend.take_cache): its cache
-    goes back, its stream ends, and its client's next step finds no session (and fails over).
+    goes back, its stream ends, and its client's next step finds no session (and fails over). A session its
+    client parked (kept warm for reuse, see park) may also be closed whenever another needs room, or when parked
+    sessions hold more than their share of the cache (swarm/server/warm.py); its next step un-parks it.
+
+    A session may start as a fork of another of the same peer (fork_cache): it shares the source's pages of
+    its first positions, copy-on-write (swarm/server/cache.py).
 
     A session closed while the compute thread still holds one of its steps (in a round, or queued) gives its
     pages and budget back only once that step has settled: a round never writes pages that another session
@@ -106,13 +113,14 @@ class ServerSession:
     """
 
     def __init__(self, server: ServerServices, cache: SessionCache, start: int, end: int, max_length: int,
-                 batch_size: int, peer_id: str, session_id: Optional[str] = None):
+                 batch_size: int, peer_id: str, session_id: Optional[str] = None, length: int = 0):
         self.server, self.start, self.end = server, start, end
         self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
-        self.cache = cache  # empty: it takes pages as it grows
-        self.length = 0  # positions filled in the cache
+        self.cache = cache  # empty, or a fork's shared pages: it takes pages as it grows
+        self.length = length  # positions filled in the cache
+        self.parked = False  # its client keeps it warm for reuse: the server may close it to make room
         self._closed = False
-        self.closed_because: Optional[str] = None  # "idle" or "reclaimed" when the server closed it
+        self.closed_because: Optional[str] = None  # "idle", "reclaimed" or "evicted" when the server closed it
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
         self._newest_step = -1  # the highest step id started
         self._early: Optional[EarlyStep] = None
@@ -132,6 +140,7 @@ class ServerSession:
         return self._one_step_at_a_time.locked() or self._in_flight > 0
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        self.parked = False  # at once: no eviction may close it while the step waits its turn
         step_id = metadata.get("step_id")
         if step_id is not None and not is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
@@ -153,6 +162,7 @@ class ServerSession:
             # session where it is (an honest one only rewinds it when the client does): the client's copy will do
             return
         self._newest_step = step_id
+        self.parked = False
         self.server.open_sessions.steps_pushed += 1
         started = asyncio.ensure_future(self._step_in_turn(tensors, metadata))
         started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
@@ -179,7 +189,7 @@ class ServerSession:
             raise SessionLengthError(
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
-        await self.reserve(end)
+        await self.reserve(position, end)
         if not self._wanted():  # closed while its inputs were checked: it must not reach a round
             raise ServerUnavailableError("the session ended before its step ran")
         self._in_flight += 1  # the scheduler calls _settled once it is done with the step, whatever happens here
@@ -190,17 +200,43 @@ class ServerSession:
         metrics.POSITIONS_SERVED.inc(hidden.shape[1])
         return output
 
-    async def reserve(self, positions: int) -> None:
-        """Pages of the budget for `positions` positions of every row (waiting a bounded time for them)."""
-        if positions <= self.cache.reserved:
-            return
-        wanted = pages_for(positions) * PAGE_TOKENS  # whole pages of the pool: what a sequence physically takes
-        await self.server.take_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
-        if self._closed:  # closed while waiting: give the pages straight back
-            self.server.give_back_cache(self.peer_id, (wanted - self.cache.reserved) * self.batch_size)
-            raise ServerUnavailableError("the session ended while waiting for cache")
-        self.cache.reserved = wanted
-        self.cache.fit()
+    async def reserve(self, start: int, end: int) -> None:
+        """The pages a write of positions [start, end) of every row takes (new ones, and copies of shared
+        ones), paid for in the budget (waiting a bounded time for room) and taken, before the step is submitted.
+        While it waits, a sharer may let go of a page (fewer copies needed): what was paid and not taken goes
+        back."""
+        paid = 0
+        try:
+            while (needed := self.cache.pages_needed(start, end)) > paid:
+                await self.server.take_cache(self.peer_id, (needed - paid) * PAGE_TOKENS)
+                paid = needed
+                if self._closed:  # closed while waiting: what it paid goes straight back
+                    raise ServerUnavailableError("the session ended while waiting for cache")
+        except BaseException:
+            if paid:
+                self.server.give_back_cache(self.peer_id, paid * PAGE_TOKENS)
+            raise
+        taken = self.cache.prepare(start, end) if paid else 0
+        if paid > taken:
+            self.server.give_back_cache(self.peer_id, (paid - taken) * PAGE_TOKENS)
+
+    async def fork_cache(self, length: int) -> SessionCache:
+        """A cache sharing this session's pages of positions [0, length) (see SessionCache.fork), once no step
+        of this session runs: a round writing them now would write pages the fork shares."""
+        async with self._one_step_at_a_time:
+            if self._closed or self.evicted or self._in_flight:
+                raise BadRequestError("the session to fork has ended, or a step of it is still running")
+            if length > self.length:
+                raise BadRequestError(f"field 'fork.length' must be at most the forked session's length "
+                                      f"({self.length}), got {length}")
+            self.last_active = time.monotonic()  # a saved prefix forked often stays warm
+            return self.cache.fork(length)
+
+    def park(self) -> None:
+        """Its client keeps it for reuse, idle: the server may close it to make room (see warm.py)."""
+        if not self._closed:
+            self.parked = True
+            self.server.parked_changed()
 
     def _wanted(self) -> bool:
         return not (self._closed or self.evicted)
@@ -211,11 +247,11 @@ class ServerSession:
             self._give_back_cache()
 
     def _give_back_cache(self) -> None:
-        """The session's budget and pages, once: when it closes, or after that when its last step settles."""
+        """The session's pages, once: when it closes, or after that when its last step settles. The budget
+        gets back the slots of the pages nobody else holds (a fork's shared pages stay with the other holders)."""
         if not self._cache_given_back:
             self._cache_given_back = True
-            self.server.give_back_cache(self.peer_id, self.cache.tokens)
-            self.cache.release()
+            self.server.give_back_cache(self.peer_id, self.cache.release() * PAGE_TOKENS)
 
     def _close_when_idle(self) -> None:
         """Close the session once it has gone --session-idle-timeout seconds without a step (0: never)."""
@@ -230,13 +266,13 @@ class ServerSession:
         self._idle_timer = asyncio.get_running_loop().call_later(wait, self._close_when_idle)
 
     def close(self, reason: Optional[str] = None) -> None:
-        """End the session: by its client (reason None), or by the server ("idle", "reclaimed")."""
+        """End the session: by its client (reason None), or by the server ("idle", "reclaimed", "evicted")."""
         if not self._closed:
             self._closed, self.closed_because = True, reason
             if reason is not None:
                 metrics.SESSIONS_CLOSED.labels(reason).inc()
                 logger.info("closed a session of peer %s (%s), freeing %d cache tokens", self.peer_id, reason,
-                            self.cache.tokens)
+                            self.cache.private_pages * PAGE_TOKENS)
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
             self.ended.set()
@@ -246,6 +282,7 @@ class ServerSession:
                 self._give_back_cache()
             self.server.open_sessions.discard(self)
             metrics.SESSIONS.dec()
+            self.server.parked_changed()  # pages it shared with parked sessions may now be theirs alone
 
 
 def is_int(value) -> bool:

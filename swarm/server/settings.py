@@ -26,6 +26,8 @@ class ServerLimits:
     session_idle_timeout: float = 600.0  # seconds without a step after which a session is closed (0: never)
     # the part of the cache one peer may hold while other peers hold some too (1: no limit); see take_cache
     max_cache_share_per_peer: float = 0.5
+    # the part of the cache that sessions parked by their clients (kept warm for reuse) may hold; see warm.py
+    warm_cache_share: float = 0.5
 
 
 QUANTIZATIONS = ("int8", "nf4")  # bitsandbytes' weight formats (swarm/server/quantize.py)
@@ -41,6 +43,9 @@ LIMIT_FLAGS = (
     ("--max-cache-share-per-peer", float, "the part of the cache (0-1] one client peer may hold while other peers "
                                           "use this server too, never less than one session of "
                                           "--max-session-tokens; a peer alone may use it all (1: no limit)"),
+    ("--warm-cache-share", float, "the part of the cache [0-1] that sessions parked by their clients (kept warm "
+                                  "for reuse) may hold; past it, or whenever a session needs room, they are "
+                                  "closed least recently used first (0: none is kept)"),
 )
 
 
@@ -165,6 +170,8 @@ def _check(parser, args) -> None:
         parser.error("--session-idle-timeout must be finite (0: never)")
     if not 0 < args.max_cache_share_per_peer <= 1:
         parser.error(f"--max-cache-share-per-peer must be in (0, 1], got {args.max_cache_share_per_peer:g}")
+    if not 0 <= args.warm_cache_share <= 1:
+        parser.error(f"--warm-cache-share must be in [0, 1], got {args.warm_cache_share:g}")
     if (args.rebalance_period is not None and args.rebalance_period < 0) or args.announce_period <= 0:
         parser.error("--announce-period must be positive and --rebalance-period not negative")
     if not 0 <= args.metrics_port <= 65535:

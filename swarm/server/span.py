@@ -79,8 +79,7 @@ class BlockSpan(nn.Module):
         if self.pool is None:
             self.new_pool(DEFAULT_POOL_TOKENS)
         cache = SessionCache(self.pool, rows)
-        cache.reserved = capacity
-        cache.fit()
+        cache.prepare(0, capacity)
         return cache
 
     @torch.inference_mode()
@@ -96,7 +95,7 @@ class BlockSpan(nn.Module):
         thread, which owns `cache`: it takes the pages the request needs (the server's compute thread never
         does; see forward_packed)."""
         if cache is not None:
-            cache.fit(position + hidden.shape[1])
+            cache.prepare(position, position + hidden.shape[1])
         segment = Segment(hidden.shape[0], hidden.shape[1], position, cache)
         return self.forward_packed(hidden.reshape(1, -1, hidden.shape[-1]), [segment], start, end).view(hidden.shape)
 
