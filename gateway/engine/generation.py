@@ -26,7 +26,7 @@ from gateway.engine.sessions import SessionRegistry
 from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
 from gateway.engine.saved_states import SavedState, SavedStates
-from gateway.engine.warm import WarmKey, WarmSessions
+from gateway.engine.warm import WarmConversations, WarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Engine:
                                         self.limits.max_sessions_per_client, open_store(settings.gateway.session_store),
                                         reopen=lambda stored: reopen_session(self, stored))
         self.stats = EngineStats()
-        self.warm = WarmSessions(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
+        self.warm = WarmConversations(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
         self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client)
 
     # ----------------------------------------------------------------------------------- models

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gateway.engine.warm import WarmKey, WarmSessions
+from gateway.engine.warm import WarmConversations, WarmKey
 from gateway.errors import NotFound, TooManySessions
 
 
@@ -42,7 +42,7 @@ class SavedState:
 
 
 class SavedStates:
-    def __init__(self, warm: WarmSessions, max_per_client: int):
+    def __init__(self, warm: WarmConversations, max_per_client: int):
         self.warm, self.max_per_client = warm, max_per_client
         self._states: dict[tuple[str, str], SavedState] = {}  # (client, name) ->
         self._lock = threading.Lock()

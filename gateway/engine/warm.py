@@ -66,7 +66,7 @@ def shared_prefix(tokens: list[int], prompt: list[int]) -> int:
     return length
 
 
-class WarmSessions:
+class WarmConversations:
     def __init__(self, max_sessions: int, max_per_client: int):
         self.max_sessions, self.max_per_client = max_sessions, max_per_client or max_sessions
         self._parked: OrderedDict[int, tuple[WarmKey, object]] = OrderedDict()  # id(session) -> ..., oldest first

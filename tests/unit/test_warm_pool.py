@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gateway.engine.warm import MIN_SHARED_TOKENS, WarmKey, WarmSessions, shared_prefix
+from gateway.engine.warm import MIN_SHARED_TOKENS, WarmConversations, WarmKey, shared_prefix
 
 
 class FakeInference:
@@ -44,7 +44,7 @@ def test_shared_prefix():
 
 
 def test_a_prompt_continuing_a_conversation_takes_it_whole_cut_to_the_shared_part():
-    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION)
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
     assert session.inference.parked == 1 and len(pool) == 1
     reuse = pool.take(A, CONVERSATION + [7, 8], max_length=100)
@@ -54,7 +54,7 @@ def test_a_prompt_continuing_a_conversation_takes_it_whole_cut_to_the_shared_par
 
 def test_a_prompt_leaving_a_short_tail_takes_the_conversation_and_rewinds_it():
     """A reply rendered back into a chat may tokenize differently at its end: not worth keeping a second session."""
-    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION)
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
     reuse = pool.take(A, CONVERSATION[:-3] + [1, 2], max_length=100)
     assert reuse.session is session and reuse.cached == 57 and session.history == CONVERSATION[:57]
@@ -62,14 +62,14 @@ def test_a_prompt_leaving_a_short_tail_takes_the_conversation_and_rewinds_it():
 
 
 def test_the_prompts_last_token_is_always_computed_again():
-    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION)
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
     reuse = pool.take(A, CONVERSATION[:30], max_length=100)  # a regenerate of an earlier point: a fork
     assert reuse.cached == 29 and reuse.session is not session and session.inference.forks == [29]
 
 
 def test_reuse_never_crosses_keys_models_or_salts():
-    pool = WarmSessions(8, 4)
+    pool = WarmConversations(8, 4)
     pool.park(A, FakeSession(CONVERSATION))
     prompt = CONVERSATION + [1]
     for other in (B, WarmKey("other-model", "key:a"), WarmKey("tiny", "key:a", salt="s")):
@@ -78,7 +78,7 @@ def test_reuse_never_crosses_keys_models_or_salts():
 
 
 def test_the_longest_shared_prefix_wins_and_short_ones_are_not_worth_it():
-    pool = WarmSessions(8, 4)
+    pool = WarmConversations(8, 4)
     short, long = FakeSession(CONVERSATION[:20]), FakeSession(CONVERSATION)
     pool.park(A, long)
     pool.park(A, short)
@@ -87,7 +87,7 @@ def test_the_longest_shared_prefix_wins_and_short_ones_are_not_worth_it():
 
 
 def test_a_divergent_prompt_forks_leaving_the_parked_conversation_whole():
-    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION)
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
     divergent = CONVERSATION[:25] + [1, 2, 3]
     reuse = pool.take(A, divergent, max_length=100)
@@ -96,21 +96,21 @@ def test_a_divergent_prompt_forks_leaving_the_parked_conversation_whole():
 
 
 def test_when_a_fork_fails_a_divergent_prompt_is_computed_afresh():
-    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION, forkable=False)
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION, forkable=False)
     pool.park(A, session)
     assert pool.take(A, CONVERSATION[:25] + [1, 2, 3], max_length=100) is None
     assert session.history == CONVERSATION and len(pool) == 1
 
 
 def test_a_session_too_short_for_the_request_is_not_reused():
-    pool = WarmSessions(8, 4)
+    pool = WarmConversations(8, 4)
     pool.park(A, FakeSession(CONVERSATION, max_length=60))
     assert pool.take(A, CONVERSATION + [1], max_length=80) is None
 
 
 def test_a_conversation_being_forked_is_not_taken_whole():
     """Taken whole, it would be rewound and overwritten while its pages are being shared with the fork."""
-    pool, session = WarmSessions(8, 4), FakeSession(CONVERSATION)
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
     forking, taken = threading.Event(), []
 
@@ -131,7 +131,7 @@ def test_a_conversation_being_forked_is_not_taken_whole():
 
 
 def test_the_least_recently_parked_give_way_overall_and_per_client():
-    pool = WarmSessions(3, 2)
+    pool = WarmConversations(3, 2)
     a1, a2, a3 = (FakeSession(CONVERSATION) for _ in range(3))
     for session in (a1, a2, a3):
         pool.park(A, session)
@@ -146,7 +146,7 @@ def test_the_least_recently_parked_give_way_overall_and_per_client():
 
 @pytest.mark.parametrize("history", [[], None])
 def test_nothing_worth_keeping_is_closed_at_once(history):
-    pool = WarmSessions(8, 4) if history is not None else WarmSessions(0, 0)
+    pool = WarmConversations(8, 4) if history is not None else WarmConversations(0, 0)
     session = FakeSession(history if history is not None else CONVERSATION)
     pool.park(A, session)
     assert session.closed and len(pool) == 0
