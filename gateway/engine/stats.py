@@ -58,6 +58,20 @@ class RequestStats:
         }
 
 
+    def llama_timings(self, cached_tokens: int) -> dict:
+        """llama.cpp server's `timings`: the prompt tokens reused (cache_n) and computed (prompt_n), and decoding
+        (predicted_*: every token generated; its time and rate after the first, which the prefill gave)."""
+        return {
+            "cache_n": cached_tokens,
+            "prompt_n": self.prompt_tokens,
+            "prompt_ms": round(self.prefill_seconds * 1000, 3),
+            "prompt_per_second": round(self.prefill_tokens_per_s, 3),
+            "predicted_n": self.completion_tokens,
+            "predicted_ms": round(self.decode_seconds * 1000, 3),
+            "predicted_per_second": round(self.decode_tokens_per_s, 3),
+        }
+
+
 class EngineStats:
     def __init__(self, keep: int = 32):
         self._recent: deque[RequestStats] = deque(maxlen=keep)

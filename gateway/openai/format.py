@@ -73,9 +73,11 @@ def usage(prompt_tokens: int, completion_tokens: int, timing: Optional[dict] = N
     }
 
 
-def chat_completion(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
+def chat_completion(request_id: str, model: str, choices: list[dict], usage_: dict,
+                    timings: Optional[dict] = None) -> dict:
+    """`timings`: llama.cpp server's (stats.RequestStats.llama_timings), beside OpenAI's usage."""
     return {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, **({"timings": timings} if timings else {})}
 
 
 def chat_choice(index: int, content: Optional[str], finish_reason: str, logprobs: Optional[dict] = None,
@@ -102,9 +104,10 @@ def usage_chunk(request_id: str, model: str, object_: str, usage_: dict) -> dict
     return {"id": request_id, "object": object_, "created": now(), "model": model, "choices": [], "usage": usage_}
 
 
-def text_completion(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
+def text_completion(request_id: str, model: str, choices: list[dict], usage_: dict,
+                    timings: Optional[dict] = None) -> dict:
     return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
-            "choices": choices, "usage": usage_}
+            "choices": choices, "usage": usage_, **({"timings": timings} if timings else {})}
 
 
 def text_choice(index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict] = None) -> dict:
@@ -153,7 +156,8 @@ class ChatCompletionReplies:
             content, calls = self.message(reply)
             choices.append(chat_choice(reply.index, content, reply.ended_by, self.logprobs(reply.logprobs), calls))
         usage_ = usage(self.prompt_tokens, self.replies.tokens, self.stats.timing(), self.cached_tokens)
-        return chat_completion(self.request_id, self.model.name, choices, usage_)
+        return chat_completion(self.request_id, self.model.name, choices, usage_,
+                               self.stats.llama_timings(self.cached_tokens))
 
     def chunks(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
         for event in self.replies.events(cancelled):
@@ -219,7 +223,8 @@ class TextCompletionReplies:
                 choices.append(text_choice(number * plan.n + reply.index, echo_text + reply.text, reply.ended_by,
                                            logprobs))
         usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens)
-        return text_completion(self.request_id, self.model.name, choices, usage_)
+        return text_completion(self.request_id, self.model.name, choices, usage_,
+                               self.stats.llama_timings(self.cached_tokens))
 
     def chunks(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
         for number, plan in enumerate(self.plans):

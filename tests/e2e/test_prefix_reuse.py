@@ -89,6 +89,12 @@ def test_a_multi_turn_chat_reuses_every_earlier_turn_and_answers_as_recomputed(r
         assert usage.prompt_tokens_details.cached_tokens == expected_reuse(earlier_prompt, earlier_reply, ids)
         if earlier_prompt:
             assert usage.prompt_tokens_details.cached_tokens > 16 + len(earlier_prompt) // 2
+        again = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                               extra_body={"cache_salt": "timings"})
+        timings = again.model_extra["timings"]  # llama.cpp's: reused and computed prompt tokens, tokens generated
+        assert timings["cache_n"] == again.usage.prompt_tokens_details.cached_tokens
+        assert timings["cache_n"] + timings["prompt_n"] == len(ids)
+        assert timings["predicted_n"] == again.usage.completion_tokens
         earlier_prompt, earlier_reply = ids, generated
         messages.append({"role": "assistant", "content": text})
     metrics = requests.get(reuse_gateway.url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=30).text
@@ -217,3 +223,31 @@ def test_saving_a_state_checks_its_fields(reuse_gateway):
                         ({"name": "x", "prompt": [10 ** 9]}, "prompt")):
         response = requests.post(url + "/v1/states", headers=headers, json=body, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == field, body
+
+
+def test_a_seeded_sample_is_the_same_whether_its_prefix_was_reused_or_not(reuse_gateway):
+    history = [SYSTEM, {"role": "user", "content": "Write me a poem about rain."}]
+    warm = openai_client(reuse_gateway, "key-a")
+    first = warm.chat.completions.create(model="tiny", messages=history, max_tokens=12, seed=5, temperature=1,
+                                         extra_body={"cache_salt": "seeded"})
+    turn = [*history, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Another one."}]
+    fields = dict(model="tiny", messages=turn, max_tokens=16, seed=7, temperature=1.0)
+    reused = warm.chat.completions.create(**fields, extra_body={"cache_salt": "seeded"})
+    recomputed = openai_client(reuse_gateway, "key-b").chat.completions.create(**fields,
+                                                                               extra_body={"cache_salt": "seeded"})
+    assert reused.usage.prompt_tokens_details.cached_tokens > 0 == recomputed.usage.prompt_tokens_details.cached_tokens
+    assert reused.choices[0].message.content == recomputed.choices[0].message.content
+
+
+def test_a_responses_follow_up_continues_the_stored_conversations_caches(reuse_gateway, local):
+    client = openai_client(reuse_gateway, "key-a")
+    first = client.responses.create(model="tiny", instructions=SYSTEM["content"], input="Name three rivers.",
+                                    temperature=0, max_output_tokens=8)
+    follow_up = client.responses.create(model="tiny", input="Which is longest?", previous_response_id=first.id,
+                                        temperature=0, max_output_tokens=8)
+    messages = [SYSTEM, {"role": "user", "content": "Name three rivers."},
+                {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Which is longest?"}]
+    expected, prompt_length = local_greedy(local, messages, 8)
+    assert follow_up.output_text == expected and follow_up.usage.input_tokens == prompt_length
+    assert follow_up.usage.input_tokens_details.cached_tokens > first.usage.input_tokens - 2
