@@ -199,6 +199,8 @@ class Engine:
             session = GatewaySession(model, model.remote.session(longest), longest, False, owner, warm_key=key)
         try:
             self._step(session, prompt_ids)  # every token into the servers' caches: what forks of it share
+            # parked: a server short of room may evict it while no fork shares its pages (forks then recompute it)
+            session.inference.park()
             state = SavedState(name, key, session, messages)
             self.states.save(state)
         except BaseException:

@@ -8,9 +8,9 @@ by name, as Ai00's states and llama.cpp's saved slots are kept.
 
 A state is its client's (and salt's) alone, like every warm conversation; a client keeps MAX_SAVED_STATES_PER_CLIENT
 at most (saving one more is a 429), and saving a name again replaces it. A state lives as long as the gateway's
-process, or until deleted; on the servers, its session lives while it is used (a server closes any session idle
-for its --session-idle-timeout): a fork of a state a server has dropped recomputes the prefix there from what
-the gateway recorded of it, with the same output.
+process, or until deleted. On the servers its session is parked: a server short of room may evict it while no
+fork shares its pages, and closes it after its --session-idle-timeout without forks; a fork of a state a server
+has dropped recomputes the prefix there from what the gateway recorded of it, with the same output.
 """
 
 from __future__ import annotations

@@ -244,8 +244,8 @@ def test_a_responses_follow_up_continues_the_stored_conversations_caches(reuse_g
     client = openai_client(reuse_gateway, "key-a")
     first = client.responses.create(model="tiny", instructions=SYSTEM["content"], input="Name three rivers.",
                                     temperature=0, max_output_tokens=8)
-    follow_up = client.responses.create(model="tiny", input="Which is longest?", previous_response_id=first.id,
-                                        temperature=0, max_output_tokens=8)
+    follow_up = client.responses.create(model="tiny", instructions=SYSTEM["content"], input="Which is longest?",
+                                        previous_response_id=first.id, temperature=0, max_output_tokens=8)
     messages = [SYSTEM, {"role": "user", "content": "Name three rivers."},
                 {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Which is longest?"}]
     expected, prompt_length = local_greedy(local, messages, 8)

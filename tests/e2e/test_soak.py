@@ -124,8 +124,10 @@ async def soak(gateway: Gateway, seconds: float, seed: int) -> Tally:
 
 
 def cache_free(tiny_remote) -> dict:
-    return {server.peer_id: tiny_remote.client.server_info(server.peer_id)["cache_tokens_free"]
-            for server in tiny_remote.client.servers(TINY_PREFIX, tiny_remote.num_blocks)}
+    """Each server's free cache, counting what the gateway's parked conversations hold (see leak_checks.py)."""
+    infos = {server.peer_id: tiny_remote.client.server_info(server.peer_id)
+             for server in tiny_remote.client.servers(TINY_PREFIX, tiny_remote.num_blocks)}
+    return {peer: info["cache_tokens_free"] + info.get("parked_tokens", 0) for peer, info in infos.items()}
 
 
 def test_soak(soak_gateway, tiny_swarm, tiny_remote, capsys):
