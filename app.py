@@ -57,10 +57,11 @@ _device_problem = device_problem(_settings.gateway.device)
 if _device_problem:  # one line now, rather than a 500 on the first request that needs a model
     fail(f"bad environment: GATEWAY_DEVICE={_settings.gateway.device}: {_device_problem}", status=2)
 configure_logging(_settings.gateway.log_level)  # every log line with its request id
-try:
-    app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request that needs it
-except SessionStoreError as _error:  # corrupt or unreadable: one line, and no start that would lose its sessions
-    fail(str(_error), status=APP_LOAD_ERROR)
+if __name__ != "__main__":  # `python app.py` only reads its flags and runs gunicorn, which imports app:app anew
+    try:
+        app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request needing it
+    except SessionStoreError as _error:  # corrupt or unreadable: one line, and no start that would lose its sessions
+        fail(str(_error), status=APP_LOAD_ERROR)
 
 
 def _parser():
