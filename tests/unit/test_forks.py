@@ -12,8 +12,8 @@ import torch
 
 from swarm.protocol import PAGE_TOKENS, BadRequestError, CacheFullError, ServerLimitError
 from swarm.server.backend import Backend, ServerLimits
-from swarm.server.cache import CacheBudget, KVPool
 from swarm.server.span import load_span
+from server_backends import run_scenario
 from tiny_model import build_tiny_model
 
 HIDDEN = 64
@@ -27,33 +27,8 @@ def span(tmp_path_factory):
     return load_span(build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", 2), 0, 2)
 
 
-@pytest.fixture
-def takers(monkeypatch) -> list[str]:
-    """The name of the thread of every page taken from any pool (copies included)."""
-    names, take_page = [], KVPool.take_page
-
-    def recorded(pool):
-        names.append(threading.current_thread().name)
-        return take_page(pool)
-
-    monkeypatch.setattr(KVPool, "take_page", recorded)
-    return names
-
-
 def run(span, scenario, limits=LIMITS):
-    async def body():
-        backend = Backend(span, CacheBudget(POOL_PAGES * PAGE_TOKENS), limits)
-        try:
-            await scenario(backend)
-            for session in list(backend.sessions):
-                session.close()
-            assert_consistent(backend)
-            assert backend.budget.used == 0 and not backend.cache_by_peer
-            assert span.pool.free_pages == POOL_PAGES and span.pool.shared_pages == 0
-        finally:
-            backend.close()
-
-    asyncio.run(body())
+    run_scenario(span, scenario, limits, POOL_PAGES, check=assert_consistent)
 
 
 def assert_consistent(backend: Backend) -> None:

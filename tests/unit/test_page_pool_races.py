@@ -15,6 +15,7 @@ from swarm.server.attention import PackedBatch
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.cache import CacheBudget, KVPool
 from swarm.server.span import load_span
+from server_backends import run_scenario
 from tiny_model import build_tiny_model
 
 HIDDEN = 64
@@ -30,19 +31,6 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def span(folder):
     return load_span(folder, 0, 2)
-
-
-@pytest.fixture
-def takers(monkeypatch) -> list[str]:
-    """The name of the thread of every page taken from any pool."""
-    names, take_page = [], KVPool.take_page
-
-    def recorded(pool):
-        names.append(threading.current_thread().name)
-        return take_page(pool)
-
-    monkeypatch.setattr(KVPool, "take_page", recorded)
-    return names
 
 
 def hidden(length: int) -> torch.Tensor:
@@ -74,15 +62,7 @@ def assert_all_back(backend: Backend, pool: KVPool) -> None:
 
 
 def run(span, scenario):
-    async def body():
-        backend = Backend(span, CacheBudget(POOL_PAGES * PAGE_TOKENS), ServerLimits(cache_wait=0.05))
-        backend.scheduler.stop()  # its thread picks no round: each test runs them
-        try:
-            await scenario(backend)
-        finally:
-            backend.close()
-
-    asyncio.run(body())
+    run_scenario(span, scenario, ServerLimits(cache_wait=0.05), POOL_PAGES, settle=False, rounds_by_hand=True)
 
 
 def test_a_session_closed_after_its_step_entered_a_round_gives_every_page_back(span, takers):

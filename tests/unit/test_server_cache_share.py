@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from swarm.protocol import PAGE_TOKENS, CacheFullError, ServerLimitError
-from swarm.server.backend import Backend, ServerLimits
-from swarm.server.cache import CacheBudget
+from swarm.server.backend import ServerLimits
 from swarm.server.span import load_span
+from server_backends import run_scenario
 from tiny_model import build_tiny_model
 
 HIDDEN = 64
@@ -26,17 +26,7 @@ def span(tmp_path_factory):
 
 
 def run(span, scenario, limits=LIMITS):
-    async def body():
-        backend = Backend(span, CacheBudget(8 * PAGE_TOKENS), limits)
-        try:
-            await scenario(backend)
-            for session in list(backend.sessions):
-                session.close()
-            assert backend.budget.used == 0 and not backend.cache_by_peer and not backend.sessions.per_peer
-        finally:
-            backend.close()
-
-    asyncio.run(body())
+    run_scenario(span, scenario, limits, pool_pages=8)
 
 
 def test_a_peer_alone_may_take_the_whole_cache(span):

@@ -3,17 +3,16 @@ evicts them least recently used first when another session needs room or when th
 --warm-cache-share of the cache; a session in use (not parked, or busy) is never evicted; a parked saved prefix
 whose pages live on in its forks frees nothing, and is kept. Every page comes back."""
 
-import asyncio
 
 import pytest
 import torch
 
 from swarm.protocol import PAGE_TOKENS, BadRequestError, CacheFullError, ServerLimitError
 from swarm.server.backend import Backend, ServerLimits
-from swarm.server.cache import CacheBudget
 from swarm.server.handler import _control
 from swarm.server.span import load_span
 from swarm.wire import pack, unpack
+from server_backends import run_scenario
 from tiny_model import build_tiny_model
 
 HIDDEN = 64
@@ -29,17 +28,7 @@ def span(tmp_path_factory):
 
 
 def run(span, scenario, limits=LIMITS):
-    async def body():
-        backend = Backend(span, CacheBudget(8 * PAGE_TOKENS), limits)
-        try:
-            await scenario(backend)
-            for session in list(backend.sessions):
-                session.close()
-            assert backend.budget.used == 0 and not backend.cache_by_peer and span.pool.free_pages == 8
-        finally:
-            backend.close()
-
-    asyncio.run(body())
+    run_scenario(span, scenario, limits, pool_pages=8)
 
 
 async def stepped(backend: Backend, positions: int = 1, peer: str = "peer", **opening):
