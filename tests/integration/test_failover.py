@@ -233,4 +233,4 @@ def test_a_warm_conversation_whose_server_died_is_recomputed_with_identical_outp
             logits = fresh.step([[expected[-1]]])
     assert second == expected
     victim.process.wait(10)
-    chaos_swarm.add_server(["--blocks", f"{SPANS[1][0]}:{SPANS[1][1]}"])  # two replicas again
+    chaos_swarm.add_server(["--blocks", f"{SPANS[1][0]}:{SPANS[1][1]}"], wait=False)  # two replicas again

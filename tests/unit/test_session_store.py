@@ -77,12 +77,16 @@ def test_a_process_killed_mid_write_loses_no_committed_save(tmp_path):
     path = tmp_path / "sessions.sqlite3"
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{ROOT!r}, {os.path.dirname(__file__)!r}]
+        sys.path[:0] = [{ROOT!r}]
+        from gateway.engine.served import GatewaySession
         from gateway.engine.session_store import SessionStore
-        from test_session_store import fake_session
+        class FakeModel:  # as this module's: what it imports (torch, transformers) would only slow the start
+            name = "tiny"
         store = SessionStore({str(path)!r})
         for length in range(1, 100000):
-            store.save(fake_session(history=range(length), pending=()), idle_timeout=60)
+            session = GatewaySession(FakeModel(), None, 64, True, "key:a", id="s1", history=list(range(length)),
+                                     stored=True)
+            store.save(session, idle_timeout=60)
             print(length, flush=True)
     """)], stdout=subprocess.PIPE, text=True)
     reported = [int(child.stdout.readline())]
