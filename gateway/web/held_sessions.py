@@ -6,6 +6,8 @@ a stream. Those sessions then belong to the request until its reply has run, and
 must close them: a later prompt failing a check or over a limit, a generation raising, a client leaving
 mid-stream, a stream never read at all. A session that is not closed holds its slot under MAX_SESSIONS and
 MAX_SESSIONS_PER_CLIENT, and its pages of cache on every server of its chain, for as long as the gateway runs.
+(A Plan's close() gives its session back to the engine, which parks it for the client's next request or
+closes it: engine/warm.py. Either way the request's slot is free.)
 
     hold(choices)           what opened a session (anything with an idempotent close()) is now this request's
     hand_over() -> release  the reply outlives the view (sse.py, ndjson.py, a background response): it takes
