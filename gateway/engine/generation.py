@@ -180,23 +180,25 @@ class Engine:
                 session.owner = owner
                 CACHED_PROMPT_TOKENS.labels(model.name).inc(cached)
             else:
-                # as long as the model allows: a later turn of the conversation must fit in it too (servers take
-                # cache as a session grows, never its max_length up front)
-                longest = max(model.config.max_session_length, max_length)
-                session = GatewaySession(model, model.remote.session(longest), longest, False, owner, warm_key=key)
-                cached = 0
+                session, cached = self._warm_session(model, key, max_length), 0
             self.sessions.add(session)
         return session, cached
+
+    @staticmethod
+    def _warm_session(model: ServedModel, key: WarmKey, max_length: int = 0) -> GatewaySession:
+        """A new session that later requests of `key` may continue: as long as the model allows, since a later
+        turn must fit in it too (servers take cache as a session grows, never its max_length up front)."""
+        longest = max(model.config.max_session_length, max_length)
+        return GatewaySession(model, model.remote.session(longest), longest, False, key.client, warm_key=key)
 
     def save_state(self, model: ServedModel, name: str, prompt_ids: list[int], owner: str, salt: str = "",
                    messages: Optional[list] = None) -> SavedState:
         """Run `prompt_ids` through the swarm once and keep them by `name` for `owner`'s requests to fork
         (see saved_states.py); saving a name again replaces it."""
-        longest = model.config.max_session_length
         check_max_length(model.config, len(prompt_ids))
         key = WarmKey(model.name, owner, salt)
         with self.sessions.reserve(owner):
-            session = GatewaySession(model, model.remote.session(longest), longest, False, owner, warm_key=key)
+            session = self._warm_session(model, key)
         try:
             self._step(session, prompt_ids)  # every token into the servers' caches: what forks of it share
             # parked: a server short of room may evict it while no fork shares its pages (forks then recompute it)
