@@ -48,6 +48,7 @@ GATEWAY_DTYPES = WIRE_DTYPES
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # a device named as torch names it; whether this machine has it is checked where torch is loaded (app.py)
 GATEWAY_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+MAX_SPECULATIVE_TOKENS = 32  # a step of more positions than this is a prefill, priced and batched as one
 
 
 def _split_list(value: str) -> tuple[str, ...]:
@@ -191,10 +192,16 @@ class Limits:
     warm_sessions: int = 64
     warm_sessions_per_client: int = 8
     max_saved_states_per_client: int = 8  # prefixes saved by name (POST /v1/states: engine/saved_states.py)
+    # speculative decoding (gateway/engine/speculation.py): the most tokens drafted per step, each verified by the
+    # swarm in the same step; fewer when measured steps and acceptance say more would not pay; 0: one token per step
+    speculative_tokens: int = 8
 
     def __post_init__(self):
         if self.max_loaded_models < 1:
             raise ValueError(f"MAX_LOADED_MODELS must be at least 1, got {self.max_loaded_models}")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"SPECULATIVE_TOKENS must be between 0 and {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.speculative_tokens}")
 
     @property
     def worker_threads(self) -> int:

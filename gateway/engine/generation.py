@@ -23,6 +23,7 @@ from gateway.engine.catalogue import ServedModels
 from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
+from gateway.engine.speculation import Decoder, Emitted, Pacing
 from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
 from gateway.engine.saved_states import SavedState, SavedStates
@@ -245,31 +246,49 @@ class Engine:
             session.pending = []
             yield Delta("", 0, "length")
             return
-        for count in range(1, budget + 1):
+        decoder = Decoder(session, sampler, constraint, stop_ids, self._step, self._pacing(model, sampler))
+        count = 0
+        while True:
             if cancelled():
                 yield Delta(_remaining_text(detokenizer, stopper), 0, "cancelled")
                 return
-            logits = self._step(session, feed)
-            # one clock for /stats, usage timings and the time-to-first-token / inter-token metrics
-            observe_token(model.name, stats.step_done(first=count == 1), first=count == 1)
-            token = sampler(logits, constraint.allowed() if constraint else None)
-            session.pending = feed = [token]
-            logprobs = (_logprob(logits, token, request.logprobs),) if request.logprobs is not None else ()
+            emitted = decoder.step(feed, budget - count)
+            session.pending = feed = [emitted[-1].token]
+            for index, chosen in enumerate(emitted):
+                count += 1
+                # one clock for /stats, usage timings and the time-to-first-token / inter-token metrics
+                observe_token(model.name, stats.step_done(first=count == 1), first=count == 1)
+                delta = self._delta(chosen, request, stop_ids, constraint, detokenizer, stopper, count == budget)
+                if delta.finish_reason is not None:
+                    _keep_through(session, emitted, index)  # the servers rewind past the rest at the next step
+                    yield delta
+                    return
+                try:
+                    yield delta
+                except GeneratorExit:  # the caller stops reading: the session ends at the last token it got
+                    _keep_through(session, emitted, index)
+                    raise
 
-            if token in stop_ids:
-                yield Delta(_remaining_text(detokenizer, stopper), 1, "stop", logprobs)
-                return
-            if constraint:
-                constraint.accept(token)
-            text, matched = stopper.push(detokenizer.push(token))
-            if matched or (constraint and constraint.is_finished()):
-                yield Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs,
-                            stop_sequence=matched)
-                return
-            if count == budget:
-                yield Delta(text + _remaining_text(detokenizer, stopper), 1, "length", logprobs)
-                return
-            yield Delta(text, 1, None, logprobs)
+    def _pacing(self, model: ServedModel, sampler: Sampler) -> Optional[Pacing]:
+        """How one reply drafts tokens (see speculation.py); None: one token per step."""
+        most = self.limits.speculative_tokens
+        return Pacing(model.step_costs, most) if most and sampler.verifies_drafts else None
+
+    @staticmethod
+    def _delta(chosen: Emitted, request: GenerationRequest, stop_ids: set[int], constraint, detokenizer,
+               stopper: StopMatcher, last: bool) -> Delta:
+        """One generated token as a piece of the reply, with its finish reason if it ends the reply."""
+        token = chosen.token
+        logprobs = (_logprob(chosen.logits, token, request.logprobs),) if request.logprobs is not None else ()
+        if token in stop_ids:
+            return Delta(_remaining_text(detokenizer, stopper), 1, "stop", logprobs)
+        text, matched = stopper.push(detokenizer.push(token))
+        if matched or (constraint and constraint.is_finished()):
+            return Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs,
+                         stop_sequence=matched)
+        if last:
+            return Delta(text + _remaining_text(detokenizer, stopper), 1, "length", logprobs)
+        return Delta(text, 1, None, logprobs)
 
     @staticmethod
     def _feed_and_budget(session: GatewaySession, request: GenerationRequest) -> tuple[list[int], int, int]:
@@ -300,11 +319,13 @@ class Engine:
             session.history, session.pending = tokens[: length - 1], tokens[length - 1 : length]
 
     @staticmethod
-    def _step(session: GatewaySession, feed: list[int]):
+    def _step(session: GatewaySession, feed: list[int], every_position: bool = False):
+        """Logits after the last token of `feed` (vocab,), or after each ((len(feed), vocab)); the tokens join
+        session.history."""
         if session.closed:
             raise NotFound(f"inference session {session.id} was closed", field="session_id")
         try:
-            logits = session.inference.step([feed], position=len(session.history))[0]  # (vocab,)
+            logits = session.inference.step([feed], position=len(session.history), every_position=every_position)[0]
         except BaseException:
             session.broken = True  # the servers may hold some of `feed` or none of it: never reuse it
             raise
@@ -325,6 +346,14 @@ class Engine:
         if layer is not None and layer > remote.num_blocks:
             raise BadRequest(f"layer: at most {remote.num_blocks} for this model, got {layer}", field="layer")
         return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
+
+
+def _keep_through(session: GatewaySession, emitted: list[Emitted], index: int) -> None:
+    """The reply ends at emitted[index]: the tokens a step yielded after it are forgotten (that one is pending)."""
+    surplus = len(emitted) - 1 - index
+    if surplus:
+        del session.history[-surplus:]
+        session.pending = [emitted[index].token]
 
 
 def _logprob(logits, token: int, top: int) -> TokenLogprob:

@@ -277,6 +277,11 @@ class Constraint:
             raise GrammarError(f"token {token_id} ({self._token_name(token_id)}) is not allowed by the grammar here")
         self.tokens.append(token_id)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar would take in a row from here (a draft's checkable part); no change."""
+        fits = not self._matcher.is_error() and all(0 <= token < self._vocab_size for token in tokens)
+        return self._matcher.validate_tokens(tokens) if fits else 0
+
     def is_finished(self) -> bool:
         """True once the grammar is complete and nothing more may follow (only EOS is allowed; stop generating)."""
         return self._matcher.is_stopped()

@@ -272,19 +272,51 @@ class Sampler:
             raise ValueError("no token can be chosen: the allowed mask and logit_bias exclude every token")
         if p.greedy:
             token = int(logits.argmax())
-        else:
+        elif p.mirostat == 2:
             logits = apply_temperature(logits, p.temperature)
-            if p.mirostat == 2:
-                token, self.mu = mirostat_v2_step(logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.generator)
-            elif p.mirostat == 1:
-                token, self.mu = mirostat_v1_step(
-                    logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.vocab_size, self.generator
-                )
-            else:
-                logits = filter_typical(filter_top_k(logits, p.top_k), p.typical_p)
-                token = draw(filter_min_p(filter_top_p(logits, p.top_p), p.min_p), self.generator)
+            token, self.mu = mirostat_v2_step(logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.generator)
+        elif p.mirostat == 1:
+            logits = apply_temperature(logits, p.temperature)
+            token, self.mu = mirostat_v1_step(
+                logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.vocab_size, self.generator
+            )
+        else:
+            token = draw(self._filtered(logits), self.generator)
         self.record(token)
         return token
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether `verify` applies: Mirostat's state follows each draw's surprise, which a draft cannot give."""
+        return self.params.mirostat == 0
+
+    def verify(self, logits: torch.Tensor, draft: int, allowed: Optional[torch.Tensor] = None) -> tuple[int, bool]:
+        """The next token after `logits`, given a drafter's guess `draft`, and whether the guess stands.
+
+        Greedy: the argmax, which stands when it is the guess. Sampling: the guess stands with probability p(draft)
+        under the distribution __call__ draws from; otherwise a draw from that distribution without the guess,
+        renormalised. That is speculative sampling's rule (Leviathan et al. 2023) for a drafter sure of its guess
+        (prompt lookup), so the token follows exactly the distribution __call__ would draw from."""
+        p = self.params
+        processed = self.processed_logits(logits, allowed)
+        if bool(torch.isneginf(processed).all()):
+            raise ValueError("no token can be chosen: the allowed mask and logit_bias exclude every token")
+        if p.greedy:
+            token = int(processed.argmax())
+        else:
+            probs = torch.softmax(self._filtered(processed), dim=-1)
+            token = draft if float(torch.rand(1, generator=self.generator)) < float(probs[draft]) else None
+            if token is None:
+                probs[draft] = 0.0  # the guess was refused: the rest of the distribution (p(draft) < 1 here)
+                token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.record(token)
+        return token, token == draft
+
+    def _filtered(self, processed: torch.Tensor) -> torch.Tensor:
+        """Temperature, then top_k, typical_p, top_p and min_p: the logits a sampled token is drawn from."""
+        p = self.params
+        logits = filter_typical(filter_top_k(apply_temperature(processed, p.temperature), p.top_k), p.typical_p)
+        return filter_min_p(filter_top_p(logits, p.top_p), p.min_p)
 
     def record(self, token: int) -> None:
         """Take `token` into the state as the sequence's next output token. __call__ does this itself; call it

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from config import ModelConfig
+from gateway.engine.speculation import StepCosts
 from gateway.errors import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class ServedModel:
         self.tokenizer = remote.tokenizer
         self.stop_ids = remote.stop_token_ids  # the one stop rule (python -m swarm.client.generate's too)
         self._grammars, self._grammars_lock = None, threading.Lock()
+        self.step_costs = StepCosts()  # what its decode steps cost, by positions: how long drafts pay to be
         self._swarm_context: tuple[float, Optional[int]] = (-CATALOGUE_SECONDS, None)  # (when asked, answer)
 
     @property

@@ -142,12 +142,17 @@ class InferenceSession:
         self.blocks.on_wait = hook
 
     @torch.inference_mode()
-    def step(self, token_ids, position: Optional[int] = None) -> torch.Tensor:
-        """Feed new tokens (batch, length) and get the logits after the last one: (batch, vocab)."""
+    def step(self, token_ids, position: Optional[int] = None, every_position: bool = False) -> torch.Tensor:
+        """Feed new tokens (batch, length) and get the logits after the last one: (batch, vocab); or, with
+        `every_position`, after each of them: (batch, length, vocab), what verifying a draft needs. A position
+        below the session's length rewinds it: the servers drop what followed."""
         position = self.blocks.position if position is None else position  # absolute position of the new tokens
         hidden = self.model.embed(token_ids, position)  # (batch, length, hidden)
         hidden = self.blocks.step(hidden, position)
-        return self.model.logits(hidden[:, -1])
+        if not every_position:
+            return self.model.logits(hidden[:, -1])
+        batch, length, width = hidden.shape
+        return self.model.logits(hidden.reshape(batch * length, width)).reshape(batch, length, -1)
 
     def park(self) -> None:
         """Keep this session for reuse while it has no step to send: its servers may close it to make room, and

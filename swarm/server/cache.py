@@ -222,6 +222,14 @@ class SessionCache:
             self.pool.share(table)
         return forked
 
+    def truncate(self, positions: int) -> int:
+        """Let go of the pages past positions 0..positions-1 (a rewind: rejected draft tokens, a regenerate).
+        Returns how many that freed (shared ones stay with their other holders)."""
+        keep = pages_for(positions)
+        freed = sum(self.pool.give_back(table[keep:]) for table in self.tables)
+        self.tables = [table[:keep] for table in self.tables]
+        return freed
+
     def covers(self, positions: int) -> bool:
         """Whether every row holds the pages of positions 0..positions-1 (what a round writes and reads)."""
         return not self.released and all(len(table) >= pages_for(positions) for table in self.tables)

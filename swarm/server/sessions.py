@@ -189,6 +189,9 @@ class ServerSession:
             raise SessionLengthError(
                 f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
             )
+        if end < self.length and not self._in_flight:  # a rewind (rejected draft tokens): their pages go back now
+            self.length = position  # what follows is stale whether or not this step runs
+            self.server.give_back_cache(self.peer_id, self.cache.truncate(end) * PAGE_TOKENS)
         await self.reserve(position, end)
         if not self._wanted():  # closed while its inputs were checked: it must not reach a round
             raise ServerUnavailableError("the session ended before its step ran")

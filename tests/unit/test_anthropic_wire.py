@@ -130,13 +130,14 @@ class BreakingSession:
     def __init__(self, model, fail_at: int):
         self.model, self.fail_at, self.ids = model, fail_at, []
 
-    def step(self, ids, position=None):
+    def step(self, ids, position=None, every_position=False):
         self.fail_at -= 1
         if self.fail_at == 0:
             raise ServerUnavailableError("every server of block 2 went away")
         self.ids = self.ids[:position] + list(ids[0])
         with torch.no_grad():
-            return self.model(torch.tensor([self.ids])).logits[:, -1]
+            logits = self.model(torch.tensor([self.ids])).logits
+        return logits[:, -len(ids[0]):] if every_position else logits[:, -1]
 
     def close(self):
         pass

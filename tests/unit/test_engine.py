@@ -4,43 +4,12 @@ import time
 
 import pytest
 import torch
-import transformers
 
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway.engine.generation import Engine, GenerationRequest
 from gateway.errors import BadRequest, LengthExceeded, NotFound, TooManySessions
 from gateway.engine.sampling import SamplingParams
-
-
-class LocalSession:
-    """Stands in for swarm.client.InferenceSession: records what would be sent to the servers."""
-
-    def __init__(self, model, max_length):
-        self.model, self.max_length = model, max_length
-        self.ids, self.sent, self.closed = [], [], False
-
-    def step(self, ids, position=None):
-        self.sent.append(list(ids[0]))
-        self.ids = self.ids[: len(self.ids) if position is None else position] + list(ids[0])
-        assert len(self.ids) <= self.max_length
-        with torch.no_grad():
-            return self.model(torch.tensor([self.ids])).logits[:, -1]
-
-    def close(self):
-        self.closed = True
-
-
-class LocalRemote:
-    def __init__(self, folder):
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        self.config = self.model.config
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-        self.stop_token_ids = frozenset({self.config.eos_token_id, self.tokenizer.eos_token_id})
-        self.sessions = []
-
-    def session(self, max_length):
-        self.sessions.append(LocalSession(self.model, max_length))
-        return self.sessions[-1]
+from local_remote import LocalRemote
 
 
 @pytest.fixture(scope="module")

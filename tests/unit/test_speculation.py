@@ -1,0 +1,113 @@
+"""Speculative decoding (gateway/engine/speculation.py): drafts verified in one step, the same replies."""
+
+import pytest
+import torch
+
+from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
+from gateway.engine.generation import Engine, GenerationRequest
+from gateway.engine.sampling import Sampler, SamplingParams
+from gateway.engine.speculation import Pacing, StepCosts, prompt_lookup
+from local_remote import LocalRemote
+
+# code a reply goes on copying: prompt lookup's drafts are then right
+PROMPT = ('{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": ["Analytical Engine"]}\n'
+          "The same JSON, pretty-printed:\n")
+
+
+def test_prompt_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest of two occurrences
+    assert prompt_lookup([5, 2, 3, 6, 4, 2, 3], 3) == [6, 4, 2]  # "2 3" occurred once before
+    assert prompt_lookup([5, 6, 7, 5], 5) == [6, 7, 5]  # down to one token
+    assert prompt_lookup([1, 2, 3, 4], 3) == [] and prompt_lookup([1, 2, 1], 0) == []
+
+
+def test_pacing_drafts_long_when_steps_cost_their_round_trip_and_not_when_positions_cost_compute():
+    wide_area, compute_bound = StepCosts(), StepCosts()
+    for positions in (1, 5, 9) * 4:
+        wide_area.observed(positions, 0.100 + 0.001 * positions)  # a round trip of 100 ms dominates
+        compute_bound.observed(positions, 0.010 * positions)  # every position costs as much as a step
+    right, wrong = Pacing(wide_area, 8), Pacing(compute_bound, 8)
+    for _ in range(10):
+        right.drafted(8, 8)
+        wrong.drafted(8, 1)
+    assert right.length() == 8 and right.acceptance > 0.8
+    assert Pacing(compute_bound, 8).length() == 0 and wrong.length() == 0
+
+
+def test_a_sampled_token_follows_the_same_distribution_whether_or_not_a_guess_is_verified():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    params = SamplingParams(do_sample=True, temperature=0.8, top_k=4, seed=7)
+    target = torch.softmax(Sampler(params, 6)._filtered(logits), dim=-1)
+    draws = 6_000
+    for guess in (0, 3, 5):  # likely, unlikely and filtered out by top_k
+        sampler = Sampler(params, 6)
+        counts = torch.bincount(torch.tensor([sampler.verify(logits, guess)[0] for _ in range(draws)]), minlength=6)
+        assert torch.allclose(counts / draws, target, atol=0.025), (guess, counts / draws, target)
+        assert counts[5] == 0  # top_k holds: a filtered-out guess is never kept
+    greedy = Sampler(SamplingParams(), 6)
+    assert greedy.verify(logits, 0) == (0, True) and greedy.verify(logits, 2) == (0, False)
+
+
+@pytest.fixture(scope="module")
+def remote(real_model):
+    return LocalRemote(real_model)
+
+
+def engine_of(remote, real_model, tmp_path, speculative_tokens: int) -> Engine:
+    gateway = GatewaySettings(models=(ModelConfig("smol", str(real_model), max_session_length=512),),
+                              limits=Limits(speculative_tokens=speculative_tokens))
+    engine = Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
+    engine.model("smol").step_costs = WideAreaCosts()
+    return engine
+
+
+class WideAreaCosts(StepCosts):
+    """Steps priced as over a wide-area swarm, whatever this busy machine takes to compute them in process."""
+
+    def line(self):
+        return 0.100, 0.001  # a round trip of 100 ms, a millisecond per position
+
+
+def reply(engine, request, session=None):
+    session = session or engine.open_session("smol", 512, expires=False)
+    with engine.sessions.use(session.id):
+        deltas = list(engine.generate(session, request))
+    return session, deltas
+
+
+def request(count=32, **fields):
+    sampling = fields.pop("sampling", SamplingParams())
+    return GenerationRequest(inputs=fields.pop("inputs", PROMPT), sampling=sampling, max_new_tokens=count, **fields)
+
+
+@pytest.mark.parametrize("fields", [
+    {},  # greedy
+    {"stop_sequences": ("field",)},
+    {"logprobs": 2},
+    {"sampling": SamplingParams(do_sample=True, temperature=0.7, seed=11)},  # seeded: the same reply twice
+])
+def test_replies_with_speculation_equal_plain_decoding_in_fewer_steps(remote, real_model, tmp_path, fields):
+    plain, drafted = engine_of(remote, real_model, tmp_path, 0), engine_of(remote, real_model, tmp_path, 8)
+    _, expected = reply(plain, request(**dict(fields)))
+    session, deltas = reply(drafted, request(**dict(fields)))
+    steps = remote.sessions[-1].sent
+    if "sampling" in fields:  # not plain decoding's draws, but the same with the same seed
+        expected = reply(drafted, request(**dict(fields)))[1]
+    assert [(d.text, d.finish_reason) for d in deltas] == [(d.text, d.finish_reason) for d in expected]
+    for got, want in zip(deltas, expected):
+        for mine, theirs in zip(got.logprobs, want.logprobs):
+            assert mine.token_id == theirs.token_id and abs(mine.logprob - theirs.logprob) < 1e-3
+    tokens = sum(delta.token_count for delta in deltas)
+    assert len(steps) < tokens - 4  # drafts were kept: fewer round trips than tokens
+    assert max(len(step) for step in steps[1:]) > 1
+
+
+def test_a_reply_ended_mid_step_goes_on_as_plain_decoding_does(remote, real_model, tmp_path):
+    texts = []
+    for speculative_tokens in (0, 8):
+        engine = engine_of(remote, real_model, tmp_path, speculative_tokens)
+        session, first = reply(engine, request(9))  # 9 tokens: a step of several ends past the budget
+        _, second = reply(engine, request(12, inputs="\n# the same, once more:\n"), session)
+        texts.append(["".join(d.text for d in deltas) for deltas in (first, second)])
+        assert remote.sessions[-1].ids[: len(session.history)] == session.history
+    assert texts[0] == texts[1]
