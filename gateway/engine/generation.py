@@ -246,7 +246,7 @@ class Engine:
             session.pending = []
             yield Delta("", 0, "length")
             return
-        decoder = Decoder(session, sampler, constraint, stop_ids, self._step, self._pacing(model, sampler))
+        decoder = Decoder(session, sampler, constraint, stop_ids, self._step, self._pacing(model))
         count = 0
         while True:
             if cancelled():
@@ -269,10 +269,10 @@ class Engine:
                     _keep_through(session, emitted, index)
                     raise
 
-    def _pacing(self, model: ServedModel, sampler: Sampler) -> Optional[Pacing]:
+    def _pacing(self, model: ServedModel) -> Optional[Pacing]:
         """How one reply drafts tokens (see speculation.py); None: one token per step."""
         most = self.limits.speculative_tokens
-        return Pacing(model.step_costs, most) if most and sampler.verifies_drafts else None
+        return Pacing(model.step_costs, most) if most else None
 
     @staticmethod
     def _delta(chosen: Emitted, request: GenerationRequest, stop_ids: set[int], constraint, detokenizer,

@@ -285,31 +285,12 @@ class Sampler:
         self.record(token)
         return token
 
-    @property
-    def verifies_drafts(self) -> bool:
-        """Whether `verify` applies: Mirostat's state follows each draw's surprise, which a draft cannot give."""
-        return self.params.mirostat == 0
-
     def verify(self, logits: torch.Tensor, draft: int, allowed: Optional[torch.Tensor] = None) -> tuple[int, bool]:
-        """The next token after `logits`, given a drafter's guess `draft`, and whether the guess stands.
-
-        Greedy: the argmax, which stands when it is the guess. Sampling: the guess stands with probability p(draft)
-        under the distribution __call__ draws from; otherwise a draw from that distribution without the guess,
-        renormalised. That is speculative sampling's rule (Leviathan et al. 2023) for a drafter sure of its guess
-        (prompt lookup), so the token follows exactly the distribution __call__ would draw from."""
-        p = self.params
-        processed = self.processed_logits(logits, allowed)
-        if bool(torch.isneginf(processed).all()):
-            raise ValueError("no token can be chosen: the allowed mask and logit_bias exclude every token")
-        if p.greedy:
-            token = int(processed.argmax())
-        else:
-            probs = torch.softmax(self._filtered(processed), dim=-1)
-            token = draft if float(torch.rand(1, generator=self.generator)) < float(probs[draft]) else None
-            if token is None:
-                probs[draft] = 0.0  # the guess was refused: the rest of the distribution (p(draft) < 1 here)
-                token = int(torch.multinomial(probs, 1, generator=self.generator))
-        self.record(token)
+        """The next token after `logits`, chosen exactly as __call__ chooses it, and whether a drafter's guess
+        `draft` was that token. Keeping a guess only when it is the token drawn keeps it with probability p(draft):
+        speculative sampling's rule for a drafter sure of its guess (prompt lookup). Each token takes one draw
+        from the generator whether or not it was guessed, so a seeded reply is the same with or without drafts."""
+        token = self(logits, allowed)
         return token, token == draft
 
     def _filtered(self, processed: torch.Tensor) -> torch.Tensor:

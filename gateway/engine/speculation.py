@@ -10,9 +10,9 @@ The gateway keeps the draft up to its first wrong token, plus the token the mode
     prompt lookup    the draft is what followed the latest earlier occurrence of the context's last few tokens:
                      free (no model), and right often in replies that copy their prompt (code edits, JSON,
                      quotes, summaries)
-    verification     Sampler.verify: greedy keeps the argmax, so the reply is the one plain decoding gives;
-                     sampling keeps a guess with probability p(guess), else draws from the rest: every token
-                     follows exactly the distribution plain sampling draws from
+    verification     Sampler.verify: each token is chosen exactly as plain decoding chooses it (the argmax, or
+                     one seeded draw), and a guess stands when it is that token: replies, greedy or seeded,
+                     are the ones plain decoding gives, and a guess stands with probability p(guess)
     pacing           how long a draft pays to be: steps cost base + per_position * positions (measured per
                      model), a draft of k tokens yields (1 - a^(k+1)) / (1 - a) of them at acceptance rate a
                      (measured per reply): k maximises tokens per second, 0 when drafting does not pay

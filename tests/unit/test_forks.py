@@ -91,12 +91,28 @@ def test_a_source_rewound_and_closed_never_changes_what_its_fork_sees(span):
         source = await opened(backend)
         await source.step([prefix], {"position": 0})
         forked = await fork(backend, source, 3 * PAGE_TOKENS)
-        await source.step([edit], {"position": 5})  # rewinds into the first shared page: it copies it
-        assert span.pool.shared_pages == 2
+        # rewinds into the first shared page: it copies that one and lets go of the two after it, which the
+        # fork now holds alone
+        await source.step([edit], {"position": 5})
+        assert span.pool.shared_pages == 0 and source.cache.pages == 1
         source.close()
-        assert span.pool.shared_pages == 0  # the fork holds the two others alone now
         torch.testing.assert_close(await forked.step([after], {"position": 3 * PAGE_TOKENS}),
                                    (await fresh_outputs(backend, prefix, after))[1], rtol=0, atol=0)
+
+    run(span, scenario)
+
+
+def test_a_rewind_gives_back_the_pages_past_it_and_goes_on_as_a_fresh_session_would(span):
+    async def scenario(backend):
+        prefix, draft, accepted = (torch.randn(1, n, HIDDEN) for n in (PAGE_TOKENS - 1, 3 * PAGE_TOKENS, 2))
+        session = await opened(backend)
+        await session.step([prefix], {"position": 0})
+        await session.step([draft], {"position": PAGE_TOKENS - 1})  # four pages, most of them a rejected draft
+        free = span.pool.free_pages
+        output = await session.step([accepted], {"position": PAGE_TOKENS - 1})
+        assert session.cache.pages == 2 and span.pool.free_pages == free + 2  # the two past position 17 went back
+        assert_consistent(backend)
+        torch.testing.assert_close(output, (await fresh_outputs(backend, prefix, accepted))[1], rtol=0, atol=0)
 
     run(span, scenario)
 
