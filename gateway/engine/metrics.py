@@ -4,6 +4,8 @@
     gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
     gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
     gateway_cached_prompt_tokens_total{model}   counter    prompt tokens the servers held already (engine/warm.py)
+    gateway_draft_tokens_total{model}           counter    tokens drafted and sent for verification (speculation.py)
+    gateway_draft_tokens_accepted_total{model}  counter    of those, the ones kept: their ratio is the acceptance rate
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ GENERATED_TOKENS = Counter("gateway_generated_tokens_total", "Tokens generated (
 CACHED_PROMPT_TOKENS = Counter("gateway_cached_prompt_tokens_total",
                                "Prompt tokens the servers held already from an earlier request: never computed again",
                                ["model"])
+
+DRAFT_TOKENS = Counter("gateway_draft_tokens", "Tokens drafted (speculative decoding) and verified by the swarm", ["model"])
+ACCEPTED_DRAFT_TOKENS = Counter("gateway_draft_tokens_accepted",
+                                "Drafted tokens that were the model's choice: kept without a step of their own", ["model"])
 
 
 def observe_token(model: str, seconds: float, first: bool) -> None:

@@ -31,6 +31,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from gateway.engine.metrics import ACCEPTED_DRAFT_TOKENS, DRAFT_TOKENS
+
 LOOKUP_NGRAM = 3  # the longest suffix of the context looked up; shorter ones are tried when it is not found
 STEP_SAMPLES = 64  # recent decode steps the per-model cost is fitted on
 ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts: a reply starts out at an acceptance rate of 0.5
@@ -152,6 +154,8 @@ class Decoder:
             return [self._emit(logits, None)[0]]
         emitted, kept = self._verify(logits[len(feed) - 1 :], draft, room)
         self.pacing.drafted(len(draft), kept)
+        DRAFT_TOKENS.labels(self.session.model.name).inc(len(draft))
+        ACCEPTED_DRAFT_TOKENS.labels(self.session.model.name).inc(kept)
         # the servers hold feed + draft; what they keep is feed and the draft tokens yielded before the last one
         del self.session.history[sent_at + len(feed) + len(emitted) - 1 :]
         return emitted

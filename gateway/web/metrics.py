@@ -5,6 +5,8 @@
     gateway_warm_sessions                       gauge      finished conversations kept on the servers (WARM_SESSIONS)
     gateway_saved_states                        gauge      prefixes saved by name (POST /v1/states)
     gateway_cached_prompt_tokens_total{model}   counter    prompt tokens the servers held already: never computed
+    gateway_draft_tokens_total{model}           counter    tokens drafted for speculative decoding (engine/speculation.py)
+    gateway_draft_tokens_accepted_total{model}  counter    of those, the ones kept: the acceptance rate is their ratio
     gateway_requests_total{api, status}         counter    api: petals_http, petals_ws, openai, anthropic, ollama;
                                                            status: HTTP code
     gateway_time_to_first_token_seconds{model}  histogram  from a generation's start to its first token

@@ -6,8 +6,10 @@ import signal
 import time
 
 import pytest
+import torch
 
 from config import GatewaySettings, ModelConfig, Settings, SwarmSettings
+from exact_match import ATOL
 from swarm.client import SwarmClient
 from swarm.local import LocalSwarm
 from swarm.client.remote_model import InferenceSession, RemoteModel
@@ -232,5 +234,24 @@ def test_a_warm_conversation_whose_server_died_is_recomputed_with_identical_outp
             expected.append(int(logits[0].argmax()))
             logits = fresh.step([[expected[-1]]])
     assert second == expected
+    victim.process.wait(10)
+    chaos_swarm.add_server(["--blocks", f"{SPANS[1][0]}:{SPANS[1][1]}"], wait=False)  # two replicas again
+
+
+def test_a_draft_rejected_after_a_failover_replays_only_the_accepted_tokens(chaos_swarm, model):
+    """Speculative decoding meets a failover: the servers hold a draft, the second hop dies, and the next step
+    keeps only the draft's first two tokens. The replacement is given the accepted tokens only (the inputs replayed
+    end where the step begins), and the outputs equal a session that never saw the rejected ones."""
+    draft = [11, 12, 13, 14, 15, 16]
+    with model.session(max_length=len(PROMPT) + 16) as session:
+        first = int(session.step([PROMPT])[0].argmax())
+        session.step([[first] + draft], every_position=True)
+        victim = server_of(chaos_swarm, session.blocks.chain[1].peer_id)
+        victim.process.send_signal(signal.SIGKILL)
+        logits = session.step([[9]], position=len(PROMPT) + 3)  # first, 11, 12 accepted; 9 chosen after them
+        assert victim.peer_id not in [link.peer_id for link in session.blocks.chain]
+    with model.session(max_length=len(PROMPT) + 4) as fresh:
+        expected = fresh.step([PROMPT + [first, 11, 12, 9]])
+    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
     victim.process.wait(10)
     chaos_swarm.add_server(["--blocks", f"{SPANS[1][0]}:{SPANS[1][1]}"], wait=False)  # two replicas again

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from exact_match import ATOL
 from shared_swarm import TINY_PREFIX
 from swarm.client.remote_model import RemoteModel
 from swarm.protocol import PAGE_TOKENS
@@ -144,3 +145,19 @@ def test_the_prefix_share_benchmark_measures_forks_within_the_bound(model, serve
         assert figure.pages_used == 4 + 4 * 1 and figure.pages_shared == 4  # the prefix once, a page each
         assert figure.bound == bound_pages(4 * PAGE_TOKENS, 4, 8) == 6 + 4 and figure.verdict == "PASS"
         assert figure.copies == 4 * 5 + 4
+
+
+def test_a_rejected_draft_gives_its_pages_back_on_every_server_and_is_forgotten(model, servers):
+    """Speculative decoding's rollback: a step of many positions (a draft), then a step at an earlier position (all
+    but the draft's first token rejected): every server of the chain lets go of the pages past it, and what
+    follows is what a session that never saw the rest of the draft computes."""
+    draft = filler(40)
+    with model.session(max_length=5 * PAGE_TOKENS) as session:
+        session.step([PROMPT])
+        assert session.step([draft], every_position=True).shape == (1, 40, model.config.vocab_size)
+        assert all(info["cache_pages_used"] == 5 for info in infos(model, servers))  # 80 positions
+        logits = session.step([[5]], position=len(PROMPT) + 1)
+        assert all(info["cache_pages_used"] == 3 for info in infos(model, servers))  # 42 positions
+    with model.session(max_length=len(PROMPT) + 2) as fresh:
+        expected = fresh.step([PROMPT + draft[:1] + [5]])
+    torch.testing.assert_close(logits, expected, rtol=0, atol=ATOL)
