@@ -145,6 +145,9 @@ class ModelConfig:
     # None: what the model was trained for, bounded by what the swarm's servers hold (set it to cap sessions lower)
     max_session_length: int | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # a small model of the same tokenizer (a known name or a local folder), run in the gateway to guess tokens for
+    # speculative decoding where prompt lookup has no guess (gateway/engine/drafts.py); None: prompt lookup alone
+    draft_model: str | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "ModelConfig":
@@ -298,7 +301,8 @@ class GatewaySettings:
             models = tuple(ModelConfig.from_dict(entry) for entry in json.loads(environ["MODELS"]))
         else:
             name = environ.get("MODEL", DEFAULT_MODEL)
-            models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name),)
+            models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name,
+                                  draft_model=environ.get("DRAFT_MODEL") or None),)
         return cls(models=models, limits=Limits.from_env(environ), access=AccessSettings.from_env(environ),
                    log_level=environ.get("LOG_LEVEL", "INFO").upper(),
                    device=environ.get("GATEWAY_DEVICE") or "cpu", dtype=environ.get("GATEWAY_DTYPE") or "float32",

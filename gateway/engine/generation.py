@@ -23,6 +23,7 @@ from gateway.engine.catalogue import ServedModels
 from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
+from gateway.engine.drafts import DraftModels, ReplyDrafts
 from gateway.engine.speculation import Decoder, Emitted, Pacing
 from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
@@ -80,6 +81,7 @@ class Engine:
         self.stats = EngineStats()
         self.warm = WarmConversations(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
         self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client)
+        self.draft_models = DraftModels(settings.swarm.cache_dir)
 
     # ----------------------------------------------------------------------------------- models
 
@@ -246,7 +248,7 @@ class Engine:
             session.pending = []
             yield Delta("", 0, "length")
             return
-        decoder = Decoder(session, sampler, constraint, stop_ids, self._step, self._pacing(model))
+        decoder = Decoder(session, sampler, constraint, stop_ids, self._step, *self._speculation(model))
         count = 0
         while True:
             if cancelled():
@@ -269,10 +271,14 @@ class Engine:
                     _keep_through(session, emitted, index)
                     raise
 
-    def _pacing(self, model: ServedModel) -> Optional[Pacing]:
-        """How one reply drafts tokens (see speculation.py); None: one token per step."""
+    def _speculation(self, model: ServedModel) -> tuple[Optional[Pacing], Optional[ReplyDrafts]]:
+        """How one reply drafts tokens (see speculation.py): its pacing (None: one token per step), and its draft
+        model's guesses if the model has one."""
         most = self.limits.speculative_tokens
-        return Pacing(model.step_costs, most) if most else None
+        if not most:
+            return None, None
+        draft_model = self.draft_models.of(model)
+        return Pacing(model.step_costs, most), draft_model.reply() if draft_model is not None else None
 
     @staticmethod
     def _delta(chosen: Emitted, request: GenerationRequest, stop_ids: set[int], constraint, detokenizer,

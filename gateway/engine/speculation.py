@@ -10,6 +10,8 @@ The gateway keeps the draft up to its first wrong token, plus the token the mode
     prompt lookup    the draft is what followed the latest earlier occurrence of the context's last few tokens:
                      free (no model), and right often in replies that copy their prompt (code edits, JSON,
                      quotes, summaries)
+    a draft model    where prompt lookup finds nothing, a small model of the same tokenizer guesses, if the
+                     served model has one (drafts.py)
     verification     Sampler.verify: each token is chosen exactly as plain decoding chooses it (the argmax, or
                      one seeded draw), and a guess stands when it is that token: replies, greedy or seeded,
                      are the ones plain decoding gives, and a guess stands with probability p(guess)
@@ -23,6 +25,7 @@ draft is cut where the grammar would refuse it, before it is sent.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -132,11 +135,13 @@ class Decoder:
     when pacing says one pays) and returns the tokens it yields, keeping session.history to what the servers
     hold of them (the last token yielded is pending: sent with the next step)."""
 
-    def __init__(self, session, sampler, constraint, stop_ids: set[int], run_step: Callable, pacing: Optional[Pacing]):
+    def __init__(self, session, sampler, constraint, stop_ids: set[int], run_step: Callable, pacing: Optional[Pacing],
+                 guesses=None):
         """`run_step(session, tokens, every_position)`: logits after the last token, or after each; it appends the
-        tokens to session.history. `pacing` None: no drafts (speculation off, or Mirostat)."""
+        tokens to session.history. `pacing` None: no drafts (speculation off). `guesses`: a draft model's
+        (drafts.ReplyDrafts), asked where prompt lookup finds nothing."""
         self.session, self.sampler, self.constraint, self.stop_ids = session, sampler, constraint, stop_ids
-        self.run_step, self.pacing = run_step, pacing
+        self.run_step, self.pacing, self.guesses = run_step, pacing, guesses
         self.vocab_size = session.model.vocab_size
 
     def step(self, feed: list[int], room: int) -> list[Emitted]:
@@ -166,7 +171,11 @@ class Decoder:
         session = self.session
         space = session.max_length - len(session.history) - len(feed)  # positions the servers may still take
         most = min(self.pacing.length(), room - 1, space)
-        draft = [token for token in prompt_lookup(session.history + feed, most) if token < self.vocab_size]
+        context = session.history + feed
+        draft = prompt_lookup(context, most)
+        if not draft and self.guesses is not None:
+            draft = self.guesses.propose(context, most)
+        draft = list(itertools.takewhile(lambda token: token < self.vocab_size, draft))  # ids past the LM head end it
         if draft and self.constraint is not None:
             draft = draft[: self.constraint.valid_prefix(draft)]
         return draft

@@ -55,9 +55,9 @@ def remote(real_model):
     return LocalRemote(real_model)
 
 
-def engine_of(remote, real_model, tmp_path, speculative_tokens: int) -> Engine:
-    gateway = GatewaySettings(models=(ModelConfig("smol", str(real_model), max_session_length=512),),
-                              limits=Limits(speculative_tokens=speculative_tokens))
+def engine_of(remote, real_model, tmp_path, speculative_tokens: int, draft_model=None) -> Engine:
+    served = ModelConfig("smol", str(real_model), max_session_length=512, draft_model=draft_model)
+    gateway = GatewaySettings(models=(served,), limits=Limits(speculative_tokens=speculative_tokens))
     engine = Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
     engine.model("smol").step_costs = WideAreaCosts()
     return engine
@@ -112,3 +112,20 @@ def test_a_reply_ended_mid_step_goes_on_as_plain_decoding_does(remote, real_mode
         texts.append(["".join(d.text for d in deltas) for deltas in (first, second)])
         assert remote.sessions[-1].ids[: len(session.history)] == session.history
     assert texts[0] == texts[1]
+
+
+def test_a_draft_model_guesses_where_prompt_lookup_cannot_and_the_reply_stays_the_same(remote, real_model, tmp_path):
+    chat = request(24, inputs="Q: What is the capital of France?\nA:")
+    _, expected = reply(engine_of(remote, real_model, tmp_path, 0), chat)
+    # the served model as its own draft model: every guess is right, the reply comes 8 tokens and 1 per step
+    _, deltas = reply(engine_of(remote, real_model, tmp_path, 8, draft_model=str(real_model)), chat)
+    assert [d.text for d in deltas] == [d.text for d in expected]
+    assert len(remote.sessions[-1].sent) <= 1 + 3
+
+
+def test_a_draft_model_of_another_tokenizer_is_left_out_and_replies_go_on(remote, real_model, tiny_llama, tmp_path,
+                                                                          caplog):
+    engine = engine_of(remote, real_model, tmp_path, 8, draft_model=str(tiny_llama))
+    _, deltas = reply(engine, request(4, inputs="Hello"))
+    assert sum(d.token_count for d in deltas) == 4
+    assert "has another tokenizer" in caplog.text and engine.draft_models.of(engine.model("smol")) is None
