@@ -1,10 +1,13 @@
 """Speculative decoding (gateway/engine/speculation.py): drafts verified in one step, the same replies."""
 
+import json
+
 import pytest
 import torch
 
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway.engine.generation import Engine, GenerationRequest
+from gateway.engine.grammar import GrammarSpec
 from gateway.engine.sampling import Sampler, SamplingParams, apply_temperature
 from gateway.engine.speculation import Pacing, StepCosts, prompt_lookup
 from local_remote import LocalRemote
@@ -129,3 +132,18 @@ def test_a_draft_model_of_another_tokenizer_is_left_out_and_replies_go_on(remote
     _, deltas = reply(engine, request(4, inputs="Hello"))
     assert sum(d.token_count for d in deltas) == 4
     assert "has another tokenizer" in caplog.text and engine.draft_models.of(engine.model("smol")) is None
+
+
+def test_a_structured_reply_drafts_within_its_grammar_and_equals_plain_decoding(remote, real_model, tmp_path):
+    """The JSON schema's grammar checks every kept token; a draft is cut where the grammar would refuse it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
+              "required": ["name", "born"]}
+    replies = []
+    for speculative_tokens in (0, 8):
+        engine = engine_of(remote, real_model, tmp_path, speculative_tokens)
+        grammars = engine.model("smol").grammars()
+        structured = request(40, constraint=lambda: grammars.constraint(GrammarSpec("json_schema", schema)))
+        replies.append("".join(d.text for d in reply(engine, structured)[1]))
+        sent = remote.sessions[-1].sent
+    assert replies[0] == replies[1] and json.loads(replies[1])["name"] == "Ada Lovelace"
+    assert len(sent) < 30  # the name was copied from the prompt in drafts
