@@ -105,7 +105,7 @@ class DraftModels:
             return self._loaded[served.name]
 
     def _load(self, name: str, served) -> Optional[DraftModel]:
-        from swarm.weights import resolve_model
+        from swarm.client import resolve_model
 
         try:
             return DraftModel(resolve_model(name, self.cache_dir), served.tokenizer)

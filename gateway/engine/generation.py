@@ -260,7 +260,7 @@ class Engine:
                 count += 1
                 # one clock for /stats, usage timings and the time-to-first-token / inter-token metrics
                 observe_token(model.name, stats.step_done(first=count == 1), first=count == 1)
-                delta = self._delta(chosen, request, stop_ids, constraint, detokenizer, stopper, count == budget)
+                delta = self._delta(chosen, request, stop_ids, detokenizer, stopper, count == budget)
                 if delta.finish_reason is not None:
                     _keep_through(session, emitted, index)  # the servers rewind past the rest at the next step
                     yield delta
@@ -281,15 +281,15 @@ class Engine:
         return Pacing(model.step_costs, most), draft_model.reply() if draft_model is not None else None
 
     @staticmethod
-    def _delta(chosen: Emitted, request: GenerationRequest, stop_ids: set[int], constraint, detokenizer,
-               stopper: StopMatcher, last: bool) -> Delta:
+    def _delta(chosen: Emitted, request: GenerationRequest, stop_ids: set[int], detokenizer, stopper: StopMatcher,
+               last: bool) -> Delta:
         """One generated token as a piece of the reply, with its finish reason if it ends the reply."""
         token = chosen.token
         logprobs = (_logprob(chosen.logits, token, request.logprobs),) if request.logprobs is not None else ()
         if token in stop_ids:
             return Delta(_remaining_text(detokenizer, stopper), 1, "stop", logprobs)
         text, matched = stopper.push(detokenizer.push(token))
-        if matched or (constraint and constraint.is_finished()):
+        if matched or chosen.completes_grammar:
             return Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs,
                          stop_sequence=matched)
         if last:

@@ -128,6 +128,7 @@ class Pacing:
 class Emitted:
     token: int
     logits: object  # torch.Tensor (vocab,): the raw logits it was chosen from (for logprobs)
+    completes_grammar: bool = False  # the structured output's grammar is finished with this token
 
 
 class Decoder:
@@ -187,7 +188,7 @@ class Decoder:
         for index, guess in enumerate(draft):
             last, kept = self._emit(rows[index], guess)
             emitted.append(last)
-            if not kept or self._ends(last.token) or len(emitted) == room:
+            if not kept or self._ends(last) or len(emitted) == room:
                 return emitted, index + kept
         emitted.append(self._emit(rows[len(draft)], None)[0])
         return emitted, len(draft)
@@ -199,9 +200,11 @@ class Decoder:
             token, kept = self.sampler(logits, allowed), False
         else:
             token, kept = self.sampler.verify(logits, guess, allowed)
+        finished = False
         if self.constraint is not None and token not in self.stop_ids:
             self.constraint.accept(token)
-        return Emitted(token, logits), kept
+            finished = self.constraint.is_finished()
+        return Emitted(token, logits, finished), kept
 
-    def _ends(self, token: int) -> bool:
-        return token in self.stop_ids or (self.constraint is not None and self.constraint.is_finished())
+    def _ends(self, chosen: Emitted) -> bool:
+        return chosen.token in self.stop_ids or chosen.completes_grammar

@@ -39,6 +39,7 @@ _EXPORTS = {
     "RemoteModel": "swarm.client.remote_model",
     "InferenceSession": "swarm.client.remote_model",
     "IncrementalDetokenizer": "swarm.client.decoding",
+    "resolve_model": "swarm.weights",  # a model's local folder (a known name converted once): a gateway's draft model
 }
 _MODULES = {"decoding"}  # logits -> token, as the gateway's sampling builds on them
 __all__ = [*_EXPORTS, *_MODULES, "metrics"]

@@ -243,6 +243,9 @@ def test_a_draft_rejected_after_a_failover_replays_only_the_accepted_tokens(chao
     keeps only the draft's first two tokens. The replacement is given the accepted tokens only (the inputs replayed
     end where the step begins), and the outputs equal a session that never saw the rejected ones."""
     draft = [11, 12, 13, 14, 15, 16]
+    for server in chaos_swarm.servers:  # the replica an earlier test started: the victim's blocks need it
+        if server.process.poll() is None:
+            wait_ready(server)
     with model.session(max_length=len(PROMPT) + 16) as session:
         first = int(session.step([PROMPT])[0].argmax())
         session.step([[first] + draft], every_position=True)
