@@ -17,6 +17,7 @@ import torch
 from swarm import dht
 from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
+from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import ChainLink, choose_chain, longest_session
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
@@ -99,12 +100,30 @@ class SwarmClient:
         self.step_timeout, self.max_retries = step_timeout, max_retries
         self.bans, self.load = Bans(), PeerLoad()
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
+        self.probes = RoundTripProbes(self.node.p2p, self.loop, self.load, self.bans)  # round trips, for routing
+        self._starts: dict[str, float] = {}  # peer -> when its newest record says it started
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        """The online servers of a model that this client may route to."""
-        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        """The online servers of a model that this client may route to (probed from now on: see probes.py)."""
+        servers = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        self._note_restarts(servers)
+        self.probes.consider(server.peer_id for server in servers)
+        return servers
+
+    def _note_restarts(self, servers: list[RemoteServer]) -> None:
+        """A server whose record shows a newer start than before has restarted (same identity, maybe another
+        address): its ban is lifted and what was measured of it forgotten, so that routing uses it again."""
+        for server in servers:
+            started, previous = server.info.started, self._starts.get(server.peer_id)
+            if started is None:
+                continue
+            self._starts[server.peer_id] = started
+            if previous is not None and started > previous:
+                logger.info("server %s restarted: routing may use it again", server.peer_id)
+                self.bans.lift(server.peer_id)
+                self.load.forget(server.peer_id)
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
@@ -112,6 +131,8 @@ class SwarmClient:
     ) -> list[ChainLink]:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers."""
         servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
+        banned = self.bans.current()
+        self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
@@ -214,6 +235,7 @@ class SwarmClient:
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
+        self.probes.close()
         self.loop.run(self.step_channels.close())
         self.loop.run(self.node.shutdown())
 
