@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional, Sequence
 
 import torch
@@ -73,6 +73,7 @@ class SwarmHealth(_MissingBlocks):
     servers: list[RemoteServer]
     servers_per_block: list[int]
     missing: list[tuple[int, int]]  # blocks no online server holds
+    round_trips: dict[str, float] = field(default_factory=dict)  # seconds, to the servers measured
 
 
 class SwarmClient:
@@ -178,8 +179,10 @@ class SwarmClient:
         servers = self.loop.run(dht.fetch_all_servers(self.node, prefix, num_blocks, self.allowed_servers))
         servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
         online = [server for server in servers if server.info.state == ServerState.ONLINE]
+        self.probes.consider(server.peer_id for server in online)  # a health page shows their round trips
+        self.probes.measure_new([server.peer_id for server in online])
         return SwarmHealth(num_blocks, servers, servers_per_block(online, num_blocks),
-                           missing_ranges(online, num_blocks))
+                           missing_ranges(online, num_blocks), self.round_trips())
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
