@@ -84,7 +84,8 @@ function modelSection(model, gatewayVersion) {
     el("th", { scope: "row" }, "coverage"),
     el("td", { class: "blocks" }, coverageBar(model.coverage)),
     el("td", { colspan: "5", class: "muted" }, "online servers per block")));
-  const head = el("tr", {}, ...["server", "blocks", "state", "tokens/s", "free cache (tokens)", "latency (ms)", "version"]
+  const titles = ["server", "blocks", "state", "tokens/s", "free cache (tokens)", "latency (ms)", "version"];
+  const head = el("tr", {}, ...titles
     .map((title) => el("th", { scope: "col", class: title === "blocks" ? "blocks" : "" }, title)));
   section.append(el("div", { class: "table-wrap" },
     el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows))));

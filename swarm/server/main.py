@@ -55,7 +55,8 @@ async def serve(settings: ServerSettings) -> None:
         presence = await Presence.join(node, settings, folder, num_blocks)
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
-              f"cache {settings.cache_tokens} tokens" + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
+              f"cache {settings.cache_tokens} tokens"
+              + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
               + (f", metrics at {metrics_address}" if metrics_address else ""),
               flush=True)
         await presence.serve_until_stopped()
