@@ -39,6 +39,7 @@ from swarm.protocol import (
 logger = logging.getLogger(__name__)
 
 BLOCK_POLL_SECONDS = 1.0  # while waiting for a server to hold missing blocks, the swarm is asked this often
+MAX_ROUND_TRIP_ALLOWANCE = 10.0  # the most seconds measured round trips add to a session's step timeout
 
 
 class _MissingBlocks:
@@ -229,12 +230,19 @@ class SwarmClient:
         """A session over every block; `on_wait(message)` is told when it waits for a server of some blocks."""
         return RemoteSession(self._services(), Route(prefix, num_blocks, model_name), max_length, batch_size, on_wait)
 
+    def session_step_timeout(self) -> float:
+        """A new session's step timeout: step_timeout, plus two of the longest round trips measured (at most
+        MAX_ROUND_TRIP_ALLOWANCE): a far server (a real WAN, or --simulated-latency) is not taken for a dead one,
+        and a dead one is still noticed within seconds."""
+        longest = max(self.round_trips().values(), default=0.0)
+        return self.step_timeout + min(2 * longest, MAX_ROUND_TRIP_ALLOWANCE)
+
     def _services(self) -> ClientServices:
         """What a session uses of this client: its settings as they are now, its shared state, its routing."""
         return ClientServices(
             loop=self.loop, p2p=self.node.p2p, step_channels=self.step_channels, bans=self.bans, load=self.load,
             spot_checks=self.spot_checks, find_chain=self.chain, wait_for_chain=self.wait_for_chain,
-            wire_dtype=self.wire_dtype, open_timeout=self.timeout, step_timeout=self.step_timeout,
+            wire_dtype=self.wire_dtype, open_timeout=self.timeout, step_timeout=self.session_step_timeout(),
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:

@@ -76,3 +76,22 @@ def test_steps_in_flight_overlap_and_outputs_are_unchanged(client, tiny_swarm, d
     assert seconds < 4 * ROUND_TRIP_MS / 1000  # queued one behind the other, 8 would take 8 round trips
     for delayed_output, plain_output in zip(delayed_outputs, plain_outputs):
         torch.testing.assert_close(delayed_output, plain_output)
+
+
+def test_a_step_timeout_shorter_than_the_round_trip_stretches_once_measured(tiny_swarm, delayed):
+    """A client whose base step timeout (0.2 s) is below the server's round trip (0.3 s): once it has measured
+    the round trip, its sessions' steps wait for it, instead of taking the far server for a dead one."""
+    from swarm.client import SwarmClient
+
+    impatient = SwarmClient(tiny_swarm.initial_peers, step_timeout=0.2, max_retries=1)
+    try:
+        assert impatient.chain(PREFIX, TINY_BLOCKS, "tiny")[0].peer_id == delayed.peer_id  # probed meanwhile
+        assert impatient.round_trips()[delayed.peer_id] >= ROUND_TRIP_MS / 1000
+        assert impatient.session_step_timeout() >= 0.2 + 2 * ROUND_TRIP_MS / 1000
+        with impatient.open_session(PREFIX, TINY_BLOCKS, "tiny", max_length=8) as session:
+            outputs = session.step(torch.randn(1, 3, HIDDEN))
+            outputs = session.step(torch.randn(1, 1, HIDDEN))
+        assert outputs.shape == (1, 1, HIDDEN)
+        assert delayed.peer_id not in impatient.bans.current()
+    finally:
+        impatient.shutdown()
