@@ -74,7 +74,8 @@ class SwarmHealth(_MissingBlocks):
     servers: list[RemoteServer]
     servers_per_block: list[int]
     missing: list[tuple[int, int]]  # blocks no online server holds
-    round_trips: dict[str, float] = field(default_factory=dict)  # seconds, to the servers measured
+    # seconds there and back, to the online servers measured (none to a server banned: it did not answer)
+    round_trips: dict[str, float] = field(default_factory=dict)
 
 
 class SwarmClient:
@@ -180,10 +181,12 @@ class SwarmClient:
         servers = self.loop.run(dht.fetch_all_servers(self.node, prefix, num_blocks, self.allowed_servers))
         servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
         online = [server for server in servers if server.info.state == ServerState.ONLINE]
-        self.probes.consider(server.peer_id for server in online)  # a health page shows their round trips
-        self.probes.measure_new([server.peer_id for server in online])
+        reachable = {server.peer_id for server in online} - self.bans.current()
+        self.probes.consider(reachable)  # a health page shows their round trips
+        self.probes.measure_new(reachable)
+        round_trips = {peer: seconds for peer, seconds in self.round_trips().items() if peer in reachable}
         return SwarmHealth(num_blocks, servers, servers_per_block(online, num_blocks),
-                           missing_ranges(online, num_blocks), self.round_trips())
+                           missing_ranges(online, num_blocks), round_trips)
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))

@@ -78,6 +78,8 @@ def test_a_killed_server_leaves_routing_before_its_record_expires(router, replic
     near.process.kill()  # kill -9: no withdrawal; its record says online for up to 30 s more
     _seconds_until(lambda: _first_hop(router) == replicas["far"].peer_id, PROBE_PERIOD + PROBE_TIMEOUT + SLACK)
     assert near.peer_id in router.bans.current()
+    health = router.health(PREFIX, TINY_BLOCKS)  # the swarm page: no round trip shown for a server not answering
+    assert near.peer_id not in health.round_trips and replicas["far"].peer_id in health.round_trips
 
 
 def test_a_server_restarted_with_its_identity_is_used_again_at_once(router, replicas, tiny_swarm, identity):
