@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional, Sequence
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from swarm import dht
 from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
+from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import ChainLink, choose_chain, longest_session
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
@@ -38,6 +39,7 @@ from swarm.protocol import (
 logger = logging.getLogger(__name__)
 
 BLOCK_POLL_SECONDS = 1.0  # while waiting for a server to hold missing blocks, the swarm is asked this often
+MAX_ROUND_TRIP_ALLOWANCE = 10.0  # the most seconds measured round trips add to a session's step timeout
 
 
 class _MissingBlocks:
@@ -72,6 +74,8 @@ class SwarmHealth(_MissingBlocks):
     servers: list[RemoteServer]
     servers_per_block: list[int]
     missing: list[tuple[int, int]]  # blocks no online server holds
+    # seconds there and back, to the online servers measured (none to a server banned: it did not answer)
+    round_trips: dict[str, float] = field(default_factory=dict)
 
 
 class SwarmClient:
@@ -99,12 +103,30 @@ class SwarmClient:
         self.step_timeout, self.max_retries = step_timeout, max_retries
         self.bans, self.load = Bans(), PeerLoad()
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
+        self.probes = RoundTripProbes(self.node.p2p, self.loop, self.load, self.bans)  # round trips, for routing
+        self._starts: dict[str, float] = {}  # peer -> when its newest record says it started
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        """The online servers of a model that this client may route to."""
-        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        """The online servers of a model that this client may route to (probed from now on: see probes.py)."""
+        servers = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        self._note_restarts(servers)
+        self.probes.consider(server.peer_id for server in servers)
+        return servers
+
+    def _note_restarts(self, servers: list[RemoteServer]) -> None:
+        """A server whose record shows a newer start than before has restarted (same identity, maybe another
+        address): its ban is lifted and what was measured of it forgotten, so that routing uses it again."""
+        for server in servers:
+            started, previous = server.info.started, self._starts.get(server.peer_id)
+            if started is None:
+                continue
+            self._starts[server.peer_id] = started
+            if previous is not None and started > previous:
+                logger.info("server %s restarted: routing may use it again", server.peer_id)
+                self.bans.lift(server.peer_id)
+                self.load.forget(server.peer_id)
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
@@ -112,16 +134,22 @@ class SwarmClient:
     ) -> list[ChainLink]:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers."""
         servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
+        banned = self.bans.current()
+        self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
-                                self.load.factors(), min_cache_tokens, self.load.measured())
+                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
         except MissingBlocksError:
             if not self.bans.current() - self.bans.distrusted():
                 raise
             # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
             # not strand a session when there are none (a server that was only slow under a burst of load)
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
-                                self.load.factors(), min_cache_tokens, self.load.measured())
+                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
+
+    def round_trips(self) -> dict[str, float]:
+        """Seconds there and back to each server measured (a moving average): what routing weighs hops by."""
+        return self.load.round_trips()
 
     def wait_for_chain(self, prefix: str, num_blocks: int, model_name: str,
                        on_wait: Optional[Callable[[str], None]] = None, **routing) -> list[ChainLink]:
@@ -153,8 +181,12 @@ class SwarmClient:
         servers = self.loop.run(dht.fetch_all_servers(self.node, prefix, num_blocks, self.allowed_servers))
         servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
         online = [server for server in servers if server.info.state == ServerState.ONLINE]
+        reachable = {server.peer_id for server in online} - self.bans.current()
+        self.probes.consider(reachable)  # a health page shows their round trips
+        self.probes.measure_new(reachable)
+        round_trips = {peer: seconds for peer, seconds in self.round_trips().items() if peer in reachable}
         return SwarmHealth(num_blocks, servers, servers_per_block(online, num_blocks),
-                           missing_ranges(online, num_blocks))
+                           missing_ranges(online, num_blocks), round_trips)
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
@@ -201,15 +233,23 @@ class SwarmClient:
         """A session over every block; `on_wait(message)` is told when it waits for a server of some blocks."""
         return RemoteSession(self._services(), Route(prefix, num_blocks, model_name), max_length, batch_size, on_wait)
 
+    def session_step_timeout(self) -> float:
+        """A new session's step timeout: step_timeout, plus two of the longest round trips measured (at most
+        MAX_ROUND_TRIP_ALLOWANCE): a far server (a real WAN, or --simulated-latency) is not taken for a dead one,
+        and a dead one is still noticed within seconds."""
+        longest = max(self.round_trips().values(), default=0.0)
+        return self.step_timeout + min(2 * longest, MAX_ROUND_TRIP_ALLOWANCE)
+
     def _services(self) -> ClientServices:
         """What a session uses of this client: its settings as they are now, its shared state, its routing."""
         return ClientServices(
             loop=self.loop, p2p=self.node.p2p, step_channels=self.step_channels, bans=self.bans, load=self.load,
             spot_checks=self.spot_checks, find_chain=self.chain, wait_for_chain=self.wait_for_chain,
-            wire_dtype=self.wire_dtype, open_timeout=self.timeout, step_timeout=self.step_timeout,
+            wire_dtype=self.wire_dtype, open_timeout=self.timeout, step_timeout=self.session_step_timeout(),
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
+        self.probes.close()
         self.loop.run(self.step_channels.close())
         self.loop.run(self.node.shutdown())
 

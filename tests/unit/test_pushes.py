@@ -2,6 +2,7 @@
 the server's DHT node finds them (looked up once in a while, not per push), and a bounded number on their way."""
 
 import asyncio
+import time
 
 import torch
 from hivemind.p2p import PeerID
@@ -84,3 +85,34 @@ def test_a_push_toward_a_peer_that_does_not_announce_the_block_is_not_sent(monke
     counters = asyncio.run(scenario())
     assert len(sent) == 1 and len(sent[0].tensors) == 1
     assert (counters["pushes_sent"], counters["pushes_skipped"]) == (1, 1)
+
+
+def test_with_simulated_latency_a_push_leaves_and_its_reply_returns_half_a_round_trip_late(monkeypatch):
+    from swarm.server.latency import SimulatedLatency
+
+    sent_at = []
+
+    class Stub:
+        async def rpc_push(self, message, timeout):
+            sent_at.append(time.monotonic())
+            return reply(metadata={"results": [{}]})
+
+    class Announcing:
+        async def announce(self, peer_id, block):
+            return True
+
+    monkeypatch.setattr(BlockRPC, "get_stub", classmethod(lambda cls, p2p, peer: Stub()))
+    others = [PeerID.from_base58(peer) for peer in ("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
+                                                   "QmPChd2hVbrJ6bfo3WBcTW4iZnpHm8TEzWkLHmLpXhF68A")]
+
+    async def scenario():
+        pusher = pushes.Pusher(dict.fromkeys(COUNTERS, 0), Announcing(), SimulatedLatency(400))
+        began = time.monotonic()
+        pusher.push([(peer, 2, ENTRY, torch.zeros(1, 1, 8)) for peer in (PEER, *others)])  # three messages
+        await asyncio.gather(*pusher.tasks)
+        return began, time.monotonic()
+
+    began, done = asyncio.run(scenario())
+    assert len(sent_at) == 3 and all(at - began >= 0.2 for at in sent_at)  # left half a round trip late
+    assert done - max(sent_at) >= 0.2  # and the reply took the other half
+    assert done - began < 0.4 * 3  # the three overlapped: one after the other would take three round trips
