@@ -1,0 +1,123 @@
+"""One churn run, in order: the model and its local replies, the bootstrap peer, the servers, two gateways, then
+churn and sessions together for --duration seconds; the gateways' counters and logs are read before everything
+stops (on errors and Ctrl-C too)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import requests
+
+from bench.churn.chains import LiveServer, judge, read_choices
+from bench.churn.churn import Churner
+from bench.churn.fleet import Fleet, ServerPlan, plan_latencies, plan_spans
+from bench.churn.model import churn_model, reference_replies
+from bench.churn.sessions import SessionWorkers
+from bench.churn.summary import summarize
+from bench.gateway import Gateway
+from swarm.local import ChildProcess, READY_TIMEOUT
+
+GATEWAYS = 2
+DRAIN_TIMEOUT = 200.0  # after --duration, the replies under way may take this long to finish
+METRICS = ("swarm_client_failovers_total", "swarm_client_retries_total", "swarm_client_failover_causes_total",
+           "swarm_client_block_waits_total")
+
+
+def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) -> dict:
+    from config import SwarmSettings
+    from swarm.weights import load_config, resolve_model
+
+    cache_dir = SwarmSettings.from_env().cache_dir
+    if options.model:
+        folder = resolve_model(options.model, cache_dir)
+        options.blocks = load_config(folder).num_hidden_layers
+    else:
+        folder = churn_model(cache_dir, options.blocks, resolve_model("SmolLM2-135M-Instruct", cache_dir))
+    print(f"local greedy replies of {folder.name} ({options.blocks} blocks)", flush=True)
+    began = time.perf_counter()
+    replies = reference_replies(folder, options.tokens)
+    seconds_per_block = (time.perf_counter() - began) / (len(replies) * options.tokens * options.blocks)
+
+    with ExitStack() as stack:
+        bootstrap = ChildProcess("dht", ["-m", "swarm.dht"], log_dir)
+        stack.callback(bootstrap.stop)
+        initial_peers = bootstrap.wait_for_line(lambda line: "/p2p/" in line, READY_TIMEOUT).split()
+        fleet = start_fleet(options, folder, initial_peers, log_dir, rng)
+        churner = new_churner(options, fleet, log_dir, rng)
+        stack.callback(churner.close)  # after the fleet has stopped (see Churner)
+        stack.callback(fleet.stop)
+        gateways = [stack.enter_context(start_gateway(options, folder, initial_peers, log_dir, number))
+                    for number in range(GATEWAYS)]
+        print(f"{len(fleet.live)} servers and {GATEWAYS} gateways up after {fleet.now():.0f} s; "
+              f"{options.duration:.0f} s of churn and {options.sessions} sessions", flush=True)
+        sessions_began = fleet.now()
+        churner.start()
+        workers = SessionWorkers(options.sessions, [gateway.openai_url for gateway in gateways], folder.name,
+                                 replies, options.tokens, fleet.began, time.monotonic() + options.duration).start()
+        time.sleep(options.duration)
+        churner.stop()
+        unfinished = workers.join(DRAIN_TIMEOUT)
+        counters = [gateway_counters(gateway.url) for gateway in gateways]
+        choices = [choice for number, gateway in enumerate(gateways)
+                   for choice in read_choices(gateway.log_dir / "gateway.log", number)]
+        verdicts = judge(choices, live_at(fleet), seconds_per_block)
+        return summarize(options, fleet, workers.results, unfinished, counters, verdicts, churner.skipped,
+                         sessions_began, seconds_per_block)
+
+
+def start_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
+    (log_dir / "keys").mkdir()
+    fleet = Fleet(str(folder), initial_peers, log_dir, ["--threads", str(options.threads)], options.jitter,
+                  options.seed)
+    spans = plan_spans(options.servers, options.blocks, 2, rng)
+    latencies = plan_latencies(options.servers, options.latency, options.latency_spread, rng)
+    try:
+        for number, ((start, end), latency) in enumerate(zip(spans, latencies)):
+            fleet.start(ServerPlan(f"server{number}", start, end, latency, log_dir / "keys" / f"server{number}.key"))
+        fleet.wait_ready()
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def new_churner(options, fleet: Fleet, log_dir: Path, rng: random.Random) -> Churner:
+    spread = options.latency * options.latency_spread
+    return Churner(fleet, options.churn_every, options.servers, options.blocks,
+                   (options.latency - spread, options.latency + spread), log_dir / "keys", rng)
+
+
+def start_gateway(options, folder: Path, initial_peers: list[str], log_dir: Path, number: int) -> Gateway:
+    (log_dir / f"gateway{number}").mkdir()
+    return Gateway(initial_peers, options.sessions + 8, options.threads, log_dir / f"gateway{number}",
+                   model=str(folder), env={"SESSION_STORE": "off"})
+
+
+def gateway_counters(url: str) -> dict[str, float]:
+    """The swarm client's counters on a gateway's /metrics, summed over their labels."""
+    totals = dict.fromkeys(METRICS, 0.0)
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        match = re.match(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", line)
+        if match and match.group(1) in totals:
+            name = match.group(1) if not match.group(2) else f"{match.group(1)}{{{match.group(2)}}}"
+            totals[match.group(1)] += float(match.group(3))
+            if match.group(2):
+                totals[name] = float(match.group(3))
+    return totals
+
+
+def live_at(fleet: Fleet):
+    """time.time() -> the LiveServers then: ready, not yet stopped, with their real round trips."""
+    runs = fleet.live_runs()
+
+    def servers(at: float) -> list[LiveServer]:
+        moment = at - fleet.wall_began
+        return [LiveServer(fleet.peer_ids[name], fleet.plans[name].start, fleet.plans[name].end,
+                           fleet.plans[name].latency_ms / 1000)
+                for name, ready, gone in runs if ready <= moment < gone and name in fleet.peer_ids]
+    return servers
