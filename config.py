@@ -100,6 +100,9 @@ class SwarmSettings:
     allowed_clients: tuple[str, ...] = ()  # empty: any client
     spot_check_rate: float = 0.0
     block_wait_seconds: float = 30.0  # a gap in the swarm's blocks is waited out this long (SwarmClient's block_wait)
+    # block servers started here add this round trip to every exchange (--simulated-latency's default): a WAN
+    # modelled on one machine, the gateway's own local swarm included
+    simulated_latency_ms: float = 0.0
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
@@ -108,6 +111,8 @@ class SwarmSettings:
             raise ValueError(f"SPOT_CHECK_RATE must be between 0 and 1, got {self.spot_check_rate}")
         if not 0.0 <= self.block_wait_seconds <= 3600.0:  # NaN fails too
             raise ValueError(f"BLOCK_WAIT_SECONDS must be between 0 and 3600, got {self.block_wait_seconds}")
+        if not 0.0 <= self.simulated_latency_ms <= 60000.0:
+            raise ValueError(f"SIMULATED_LATENCY_MS must be between 0 and 60000, got {self.simulated_latency_ms}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SwarmSettings":
@@ -121,6 +126,7 @@ class SwarmSettings:
             allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
             spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
             block_wait_seconds=_float(environ, "BLOCK_WAIT_SECONDS", 30.0),
+            simulated_latency_ms=_float(environ, "SIMULATED_LATENCY_MS", 0.0),
         )
 
 

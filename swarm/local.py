@@ -150,6 +150,13 @@ class LocalSwarm:
         self.stop()
 
 
+def latency_args(round_trip_ms: float, jitter_ms: float = 0.0, seed: int = 0) -> list[str]:
+    """A block server's flags adding a simulated network round trip (swarm/server/latency.py), for LocalSwarm's
+    server_args or add_server. A gateway's own local swarm follows SIMULATED_LATENCY_MS instead (config)."""
+    return ["--simulated-latency", f"{round_trip_ms:g}", "--simulated-latency-jitter", f"{jitter_ms:g}",
+            "--simulated-latency-seed", str(seed)]
+
+
 def halves(num_blocks: int) -> list[tuple[int, int]]:
     """Two servers splitting the blocks, as a small swarm on one machine would."""
     middle = num_blocks // 2

@@ -41,12 +41,14 @@ class Bans:
 
 class PeerLoad:
     """The client's own view of each server: the sessions it has open there, so that new sessions spread over
-    replicas instead of piling onto the first, and how fast its steps really are there (what routing trusts
-    over the speed a server announces: any peer may announce anything)."""
+    replicas instead of piling onto the first; the round trip to it (swarm/client/probes.py times a cheap call);
+    and how fast its steps really compute there (what routing trusts over the speed a server announces: any
+    peer may announce anything). A step's time is its round trip plus its compute: only the compute is per block."""
 
     def __init__(self):
         self.sessions: dict[str, int] = {}
-        self.latency: dict[str, float] = {}  # an exponential moving average of seconds per decode step per block
+        self.latency: dict[str, float] = {}  # an exponential moving average of compute seconds per block of a step
+        self.rtt: dict[str, float] = {}  # an exponential moving average of round trips, in seconds
         self._lock = threading.Lock()
 
     def opened(self, peer_id: str, change: int = 1) -> None:
@@ -54,11 +56,23 @@ class PeerLoad:
             self.sessions[peer_id] = max(self.sessions.get(peer_id, 0) + change, 0)
 
     def observed(self, peer_id: str, seconds: float, blocks: int = 1) -> None:
-        """A decode step through `blocks` blocks of the server took `seconds`, as this client saw it."""
+        """A decode step through `blocks` blocks of the server took `seconds`, as this client saw it: less the
+        round trip (once measured), the rest is compute."""
         with self._lock:
-            per_block = seconds / max(blocks, 1)
-            previous = self.latency.get(peer_id, per_block)
-            self.latency[peer_id] = 0.8 * previous + 0.2 * per_block
+            network = min(self.rtt.get(peer_id, 0.0), seconds)
+            per_block = (seconds - network) / max(blocks, 1)
+            self.latency[peer_id] = _average(self.latency.get(peer_id), per_block)
+
+    def round_trip(self, peer_id: str, seconds: float) -> None:
+        """A call that costs the server next to nothing (rpc_info) took `seconds` there and back."""
+        with self._lock:
+            self.rtt[peer_id] = _average(self.rtt.get(peer_id), seconds)
+
+    def forget(self, peer_id: str) -> None:
+        """What was measured of a server that left: it may come back elsewhere, or faster."""
+        with self._lock:
+            self.rtt.pop(peer_id, None)
+            self.latency.pop(peer_id, None)
 
     def factors(self) -> dict[str, float]:
         """Multipliers of each server's estimated time: each session this client has there weighs."""
@@ -66,6 +80,15 @@ class PeerLoad:
             return {peer: 1.0 + sessions for peer, sessions in self.sessions.items()}
 
     def measured(self) -> dict[str, float]:
-        """Seconds per block of a decode step on each server this client has stepped through."""
+        """Compute seconds per block of a decode step on each server this client has stepped through."""
         with self._lock:
             return dict(self.latency)
+
+    def round_trips(self) -> dict[str, float]:
+        """Seconds there and back to each server measured."""
+        with self._lock:
+            return dict(self.rtt)
+
+
+def _average(previous: Optional[float], sample: float, weight: float = 0.2) -> float:
+    return sample if previous is None else (1 - weight) * previous + weight * sample

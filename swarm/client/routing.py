@@ -18,6 +18,11 @@ class ChainLink:
     end: int
 
 
+# the round trip assumed of a server not measured yet, while no server is: a hop is never free (on loopback it
+# costs about a millisecond; across the internet 20-150 ms)
+DEFAULT_ROUND_TRIP = 0.02
+
+
 def choose_chain(
     servers: Collection[RemoteServer],
     num_blocks: int,
@@ -27,42 +32,87 @@ def choose_chain(
     load: Optional[Mapping[str, float]] = None,
     min_cache_tokens: int = 0,
     measured: Optional[Mapping[str, float]] = None,
+    rtt: Optional[Mapping[str, float]] = None,
 ) -> list[ChainLink]:
-    """A chain covering blocks [start, num_blocks): fewest hops first, then the least estimated time per token.
+    """The chain covering blocks [start, num_blocks) with the least expected decode step time
+    (chain_step_seconds): each hop costs its server's round trip plus its blocks' compute; on a tie, fewer hops.
 
-    Each hop runs from the current block to the end of some server's span: going as far as possible never
-    costs an extra hop, and a server may be entered in the middle of its span. A server's time per block is
-    what the client `measured` there, else what it announced, within bounds (see seconds_per_block); `load[peer]`
-    multiplies it. Servers announcing less free cache than `min_cache_tokens` are left out while others can serve.
+    A server's time per block is what the client `measured` there (compute only: the network's share of a
+    step is its round trip), else what it announced, within bounds (see seconds_per_block); `load[peer]`
+    multiplies it. `rtt[peer]`: the round trips measured to each server (see round_trip_estimates for those not
+    measured). A hop may enter a server mid-span and leave it before its end, where a faster server takes over.
+    Servers announcing less free cache than `min_cache_tokens` are left out while others can serve.
     """
     servers = _routable(servers, num_blocks, model_name, exclude, start, min_cache_tokens)
-    load, measured = load or {}, measured or {}
-    speed = seconds_per_block(servers, measured)
-    servers.sort(key=lambda server: server.peer_id not in measured)  # on a tie, a server measured goes first
+    load = load or {}
+    speed = seconds_per_block(servers, measured or {})
+    round_trips = round_trip_estimates(servers, rtt or {})
+    servers.sort(key=lambda server: server.peer_id not in (measured or {}))  # on a tie, a server measured first
+    cost = {server.peer_id: speed[server.peer_id] * load.get(server.peer_id, 1.0) for server in servers}
 
-    # best[position] = (hops, seconds per token, previous position, link); positions only grow: a DAG
+    # best[position] = (seconds, hops, previous position, link); a hop of server s from q to p costs
+    # rtt[s] + (p - q) * cost[s]: for each p, the best q of each server is the least best[q] - q * cost[s] so far
     best: list = [None] * (num_blocks + 1)
-    best[start] = (0, 0.0, None, None)
-    for position in range(start, num_blocks):
-        if best[position] is None:
-            continue
-        hops, seconds, _, _ = best[position]
+    best[start] = (0.0, 0, None, None)
+    entry: dict[str, tuple] = {}  # server -> (best[q] - q * cost, hops, q) over the q seen so far in its span
+    for position in range(start + 1, num_blocks + 1):
+        previous = best[position - 1]
         for server in servers:
-            info = server.info
-            if not info.start <= position < info.end:
+            info, peer = server.info, server.peer_id
+            if not info.start < position <= info.end:
                 continue
-            end = min(info.end, num_blocks)  # a chain may stop before the model's last block (embeddings)
-            estimate = (end - position) * speed[server.peer_id] * load.get(server.peer_id, 1.0)
-            candidate = (hops + 1, seconds + estimate)
-            if best[end] is None or candidate < best[end][:2]:
-                best[end] = (*candidate, position, ChainLink(server.peer_id, position, end))
+            if previous is not None and info.start <= position - 1:
+                candidate = (previous[0] - (position - 1) * cost[peer], previous[1], position - 1)
+                # on a tie, enter later: the hop before goes as far as it can
+                if peer not in entry or not _better(entry[peer][:2], candidate[:2]):
+                    entry[peer] = candidate
+            if peer not in entry:
+                continue
+            offset, hops, entered = entry[peer]
+            arrival = (offset + position * cost[peer] + round_trips[peer], hops + 1)
+            if best[position] is None or _better(arrival, best[position][:2]):
+                best[position] = (*arrival, entered, ChainLink(peer, entered, position))
 
     chain, position = [], num_blocks
     while position > start:
-        _, _, previous, link = best[position]
+        link = best[position][3]
         chain.append(link)
-        position = previous
+        position = link.start
     return chain[::-1]
+
+
+def _better(candidate: tuple[float, int], incumbent: tuple[float, int]) -> bool:
+    """Less time, or (within rounding) as much time in fewer hops."""
+    tolerance = 1e-9 * max(1.0, abs(incumbent[0]))
+    if candidate[0] < incumbent[0] - tolerance:
+        return True
+    return abs(candidate[0] - incumbent[0]) <= tolerance and candidate[1] < incumbent[1]
+
+
+def chain_step_seconds(chain: Iterable[ChainLink], servers: Collection[RemoteServer], rtt: Mapping[str, float],
+                       measured: Mapping[str, float], load: Mapping[str, float]) -> float:
+    """Expected seconds of one decode step through `chain`: over its hops, the server's round trip plus its
+    blocks x its time per block (measured, else announced: seconds_per_block) x its load; what choose_chain
+    minimises. A server of the chain missing from `servers` counts as infinitely slow."""
+    known = {server.peer_id: server for server in servers}
+    speed = seconds_per_block(known.values(), measured)
+    round_trips = round_trip_estimates(known.values(), rtt)
+    total = 0.0
+    for link in chain:
+        if link.peer_id not in known:
+            return math.inf
+        total += round_trips[link.peer_id] + (link.end - link.start) * speed[link.peer_id] * load.get(link.peer_id, 1.0)
+    return total
+
+
+def round_trip_estimates(servers: Iterable[RemoteServer], rtt: Mapping[str, float]) -> dict[str, float]:
+    """Each server's round trip: as measured, else the median of those measured (a new server is neither
+    preferred nor shunned before it is measured), else DEFAULT_ROUND_TRIP."""
+    peers = [server.peer_id for server in servers]
+    known = sorted(seconds for peer, seconds in rtt.items() if math.isfinite(seconds) and seconds >= 0)
+    fallback = known[len(known) // 2] if known else DEFAULT_ROUND_TRIP
+    return {peer: rtt[peer] if peer in rtt and math.isfinite(rtt[peer]) and rtt[peer] >= 0 else fallback
+            for peer in peers}
 
 
 def _routable(servers: Collection[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str],

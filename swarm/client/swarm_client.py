@@ -114,14 +114,18 @@ class SwarmClient:
         servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
-                                self.load.factors(), min_cache_tokens, self.load.measured())
+                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
         except MissingBlocksError:
             if not self.bans.current() - self.bans.distrusted():
                 raise
             # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
             # not strand a session when there are none (a server that was only slow under a burst of load)
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
-                                self.load.factors(), min_cache_tokens, self.load.measured())
+                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
+
+    def round_trips(self) -> dict[str, float]:
+        """Seconds there and back to each server measured (a moving average): what routing weighs hops by."""
+        return self.load.round_trips()
 
     def wait_for_chain(self, prefix: str, num_blocks: int, model_name: str,
                        on_wait: Optional[Callable[[str], None]] = None, **routing) -> list[ChainLink]:

@@ -29,6 +29,7 @@ from swarm.protocol import (
 )
 from swarm.server import metrics
 from swarm.server.flow import StepFlow, StreamSlots
+from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.sessions import is_int
 from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, misshapen_hidden, reply, split_parts, unpack,
@@ -69,17 +70,21 @@ class BlockHandler(BlockRPC):
     Every request may come from anyone: the backend checks what it carries; here, who sends it (a private
     server takes requests only from `allowed_peers`, if given) and that a peer steps only its own sessions."""
 
-    def __init__(self, backend, allowed_peers: Collection[str] = (), push_targets: Optional[PushTargets] = None):
+    def __init__(self, backend, allowed_peers: Collection[str] = (), push_targets: Optional[PushTargets] = None,
+                 latency: SimulatedLatency = NO_LATENCY):
         self.backend = backend
         self.allowed_peers = frozenset(allowed_peers)
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.pusher = Pusher(self.counters, push_targets)  # push_targets None: nothing is pushed
+        self.latency = latency  # --simulated-latency: every message in and out of the handlers is delayed
+        self.pusher = Pusher(self.counters, push_targets, latency)  # push_targets None: nothing is pushed
         self._stepping: set = set()  # sessions with a multiplexed step running: one at a time each
         self._streamed_forwards = asyncio.Semaphore(STREAMED_FORWARDS)
         self.flow = StepFlow.for_sessions(backend.limits.max_sessions_per_peer)
 
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         self.pusher.p2p = p2p
+        if self.latency.enabled:
+            kwargs["wrapper"] = self.latency.servicer(self)
         await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:

@@ -53,7 +53,8 @@ async def serve(settings: ServerSettings) -> None:
         presence = await Presence.join(node, settings, folder, num_blocks)
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
-              f"cache {settings.cache_tokens} tokens" + (f", metrics at {metrics_address}" if metrics_address else ""),
+              f"cache {settings.cache_tokens} tokens" + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
+              + (f", metrics at {metrics_address}" if metrics_address else ""),
               flush=True)
         await presence.serve_until_stopped()
         await presence.withdraw()
@@ -104,7 +105,8 @@ class Presence:
         await asyncio.to_thread(span.capture_graphs_ahead)  # on its pool, before any request can come
         metrics.watch_cache(presence.backend.budget)
         push_targets = PushTargets(node, prefix, settings.allowed_servers)
-        await BlockHandler(presence.backend, settings.allowed_peers, push_targets).add_p2p_handlers(node.p2p)
+        handler = BlockHandler(presence.backend, settings.allowed_peers, push_targets, settings.latency)
+        await handler.add_p2p_handlers(node.p2p)
         await presence.announce_online()
         return presence
 

@@ -19,6 +19,7 @@ from hivemind.p2p import PeerID
 
 from swarm.protocol import SwarmError, error_from_wire
 from swarm.server import metrics
+from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.wire import BlockRPC, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ def _stale(found: tuple[float, set[str]], peer_id: str) -> bool:
 class Pusher:
     """Sends pushes (one message per next server), counting them in the handler's `counters`."""
 
-    def __init__(self, counters: dict, targets: Optional[PushTargets]):
+    def __init__(self, counters: dict, targets: Optional[PushTargets], latency: SimulatedLatency = NO_LATENCY):
         self.p2p = None  # set once the handler has its libp2p endpoint: pushes go out through it
         self.counters, self.targets = counters, targets  # targets None: nothing is pushed
+        self.latency = latency  # --simulated-latency: a push leaves, and its reply comes back, delayed
         self.tasks: set[asyncio.Task] = set()  # references, so that the tasks are not collected while they run
         self._warned_peers: set[str] = set()
 
@@ -100,7 +102,9 @@ class Pusher:
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(announced)
         try:
+            await self.latency.delay()
             response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
+            await self.latency.delay()
             _, metadata = unpack(response)
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._failed(peer, len(announced), "unreachable", repr(error))

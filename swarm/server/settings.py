@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from swarm.server.latency import SimulatedLatency
+
 if TYPE_CHECKING:
     import torch
 
@@ -74,6 +76,7 @@ class ServerSettings:
     threads: Optional[int]
     metrics_port: int
     cache_dir: Path
+    latency: SimulatedLatency = SimulatedLatency()  # --simulated-latency (off: 0)
 
     @property
     def allowed_peers(self) -> tuple[str, ...]:
@@ -109,6 +112,7 @@ def parse_settings(argv=None) -> ServerSettings:
         max_batch_tokens=args.max_batch_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens,
         dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
         threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
+        latency=SimulatedLatency(args.simulated_latency, args.simulated_latency_jitter, args.simulated_latency_seed),
     )
 
 
@@ -150,7 +154,21 @@ def _parser(defaults):
                         help="torch threads for compute (default: TORCH_THREADS, else torch's choice)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
+    _add_latency_flags(parser, defaults.simulated_latency_ms)
     return parser
+
+
+def _add_latency_flags(parser, default_ms: float) -> None:
+    parser.add_argument("--simulated-latency", type=float, default=default_ms, metavar="MS",
+                        help="for tests and benchmarks on one machine: add MS milliseconds of round trip to every "
+                             "exchange with this server (each message received is held MS/2, each sent MS/2; "
+                             "messages in flight overlap, as on a network) (default: SIMULATED_LATENCY_MS, else 0: "
+                             "off)")
+    parser.add_argument("--simulated-latency-jitter", type=float, default=0.0, metavar="MS",
+                        help="add a uniform random 0..MS ms more per round trip (0..MS/2 per message); messages of "
+                             "one stream keep their order")
+    parser.add_argument("--simulated-latency-seed", type=int, default=0, metavar="N",
+                        help="seed of the jitter's draws (the same seed, the same delays)")
 
 
 def _check(parser, args) -> None:
@@ -174,6 +192,9 @@ def _check(parser, args) -> None:
         parser.error(f"--warm-cache-share must be in [0, 1], got {args.warm_cache_share:g}")
     if (args.rebalance_period is not None and args.rebalance_period < 0) or args.announce_period <= 0:
         parser.error("--announce-period must be positive and --rebalance-period not negative")
+    for flag in ("simulated_latency", "simulated_latency_jitter"):
+        if not 0 <= getattr(args, flag) <= 60000:  # NaN fails too
+            parser.error(f"--{flag.replace('_', '-')} must be between 0 and 60000 ms, got {getattr(args, flag):g}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be a TCP port (0 for off), got {args.metrics_port}")
     if not args.initial_peers:

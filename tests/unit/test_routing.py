@@ -1,6 +1,6 @@
 import pytest
 
-from swarm.client.routing import ChainLink, choose_chain
+from swarm.client.routing import DEFAULT_ROUND_TRIP, ChainLink, chain_step_seconds, choose_chain
 from swarm.protocol import MissingBlocksError, RemoteServer, ServerInfo, ServerState, missing_ranges
 from swarm.server.placement import choose_span
 
@@ -9,9 +9,56 @@ def server(peer_id, start, end, throughput=10.0):
     return RemoteServer(peer_id, ServerInfo(ServerState.ONLINE, start, end, throughput, 1000))
 
 
-def test_chain_prefers_fewest_hops():
-    servers = [server("a", 0, 10), server("b", 10, 20), server("whole", 0, 20, throughput=1.0)]
-    assert choose_chain(servers, 20, "m") == [ChainLink("whole", 0, 20)]
+def test_a_hop_is_worth_its_round_trip_only_when_compute_saves_more():
+    # a and b: 0.01 s per block (0.2 s in all); whole: 0.0125 s per block (0.25 s)
+    servers = [server("a", 0, 10), server("b", 10, 20), server("whole", 0, 20, throughput=4.0)]
+    far = {"a": 0.1, "b": 0.1, "whole": 0.1}  # the extra hop costs 0.1 s, compute saves 0.05 s
+    assert choose_chain(servers, 20, "m", rtt=far) == [ChainLink("whole", 0, 20)]
+    near = {"a": 0.01, "b": 0.01, "whole": 0.01}  # now the hop costs less than it saves
+    assert choose_chain(servers, 20, "m", rtt=near) == [ChainLink("a", 0, 10), ChainLink("b", 10, 20)]
+    for rtt in (far, near):  # what it chose is what chain_step_seconds rates best
+        chosen = chain_step_seconds(choose_chain(servers, 20, "m", rtt=rtt), servers, rtt, {}, {})
+        other = [ChainLink("whole", 0, 20)] if len(choose_chain(servers, 20, "m", rtt=rtt)) == 2 else \
+            [ChainLink("a", 0, 10), ChainLink("b", 10, 20)]
+        assert chosen < chain_step_seconds(other, servers, rtt, {}, {})
+
+
+def test_fewest_hops_on_a_tie():
+    servers = [server("a", 0, 10), server("b", 10, 20), server("whole", 0, 20, throughput=5.0)]
+    assert choose_chain(servers, 20, "m", rtt={"a": 0.0, "b": 0.0, "whole": 0.0}) == [ChainLink("whole", 0, 20)]
+
+
+def test_the_replica_with_the_shorter_round_trip_serves():
+    servers = [server("near", 0, 10), server("far", 0, 10), server("tail", 10, 20)]
+    rtt = {"near": 0.02, "far": 0.15, "tail": 0.05}
+    assert choose_chain(servers, 20, "m", rtt=rtt)[0] == ChainLink("near", 0, 10)
+    rtt = {"near": 0.15, "far": 0.02, "tail": 0.05}  # conditions changed: new sessions follow
+    assert choose_chain(servers, 20, "m", rtt=rtt)[0] == ChainLink("far", 0, 10)
+    # a server not measured yet counts as the median of those measured: neither preferred nor shunned
+    assert chain_step_seconds([ChainLink("new", 0, 10)], [server("new", 0, 10), *servers], rtt, {}, {}) == \
+        pytest.approx(0.05 + 10 * 0.01)
+    assert chain_step_seconds([ChainLink("a", 0, 10)], [server("a", 0, 10)], {}, {}, {}) == \
+        pytest.approx(DEFAULT_ROUND_TRIP + 10 * 0.01)
+
+
+def test_measured_compute_and_load_count_per_block_and_round_trips_per_hop():
+    servers = [server("a", 0, 10), server("b", 10, 20)]
+    chain = [ChainLink("a", 0, 10), ChainLink("b", 10, 20)]
+    seconds = chain_step_seconds(chain, servers, {"a": 0.05, "b": 0.07}, {"a": 0.02}, {"b": 2.0})
+    # b claims 0.01 s per block, but counts as no faster than the fastest server measured (seconds_per_block)
+    assert seconds == pytest.approx(0.05 + 10 * 0.02 + 0.07 + 10 * 0.02 * 2.0)
+    assert chain_step_seconds([ChainLink("gone", 0, 20)], servers, {}, {}, {}) == float("inf")
+
+
+def test_a_hop_may_leave_a_slow_server_before_its_end():
+    servers = [server("slow", 0, 20, throughput=0.5), server("head", 0, 5, throughput=20.0),
+               server("fast", 5, 20, throughput=20.0)]
+    # slow: 0.1 s per block; head and fast: 0.01 and 0.0033 s per block. Entering fast at block 5 beats both
+    # the one slow hop and head-then-slow
+    rtt = {"slow": 0.01, "head": 0.01, "fast": 0.01}
+    assert choose_chain(servers, 20, "m", rtt=rtt) == [ChainLink("head", 0, 5), ChainLink("fast", 5, 20)]
+    slow_first = [server("slow", 0, 20, throughput=0.5), server("fast", 5, 20, throughput=20.0)]
+    assert choose_chain(slow_first, 20, "m", rtt=rtt) == [ChainLink("slow", 0, 5), ChainLink("fast", 5, 20)]
 
 
 def test_chain_breaks_ties_by_throughput():
