@@ -4,17 +4,19 @@ Each gateway logs every chain it routes a session (or a failover) through, one l
 "routed blocks 0:24 of MODEL through PEER[0:8] PEER[8:24]"). The harness knows what routing can only measure:
 every server's real round trip (its --simulated-latency) and which servers were live when the choice was made.
 A choice's quality is the expected step time of the chosen chain over that of the best chain through the servers
-live then, both computed alike: each hop its server's round trip plus its blocks' compute (one step's seconds
-per block, measured by the servers' own throughput figures: small next to any round trip here).
+live then, both by routing's own formula (swarm.client.routing.chain_step_seconds: each hop its server's round
+trip plus its blocks' compute) with the real round trips and the compute per block each server measured of itself
+at start (its "ready:" line); the best chain is routing's choice (choose_chain) given those figures.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 ROUTE_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*routed blocks (\d+):(\d+) of \S+ through (.*)$")
 LINK = re.compile(r"(\S+)\[(\d+):(\d+)\]")
@@ -42,6 +44,7 @@ class LiveServer:
     start: int
     end: int
     rtt: float  # seconds
+    seconds_per_block: float  # compute of a decode step per block
 
 
 def read_choices(log_path: Path, gateway: int) -> list[ChainChoice]:
@@ -57,52 +60,59 @@ def read_choices(log_path: Path, gateway: int) -> list[ChainChoice]:
     return choices
 
 
-def hop_seconds(server: LiveServer, start: int, end: int, seconds_per_block: float) -> float:
-    return server.rtt + (end - start) * seconds_per_block
+def step_seconds(hops: Sequence[Hop], servers: Sequence[LiveServer]) -> float:
+    """Expected seconds of one decode step through the chain (routing's own formula: chain_step_seconds), each
+    server at its real round trip and compute per block; inf if a hop's server was not live."""
+    from swarm.client.routing import ChainLink, chain_step_seconds
+
+    remote, rtt, measured = _routing_inputs(servers)
+    return chain_step_seconds([ChainLink(hop.peer_id, hop.start, hop.end) for hop in hops], remote, rtt, measured, {})
 
 
-def chain_seconds(hops: Sequence[Hop], servers: Mapping[str, LiveServer], seconds_per_block: float) -> Optional[float]:
-    """Expected seconds of one decode step through the chain; None if a hop's server was not live."""
-    if any(hop.peer_id not in servers for hop in hops):
+def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[list[Hop]]:
+    """The chain routing would choose over blocks [start, end) if it knew every round trip exactly (choose_chain
+    with the real figures); None when the live servers leave a gap."""
+    from swarm.client.routing import choose_chain
+    from swarm.protocol import MissingBlocksError
+
+    remote, rtt, measured = _routing_inputs(servers)
+    try:
+        links = choose_chain(remote, end, "the model", start=start, measured=measured, rtt=rtt)
+    except MissingBlocksError:
         return None
-    return sum(hop_seconds(servers[hop.peer_id], hop.start, hop.end, seconds_per_block) for hop in hops)
+    return [Hop(link.peer_id, link.start, link.end) for link in links]
 
 
-def best_seconds(servers: Sequence[LiveServer], start: int, end: int, seconds_per_block: float) -> Optional[float]:
-    """The least expected step time over blocks [start, end) through these servers (None: they leave a gap).
-    Hop costs add up, so a shortest path over block positions finds it exactly: a hop enters a server anywhere
-    in its span and leaves it at any later block of it."""
-    best: list[Optional[float]] = [None] * (end + 1)
-    best[start] = 0.0
-    for position in range(start, end):
-        if best[position] is None:
-            continue
-        for server in servers:
-            if not server.start <= position < server.end:
-                continue
-            for stop in range(position + 1, min(server.end, end) + 1):
-                candidate = best[position] + hop_seconds(server, position, stop, seconds_per_block)
-                if best[stop] is None or candidate < best[stop]:
-                    best[stop] = candidate
-    return best[end]
+def _routing_inputs(servers: Sequence[LiveServer]):
+    from swarm.protocol import MAX_THROUGHPUT, RemoteServer, ServerInfo, ServerState
+
+    def throughput(server: LiveServer) -> float:  # what the server would announce: tokens/s through its span
+        seconds = server.seconds_per_block * (server.end - server.start)
+        return min(1.0 / seconds, MAX_THROUGHPUT) if seconds > 0 else MAX_THROUGHPUT
+
+    remote = [RemoteServer(server.peer_id, ServerInfo(ServerState.ONLINE, server.start, server.end, throughput(server),
+                                                      2**20)) for server in servers]
+    return (remote, {server.peer_id: server.rtt for server in servers},
+            {server.peer_id: server.seconds_per_block for server in servers})
 
 
 @dataclass
 class ChoiceVerdict:
     choice: ChainChoice
-    chosen: Optional[float]  # seconds; None when the chain went through a server already gone
-    best: Optional[float]
+    chosen: float  # expected step seconds; inf when the chain went through a server already gone
+    best: Optional[float]  # None when the live servers left a gap (the choice waited for a server)
 
     @property
     def ratio(self) -> Optional[float]:
-        return None if self.chosen is None or not self.best else self.chosen / self.best
+        return self.chosen / self.best if self.best and math.isfinite(self.chosen) else None
 
 
-def judge(choices: Sequence[ChainChoice], live_at, seconds_per_block: float) -> list[ChoiceVerdict]:
-    """Each choice against the best chain through the servers `live_at(time)` returns (LiveServers)."""
+def judge(choices: Sequence[ChainChoice], live_at) -> list[ChoiceVerdict]:
+    """Each choice against the best chain through the servers `live_at(time)` returns (LiveServers) then."""
     verdicts = []
     for choice in choices:
-        live = {server.peer_id: server for server in live_at(choice.at)}
-        verdicts.append(ChoiceVerdict(choice, chain_seconds(choice.hops, live, seconds_per_block),
-                                      best_seconds(list(live.values()), choice.start, choice.end, seconds_per_block)))
+        live = live_at(choice.at)
+        best = best_chain(live, choice.start, choice.end)
+        verdicts.append(ChoiceVerdict(choice, step_seconds(choice.hops, live),
+                                      None if best is None else step_seconds(best, live)))
     return verdicts

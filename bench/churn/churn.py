@@ -68,11 +68,11 @@ class Churner:
         return self._join_new()
 
     def _leaver(self):
-        """A random live, ready server whose blocks all stay held by at least one other live server."""
-        candidates = [name for name in self.fleet.live if name in self.fleet.peer_ids]
+        """A random live, ready server whose blocks all stay held by at least one other ready server."""
+        candidates = sorted(self.fleet.ready)
         self.rng.shuffle(candidates)
         for name in candidates:
-            if min(cover(self.fleet.live_spans(excluding=name), self.num_blocks)) >= 1:
+            if min(cover(self.fleet.serving_spans(excluding=name), self.num_blocks)) >= 1:
                 return name
         return None
 

@@ -9,6 +9,7 @@ span at the same distance. Joins are not waited on: a watcher thread records whe
 from __future__ import annotations
 
 import random
+import re
 import signal
 import threading
 import time
@@ -60,6 +61,14 @@ def cover(spans: Sequence[tuple[int, int]], num_blocks: int) -> list[int]:
     return [sum(start <= block < end for start, end in spans) for block in range(num_blocks)]
 
 
+def seconds_per_block(ready_line: str, blocks: int) -> float:
+    """A decode step's compute per block on a server, from the throughput its "ready:" line says it measured
+    (tokens/s through its whole span)."""
+    match = re.search(r", ([0-9.]+) tokens/s", ready_line)
+    throughput = float(match.group(1)) if match else 0.0
+    return 1.0 / (throughput * blocks) if throughput > 0 else 0.0
+
+
 def plan_latencies(count: int, latency_ms: float, spread: float, rng: random.Random) -> list[float]:
     """Each server's round trip: uniform within latency_ms x (1 +- spread), whole milliseconds."""
     return [round(latency_ms * rng.uniform(1 - spread, 1 + spread)) for _ in range(count)]
@@ -81,7 +90,9 @@ class Fleet:
     plans: dict[str, ServerPlan] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)  # names whose process is gone: may rejoin
     events: list[FleetEvent] = field(default_factory=list)
-    peer_ids: dict[str, str] = field(default_factory=dict)  # name -> peer id, once ready
+    peer_ids: dict[str, str] = field(default_factory=dict)  # name -> peer id, once ready (kept after it leaves)
+    ready: set[str] = field(default_factory=set)  # names of the live servers that said they are ready
+    seconds_per_block: dict[str, float] = field(default_factory=dict)  # name -> from the throughput it measured
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, plan: ServerPlan, action: str = "start") -> FleetEvent:
@@ -116,8 +127,12 @@ class Fleet:
             event.outcome, event.detail = "failed", str(error).splitlines()[0][:300]
             return
         event.outcome, event.ready_after = "ready", round(self.now() - event.at, 2)
+        plan = self.plans[event.server]
         with self.lock:
             self.peer_ids[event.server] = process.peer_id
+            self.seconds_per_block[event.server] = seconds_per_block(process.ready_line, plan.end - plan.start)
+            if self.live.get(event.server) is process:
+                self.ready.add(event.server)
 
     def wait_ready(self, timeout: float = JOIN_TIMEOUT) -> None:
         """Until every pending start has ended (ready or failed); raise if any failed."""
@@ -132,6 +147,7 @@ class Fleet:
         """Stop a live server: `sigterm` (it withdraws its records) or `kill` (SIGKILL: its records linger)."""
         with self.lock:
             process = self.live.pop(name)
+            self.ready.discard(name)
             self.stopped.append(name)
             event = FleetEvent(self.now(), how, name)
             self.events.append(event)
@@ -139,9 +155,11 @@ class Fleet:
         threading.Thread(target=process.stop, daemon=True).start()  # reaps it (a SIGTERM'd one gets 10 s)
         return event
 
-    def live_spans(self, excluding: str = "") -> list[tuple[int, int]]:
+    def serving_spans(self, excluding: str = "") -> list[tuple[int, int]]:
+        """The spans of the live servers that are ready (one still starting serves nothing yet)."""
         with self.lock:
-            return [(self.plans[name].start, self.plans[name].end) for name in self.live if name != excluding]
+            return [(self.plans[name].start, self.plans[name].end) for name in self.live
+                    if name != excluding and name in self.ready]
 
     def live_runs(self) -> list[tuple[str, float, float]]:
         """(server name, ready at, gone at) of every run of every server, in seconds since the fleet began

@@ -39,9 +39,7 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
     else:
         folder = churn_model(cache_dir, options.blocks, resolve_model("SmolLM2-135M-Instruct", cache_dir))
     print(f"local greedy replies of {folder.name} ({options.blocks} blocks)", flush=True)
-    began = time.perf_counter()
     replies = reference_replies(folder, options.tokens)
-    seconds_per_block = (time.perf_counter() - began) / (len(replies) * options.tokens * options.blocks)
 
     with ExitStack() as stack:
         bootstrap = ChildProcess("dht", ["-m", "swarm.dht"], log_dir)
@@ -65,9 +63,9 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
         counters = [gateway_counters(gateway.url) for gateway in gateways]
         choices = [choice for number, gateway in enumerate(gateways)
                    for choice in read_choices(gateway.log_dir / "gateway.log", number)]
-        verdicts = judge(choices, live_at(fleet), seconds_per_block)
+        verdicts = judge(choices, live_at(fleet))
         return summarize(options, fleet, workers.results, unfinished, counters, verdicts, churner.skipped,
-                         sessions_began, seconds_per_block)
+                         sessions_began)
 
 
 def start_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
@@ -118,6 +116,6 @@ def live_at(fleet: Fleet):
     def servers(at: float) -> list[LiveServer]:
         moment = at - fleet.wall_began
         return [LiveServer(fleet.peer_ids[name], fleet.plans[name].start, fleet.plans[name].end,
-                           fleet.plans[name].latency_ms / 1000)
-                for name, ready, gone in runs if ready <= moment < gone and name in fleet.peer_ids]
+                           fleet.plans[name].latency_ms / 1000, fleet.seconds_per_block[name])
+                for name, ready, gone in runs if ready <= moment < gone]
     return servers

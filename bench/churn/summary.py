@@ -25,7 +25,7 @@ def distribution(values: Sequence[float]) -> dict:
 
 def summarize(options: argparse.Namespace, fleet: Fleet, results: Sequence[SessionResult], unfinished: int,
               counters: Sequence[dict], verdicts: Sequence[ChoiceVerdict], skipped_turns: int,
-              sessions_began: float, seconds_per_block: float) -> dict:
+              sessions_began: float) -> dict:
     return {
         "options": {key: (str(value) if value is not None and not isinstance(value, (int, float, bool)) else value)
                     for key, value in vars(options).items()},
@@ -34,7 +34,7 @@ def summarize(options: argparse.Namespace, fleet: Fleet, results: Sequence[Sessi
         "failovers": {"total": sum(counter["swarm_client_failovers_total"] for counter in counters),
                       "retries": sum(counter["swarm_client_retries_total"] for counter in counters),
                       "per_gateway": list(counters)},
-        "chains": chain_figures(verdicts, seconds_per_block),
+        "chains": chain_figures(verdicts),
     }
 
 
@@ -68,19 +68,20 @@ def server_figures(fleet: Fleet, skipped_turns: int, sessions_began: float) -> d
         "timeline": [{"at": event.at, "action": event.action, "server": event.server, "outcome": event.outcome}
                      for event in fleet.events],
         "round_trips_ms": {name: plan.latency_ms for name, plan in fleet.plans.items()},
+        "compute_ms_per_block": {name: round(seconds * 1000, 3) for name, seconds in fleet.seconds_per_block.items()},
     }
 
 
-def chain_figures(verdicts: Sequence[ChoiceVerdict], seconds_per_block: float) -> dict:
+def chain_figures(verdicts: Sequence[ChoiceVerdict]) -> dict:
     judged = [verdict.ratio for verdict in verdicts if verdict.ratio is not None]
     return {
         "choices": len(verdicts),
         "judged": len(judged),
-        "through_a_server_gone": sum(verdict.chosen is None for verdict in verdicts),
+        "through_a_server_gone": sum(not math.isfinite(verdict.chosen) for verdict in verdicts),
+        "while_blocks_missing": sum(verdict.best is None for verdict in verdicts),
         "ratio_chosen_to_best": distribution(judged),
         "within_10_percent": round(sum(ratio <= WITHIN + 1e-9 for ratio in judged) / len(judged), 4) if judged else None,
         "hops": distribution([len(verdict.choice.hops) for verdict in verdicts]),
-        "seconds_per_block": seconds_per_block,
     }
 
 
