@@ -51,9 +51,16 @@ class Gateway:
         self.process: ChildProcess | None = None
 
     def start(self) -> "Gateway":
+        return self.launch().wait_healthy()
+
+    def launch(self) -> "Gateway":
+        """Start the gateway's process without waiting for it (several start side by side); then wait_healthy."""
         command = ["-m", "gunicorn", "--config", str(ROOT / "gunicorn.conf.py"), "--chdir", str(ROOT),
                    "--bind", f"127.0.0.1:{self.port}", "--threads", str(self.threads), "app:app"]
         self.process = ChildProcess("gateway", command, self.log_dir, {**os.environ, **self.env})
+        return self
+
+    def wait_healthy(self) -> "Gateway":
         try:
             self._wait_healthy()
         except BaseException:

@@ -45,12 +45,18 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
         bootstrap = ChildProcess("dht", ["-m", "swarm.dht"], log_dir)
         stack.callback(bootstrap.stop)
         initial_peers = bootstrap.wait_for_line(lambda line: "/p2p/" in line, READY_TIMEOUT).split()
-        fleet = start_fleet(options, folder, initial_peers, log_dir, rng)
+        fleet = launch_fleet(options, folder, initial_peers, log_dir, rng)
         churner = new_churner(options, fleet, log_dir, rng)
         stack.callback(churner.close)  # after the fleet has stopped (see Churner)
         stack.callback(fleet.stop)
-        gateways = [stack.enter_context(start_gateway(options, folder, initial_peers, log_dir, number))
-                    for number in range(GATEWAYS)]
+        # the gateways start beside the servers (each is healthy once the servers cover every block)
+        gateways = [new_gateway(options, folder, initial_peers, log_dir, number) for number in range(GATEWAYS)]
+        for gateway in gateways:
+            stack.callback(gateway.stop)
+            gateway.launch()
+        fleet.wait_ready()
+        for gateway in gateways:
+            gateway.wait_healthy()
         print(f"{len(fleet.live)} servers and {GATEWAYS} gateways up after {fleet.now():.0f} s; "
               f"{options.duration:.0f} s of churn and {options.sessions} sessions", flush=True)
         sessions_began = fleet.now()
@@ -68,7 +74,8 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
                          sessions_began)
 
 
-def start_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
+def launch_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
+    """The first servers, started (fleet.wait_ready waits for them)."""
     (log_dir / "keys").mkdir()
     fleet = Fleet(str(folder), initial_peers, log_dir, ["--threads", str(options.threads)], options.jitter,
                   options.seed)
@@ -77,7 +84,6 @@ def start_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, 
     try:
         for number, ((start, end), latency) in enumerate(zip(spans, latencies)):
             fleet.start(ServerPlan(f"server{number}", start, end, latency, log_dir / "keys" / f"server{number}.key"))
-        fleet.wait_ready()
     except BaseException:
         fleet.stop()
         raise
@@ -90,7 +96,7 @@ def new_churner(options, fleet: Fleet, log_dir: Path, rng: random.Random) -> Chu
                    (options.latency - spread, options.latency + spread), log_dir / "keys", rng)
 
 
-def start_gateway(options, folder: Path, initial_peers: list[str], log_dir: Path, number: int) -> Gateway:
+def new_gateway(options, folder: Path, initial_peers: list[str], log_dir: Path, number: int) -> Gateway:
     (log_dir / f"gateway{number}").mkdir()
     return Gateway(initial_peers, options.sessions + 8, options.threads, log_dir / f"gateway{number}",
                    model=str(folder), env={"SESSION_STORE": "off"})
