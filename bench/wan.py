@@ -32,7 +32,8 @@ from bench.gateway import Gateway
 from bench.wan_prompts import WORKLOADS
 from bench.workload import MODEL
 
-VARIANTS = {"plain": {"SPECULATIVE_TOKENS": "0"}, "speculative": {}}  # the gateway's env; {}: its default
+# each gateway's settings: speculation off, or its default; no session store (the two would share one file)
+VARIANTS = {"plain": {"SPECULATIVE_TOKENS": "0", "SESSION_STORE": "off"}, "speculative": {"SESSION_STORE": "off"}}
 REPLY_TIMEOUT = 600.0
 
 

@@ -67,11 +67,13 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
         churner.stop()
         unfinished = workers.join(DRAIN_TIMEOUT)
         counters = [gateway_counters(gateway.url) for gateway in gateways]
+        lookups = measure_lookups(initial_peers, folder, options.blocks)
         choices = [choice for number, gateway in enumerate(gateways)
                    for choice in read_choices(gateway.log_dir / "gateway.log", number)]
         verdicts = judge(choices, live_at(fleet))
-        return summarize(options, fleet, workers.results, unfinished, counters, verdicts, churner.skipped,
-                         sessions_began)
+        summary = summarize(options, fleet, workers.results, unfinished, counters, verdicts, churner.skipped,
+                            sessions_began)
+        return {**summary, "dht": lookups}
 
 
 def launch_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
@@ -113,6 +115,21 @@ def gateway_counters(url: str) -> dict[str, float]:
             if match.group(2):
                 totals[name] = float(match.group(3))
     return totals
+
+
+def measure_lookups(initial_peers: list[str], folder: Path, num_blocks: int) -> dict:
+    """Routing's DHT lookups on the swarm as churn left it (docs/wan.md scales them to 1,000 servers)."""
+    from bench.routing_cost import live_lookups, signed_record_bytes
+    from swarm.client import SwarmClient
+    from swarm.protocol import dht_prefix
+
+    client = SwarmClient(initial_peers)
+    try:
+        figures = live_lookups(client, dht_prefix(str(folder)), num_blocks)
+    finally:
+        client.shutdown()
+    record = signed_record_bytes()
+    return {**figures, "record_bytes": record, "bytes_per_lookup": int(figures["records_per_lookup"] * record)}
 
 
 def live_at(fleet: Fleet):

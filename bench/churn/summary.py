@@ -100,6 +100,10 @@ def print_summary(summary: dict) -> None:
           f"identity); joins ready: {servers['joins_ready']}, failed: {len(servers['joins_failed'])}, "
           f"median seconds to ready: {servers['seconds_to_ready']['median']}")
     print(f"failovers: {summary['failovers']['total']:.0f} (retries {summary['failovers']['retries']:.0f})")
+    if "dht" in summary:
+        dht = summary["dht"]
+        print(f"routing lookups: {dht['keys_per_lookup']} keys, {dht['records_per_lookup']:.0f} records "
+              f"({dht['bytes_per_lookup'] / 1000:.0f} kB) each, median {dht['seconds_median'] * 1000:.0f} ms")
     print(f"chains: {chains['choices']} chosen, {chains['judged']} judged, {chains['through_a_server_gone']} through "
           f"a server already gone; chosen/best expected step time: median {ratio['median']}, p90 {ratio['p90']}, "
           f"max {ratio['max']}; within 10%: {chains['within_10_percent']}")
