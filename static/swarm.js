@@ -61,6 +61,8 @@ function serverRow(model, server, gatewayVersion) {
     el("td", { class: `state ${server.state}` }, server.state),
     el("td", { class: "num" }, server.state === "joining" ? "–" : tokensPerSecond(server.throughput)),
     el("td", { class: "num" }, server.cache_tokens_free.toLocaleString()),
+    el("td", { class: "num", title: "round trip from this gateway" },
+       typeof server.rtt_ms === "number" ? server.rtt_ms.toFixed(server.rtt_ms >= 10 ? 0 : 1) : "–"),
     version);
 }
 
@@ -81,8 +83,9 @@ function modelSection(model, gatewayVersion) {
   rows.push(el("tr", { class: "coverage" },
     el("th", { scope: "row" }, "coverage"),
     el("td", { class: "blocks" }, coverageBar(model.coverage)),
-    el("td", { colspan: "4", class: "muted" }, "online servers per block")));
-  const head = el("tr", {}, ...["server", "blocks", "state", "tokens/s", "free cache (tokens)", "version"]
+    el("td", { colspan: "5", class: "muted" }, "online servers per block")));
+  const titles = ["server", "blocks", "state", "tokens/s", "free cache (tokens)", "latency (ms)", "version"];
+  const head = el("tr", {}, ...titles
     .map((title) => el("th", { scope: "col", class: title === "blocks" ? "blocks" : "" }, title)));
   section.append(el("div", { class: "table-wrap" },
     el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows))));

@@ -134,6 +134,7 @@ MAX_CACHE_TOKENS = 1 << 31  # token slots of a server's attention cache
 MAX_BLOCKS = 1 << 16  # blocks of a model
 MAX_VERSION_CHARS = 32
 MAX_NAME_CHARS = 1024  # a model's name, DHT prefix or source (a known name or a folder path)
+MAX_STARTED = 1e11  # a server's start, in seconds since the epoch: past the year 5000
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,15 @@ class ServerInfo:
     # the most tokens (max_length x batch_size) one session may hold there: min(its --max-session-tokens, its
     # whole cache); None in records of servers older than the field
     max_session_tokens: Optional[int] = None
+    # when the server's process started (seconds since the epoch): a newer one under the same peer id is the
+    # server restarted (a client lifts its ban); None in records of servers older than the field
+    started: Optional[float] = None
 
     def to_wire(self) -> dict:
         wire = {**asdict(self), "state": int(self.state)}
-        if self.max_session_tokens is None:  # as older servers wrote it
-            del wire["max_session_tokens"]
+        for optional in ("max_session_tokens", "started"):
+            if wire[optional] is None:  # as older servers wrote it
+                del wire[optional]
         return wire
 
     @classmethod
@@ -171,6 +176,7 @@ class ServerInfo:
                 cache_tokens_free=_bounded_int(value["cache_tokens_free"], 0, MAX_CACHE_TOKENS),
                 version=_bounded_str(value.get("version", ""), MAX_VERSION_CHARS),
                 max_session_tokens=_optional(value.get("max_session_tokens"), _bounded_int, 0, MAX_CACHE_TOKENS),
+                started=_optional(value.get("started"), _bounded_float, 0.0, MAX_STARTED),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -4,8 +4,11 @@ In data-flow order:
 
     swarm_client.py  SwarmClient: a client-mode DHT node; finds servers, opens sessions, and answers what the
                      swarm looks like (catalogue, Coverage, SwarmHealth: dataclasses, so callers never touch the DHT)
-    routing.py       pure choices: the chain of servers that serves a session (fewest hops, then fastest)
-    peers.py         Bans (peers left out for a while) and PeerLoad (the client's own view of each server's load)
+    routing.py       pure choices: the chain of servers that serves a session (least expected step time: round
+                     trips plus compute; chain_step_seconds)
+    peers.py         Bans (peers left out for a while) and PeerLoad (the client's own view of each server: its
+                     load, round trip, and compute per block)
+    probes.py        round trips to the servers routing considers, timed (rpc_info); one not answering is banned
     stubs.py         the client's end of the block servers' RPC (swarm/wire.py): info, forward, inference streams,
                      and the per-server step channels that carry all sessions' steps to a server as one message
     forwards.py      cache-less forwards of any size: unary under hivemind's 4 MiB messages, streamed in parts above

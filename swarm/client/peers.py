@@ -27,6 +27,15 @@ class Bans:
             for bans in (self._until, self._distrusted_until) if distrust else (self._until,):
                 bans[peer_id] = max(bans.get(peer_id, 0.0), time.monotonic() + seconds)
 
+    def lift(self, peer_id: str) -> None:
+        """The peer restarted (its record shows a newer start): what it failed before says nothing of it now. A
+        distrusted peer (caught answering wrong) stays distrusted: its operator is the same."""
+        with self._lock:
+            if self._distrusted_until.get(peer_id, 0.0) > time.monotonic():
+                return
+            self._until.pop(peer_id, None)
+            self._strikes.pop(peer_id, None)
+
     def current(self) -> set[str]:
         return self._live(self._until)
 

@@ -50,11 +50,18 @@ def choose_chain(
     servers.sort(key=lambda server: server.peer_id not in (measured or {}))  # on a tie, a server measured first
     cost = {server.peer_id: speed[server.peer_id] * load.get(server.peer_id, 1.0) for server in servers}
 
-    # best[position] = (seconds, hops, previous position, link); a hop of server s from q to p costs
-    # rtt[s] + (p - q) * cost[s]: for each p, the best q of each server is the least best[q] - q * cost[s] so far
+    return _cheapest_chain(servers, cost, round_trips, start, num_blocks)
+
+
+def _cheapest_chain(servers: list[RemoteServer], cost: Mapping[str, float], round_trips: Mapping[str, float],
+                    start: int, num_blocks: int) -> list[ChainLink]:
+    """The least-time chain over [start, num_blocks), a hop of server s from block q to p costing
+    round_trips[s] + (p - q) * cost[s]: a shortest path over positions, O(blocks x servers)."""
+    # best[position] = (seconds, hops, link); for each p, each server's best entry q is the least
+    # best[q] - q * cost[s] so far within its span
     best: list = [None] * (num_blocks + 1)
-    best[start] = (0.0, 0, None, None)
-    entry: dict[str, tuple] = {}  # server -> (best[q] - q * cost, hops, q) over the q seen so far in its span
+    best[start] = (0.0, 0, None)
+    entry: dict[str, tuple] = {}  # server -> (best[q] - q * cost, hops, q)
     for position in range(start + 1, num_blocks + 1):
         previous = best[position - 1]
         for server in servers:
@@ -71,11 +78,11 @@ def choose_chain(
             offset, hops, entered = entry[peer]
             arrival = (offset + position * cost[peer] + round_trips[peer], hops + 1)
             if best[position] is None or _better(arrival, best[position][:2]):
-                best[position] = (*arrival, entered, ChainLink(peer, entered, position))
+                best[position] = (*arrival, ChainLink(peer, entered, position))
 
     chain, position = [], num_blocks
     while position > start:
-        link = best[position][3]
+        link = best[position][2]
         chain.append(link)
         position = link.start
     return chain[::-1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional, Sequence
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from swarm import dht
 from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
+from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import ChainLink, choose_chain, longest_session
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
@@ -72,6 +73,7 @@ class SwarmHealth(_MissingBlocks):
     servers: list[RemoteServer]
     servers_per_block: list[int]
     missing: list[tuple[int, int]]  # blocks no online server holds
+    round_trips: dict[str, float] = field(default_factory=dict)  # seconds, to the servers measured
 
 
 class SwarmClient:
@@ -99,12 +101,30 @@ class SwarmClient:
         self.step_timeout, self.max_retries = step_timeout, max_retries
         self.bans, self.load = Bans(), PeerLoad()
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
+        self.probes = RoundTripProbes(self.node.p2p, self.loop, self.load, self.bans)  # round trips, for routing
+        self._starts: dict[str, float] = {}  # peer -> when its newest record says it started
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
 
     def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        """The online servers of a model that this client may route to."""
-        return self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        """The online servers of a model that this client may route to (probed from now on: see probes.py)."""
+        servers = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        self._note_restarts(servers)
+        self.probes.consider(server.peer_id for server in servers)
+        return servers
+
+    def _note_restarts(self, servers: list[RemoteServer]) -> None:
+        """A server whose record shows a newer start than before has restarted (same identity, maybe another
+        address): its ban is lifted and what was measured of it forgotten, so that routing uses it again."""
+        for server in servers:
+            started, previous = server.info.started, self._starts.get(server.peer_id)
+            if started is None:
+                continue
+            self._starts[server.peer_id] = started
+            if previous is not None and started > previous:
+                logger.info("server %s restarted: routing may use it again", server.peer_id)
+                self.bans.lift(server.peer_id)
+                self.load.forget(server.peer_id)
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
@@ -121,6 +141,8 @@ class SwarmClient:
     def _best_chain(self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str],
                     end: Optional[int], start: int, min_cache_tokens: int) -> list[ChainLink]:
         servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
+        banned = self.bans.current()
+        self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
@@ -166,8 +188,10 @@ class SwarmClient:
         servers = self.loop.run(dht.fetch_all_servers(self.node, prefix, num_blocks, self.allowed_servers))
         servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
         online = [server for server in servers if server.info.state == ServerState.ONLINE]
+        self.probes.consider(server.peer_id for server in online)  # a health page shows their round trips
+        self.probes.measure_new([server.peer_id for server in online])
         return SwarmHealth(num_blocks, servers, servers_per_block(online, num_blocks),
-                           missing_ranges(online, num_blocks))
+                           missing_ranges(online, num_blocks), self.round_trips())
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
@@ -223,6 +247,7 @@ class SwarmClient:
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
+        self.probes.close()
         self.loop.run(self.step_channels.close())
         self.loop.run(self.node.shutdown())
 

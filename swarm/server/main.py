@@ -36,6 +36,8 @@ from swarm.server.span import BlockSpan, load_span
 from swarm.server.throughput import cached_throughput
 
 logger = logging.getLogger(__name__)
+# in every record: a client that banned this peer id sees a newer start as the server restarted, and uses it again
+STARTED = time.time()
 
 
 async def serve(settings: ServerSettings) -> None:
@@ -53,7 +55,8 @@ async def serve(settings: ServerSettings) -> None:
         presence = await Presence.join(node, settings, folder, num_blocks)
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
-              f"cache {settings.cache_tokens} tokens" + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
+              f"cache {settings.cache_tokens} tokens"
+              + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
               + (f", metrics at {metrics_address}" if metrics_address else ""),
               flush=True)
         await presence.serve_until_stopped()
@@ -98,7 +101,7 @@ class Presence:
             start, end = await placement.claim_span(node, prefix, num_blocks, settings.num_blocks,
                                                     settings.announce_period)
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
-        joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens)
+        joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens, started=STARTED)
         loaded = _load(settings, folder, start, end)
         span, throughput = await _announced_while(node, prefix, joining, settings.announce_period, loaded)
         presence = cls(node, settings, folder, num_blocks, span, throughput)
@@ -116,7 +119,7 @@ class Presence:
         max_session_tokens = min(self.backend.limits.max_session_tokens, self.backend.budget.total)
         available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
         return ServerInfo(state, self.start, self.end, throughput, available,
-                          max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS))
+                          max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED)
 
     async def announce_online(self) -> None:
         from swarm.weights import KNOWN_MODELS

@@ -5,6 +5,7 @@ from __future__ import annotations
 from unittest.mock import ANY
 
 import json
+import re
 import time
 from html.parser import HTMLParser
 from pathlib import Path
@@ -65,13 +66,14 @@ def test_swarm_json_lists_servers_and_coverage(gateway):
     assert [(server["start"], server["end"], server["state"]) for server in servers] == [(0, 2, "online"),
                                                                                          (2, 4, "online")]
     for server in servers:
-        assert set(server) == {"peer_id", "start", "end", "state", "throughput", "cache_tokens_free", "version"}
+        assert set(server) == {"peer_id", "start", "end", "state", "throughput", "cache_tokens_free", "version",
+                               "rtt_ms"}
         assert server["peer_id"].startswith("Qm") and server["throughput"] > 0
         assert server["cache_tokens_free"] > 0 and server["version"] == PROTOCOL_VERSION
     assert servers[0]["peer_id"] != servers[1]["peer_id"]
 
     # asked for by name, the same model; its servers' load may have changed in between (they re-announce it)
-    load = ("cache_tokens_free", "throughput")
+    load = ("cache_tokens_free", "throughput", "rtt_ms")
     [again] = swarm_health(gateway, model="tiny")["models"]
     assert {**again, "servers": None} == {**model, "servers": None}
     assert [{key: value for key, value in server.items() if key not in load} for server in again["servers"]] == \
@@ -79,6 +81,16 @@ def test_swarm_json_lists_servers_and_coverage(gateway):
     reply = requests.get(gateway.url + "/api/v1/swarm", params={"model": "gpt-9"}, timeout=30)
     assert reply.status_code == 404
     assert reply.json()["ok"] is False and "unknown model 'gpt-9'" in reply.json()["error"]
+
+
+def test_swarm_json_shows_each_servers_round_trip_as_the_gateway_measures_it(gateway):
+    """Loopback: well under a second, measured (a number) once the gateway has probed the servers."""
+    def measured():
+        servers = swarm_health(gateway)["models"][0]["servers"]
+        return servers if all(isinstance(server["rtt_ms"], (int, float)) for server in servers) else None
+
+    for server in wait_for(measured, 30, "the servers' round trips"):
+        assert 0 < server["rtt_ms"] < 1000
 
 
 def test_an_unreachable_or_uncovered_model_still_appears(health_gateway):
@@ -163,6 +175,9 @@ def test_swarm_page_draws_servers_and_gaps(health_gateway, tiny_swarm, tmp_path_
         sync_api.expect(tiny.locator("tr.server .span.online")).to_have_text(["0:2", "2:4"])
         sync_api.expect(tiny.locator("tr.coverage .cell")).to_have_count(TINY_BLOCKS)
         sync_api.expect(tiny.locator("tr.coverage .cell.gap")).to_have_count(0)
+        # each server's round trip as the gateway measures it, in ms (the page redraws every 5 s)
+        sync_api.expect(tiny.locator("tr.server td[title='round trip from this gateway']")).to_have_text(
+            [re.compile(r"^\d+(\.\d)?$")] * 2, timeout=20000)
 
         spare = page.get_by_role("region", name="spare", exact=True)
         sync_api.expect(spare.locator("tr.server .span.online")).to_have_text(["0:1"])

@@ -113,3 +113,20 @@ def test_a_broken_stream_is_told_after_the_messages_before_it():
         return seen
 
     assert asyncio.run(scenario()) == [1, 2]
+
+
+def test_the_flags_are_off_unless_asked_and_checked(capsys, monkeypatch):
+    from swarm.server.settings import parse_settings
+
+    monkeypatch.delenv("SIMULATED_LATENCY_MS", raising=False)
+    base = ["--blocks", "0:1", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"]
+    assert not parse_settings(base).latency.enabled
+    latency = parse_settings([*base, "--simulated-latency", "50", "--simulated-latency-jitter", "10",
+                              "--simulated-latency-seed", "3"]).latency
+    assert (latency.round_trip_ms, latency.jitter_ms, latency.seed) == (50, 10, 3)
+    assert latency.describe() == "simulated latency 50 ms per round trip + up to 10 ms jitter (seed 3)"
+    monkeypatch.setenv("SIMULATED_LATENCY_MS", "25")  # the default of every server started on the machine
+    assert parse_settings(base).latency.round_trip_ms == 25
+    with pytest.raises(SystemExit):
+        parse_settings([*base, "--simulated-latency", "-5"])
+    assert "--simulated-latency must be between 0 and 60000 ms, got -5" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""The client's own view of servers (swarm/client/peers.py), with the real classes: a step's time split into
+the round trip and compute per block, round trips averaged, a restarted server's ban lifted (never a liar's),
+and the record field that tells a restart."""
+
+import time
+
+import pytest
+
+from swarm.client.peers import Bans, PeerLoad
+from swarm.protocol import ServerInfo, ServerState
+
+
+def test_a_steps_round_trip_is_not_counted_as_compute_per_block():
+    load = PeerLoad()
+    load.round_trip("far", 0.100)
+    load.observed("far", 0.100 + 10 * 0.002, blocks=10)  # 100 ms of network, 2 ms per block of compute
+    assert load.measured()["far"] == pytest.approx(0.002)
+    load.observed("near", 0.030, blocks=10)  # not probed yet: the whole step counts, as before
+    assert load.measured()["near"] == pytest.approx(0.003)
+    load.observed("far", 0.050, blocks=10)  # faster than its round trip (the average lags): no negative compute
+    assert load.measured()["far"] >= 0
+
+
+def test_round_trips_are_a_moving_average_and_forgotten_on_restart():
+    load = PeerLoad()
+    load.round_trip("a", 0.100)
+    assert load.round_trips() == {"a": pytest.approx(0.100)}  # the first sample as it is
+    load.round_trip("a", 0.200)
+    assert 0.100 < load.round_trips()["a"] < 0.200
+    load.observed("a", 0.5)
+    load.forget("a")
+    assert load.round_trips() == {} and load.measured() == {}
+
+
+def test_a_restart_lifts_a_failure_ban_and_its_strikes_but_not_distrust():
+    bans = Bans(base_seconds=0.1, max_seconds=600)
+    for _ in range(8):
+        bans.ban("flaky")  # 0.1 s doubling: 12.8 s by now
+    bans.ban("liar", 86400, distrust=True)
+    bans.lift("flaky")
+    bans.lift("liar")
+    assert bans.current() == {"liar"} and bans.distrusted() == {"liar"}
+    bans.ban("flaky")
+    assert "flaky" in bans.current()
+    time.sleep(0.5)
+    assert "flaky" not in bans.current()  # a new failure starts from the first strike again: 0.1 s
+
+
+def test_records_carry_when_the_server_started_within_bounds():
+    info = ServerInfo(ServerState.ONLINE, 0, 4, 10.0, 100, started=1_764_000_000.5)
+    assert ServerInfo.from_wire(info.to_wire()) == info
+    older = ServerInfo(ServerState.ONLINE, 0, 4, 10.0, 100)
+    assert "started" not in older.to_wire()  # as servers older than the field wrote it
+    assert ServerInfo.from_wire(older.to_wire()).started is None
+    for insane in (-1.0, float("nan"), 1e300, "yesterday"):
+        assert ServerInfo.from_wire({**info.to_wire(), "started": insane}) is None
