@@ -18,15 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from swarm.client.routing import ChainLink
+
 ROUTE_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*routed blocks (\d+):(\d+) of \S+ through (.*)$")
 LINK = re.compile(r"(\S+)\[(\d+):(\d+)\]")
-
-
-@dataclass(frozen=True)
-class Hop:
-    peer_id: str
-    start: int
-    end: int
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,7 @@ class ChainChoice:
     gateway: int
     start: int
     end: int
-    hops: tuple[Hop, ...]
+    hops: tuple[ChainLink, ...]  # swarm.client.routing's: which server runs which blocks
 
 
 @dataclass(frozen=True)
@@ -55,21 +50,21 @@ def read_choices(log_path: Path, gateway: int) -> list[ChainChoice]:
         if match is None:
             continue
         stamp = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        hops = tuple(Hop(peer, int(start), int(end)) for peer, start, end in LINK.findall(match.group(4)))
+        hops = tuple(ChainLink(peer, int(start), int(end)) for peer, start, end in LINK.findall(match.group(4)))
         choices.append(ChainChoice(stamp, gateway, int(match.group(2)), int(match.group(3)), hops))
     return choices
 
 
-def step_seconds(hops: Sequence[Hop], servers: Sequence[LiveServer]) -> float:
+def step_seconds(hops: Sequence[ChainLink], servers: Sequence[LiveServer]) -> float:
     """Expected seconds of one decode step through the chain (routing's own formula: chain_step_seconds), each
     server at its real round trip and compute per block; inf if a hop's server was not live."""
-    from swarm.client.routing import ChainLink, chain_step_seconds
+    from swarm.client.routing import chain_step_seconds
 
     remote, rtt, measured = _routing_inputs(servers)
-    return chain_step_seconds([ChainLink(hop.peer_id, hop.start, hop.end) for hop in hops], remote, rtt, measured, {})
+    return chain_step_seconds(hops, remote, rtt, measured, {})
 
 
-def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[list[Hop]]:
+def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[list[ChainLink]]:
     """The chain routing would choose over blocks [start, end) if it knew every round trip exactly (choose_chain
     with the real figures); None when the live servers leave a gap."""
     from swarm.client.routing import choose_chain
@@ -77,10 +72,9 @@ def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[
 
     remote, rtt, measured = _routing_inputs(servers)
     try:
-        links = choose_chain(remote, end, "the model", start=start, measured=measured, rtt=rtt)
+        return choose_chain(remote, end, "the model", start=start, measured=measured, rtt=rtt)
     except MissingBlocksError:
         return None
-    return [Hop(link.peer_id, link.start, link.end) for link in links]
 
 
 def _routing_inputs(servers: Sequence[LiveServer]):

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 from pathlib import Path
 
 import pytest
 
 from bench.churn.__main__ import parse_options
-from bench.churn.chains import ChainChoice, Hop, LiveServer, best_chain, judge, read_choices, step_seconds
+from bench.churn.chains import LiveServer, best_chain, judge, read_choices, step_seconds
 from bench.churn.churn import Churner
 from bench.churn.fleet import Fleet, FleetEvent, ServerPlan, cover, plan_latencies, plan_spans, seconds_per_block
 from bench.churn.summary import chain_figures, distribution, targets
 from bench.wan import TimedReply, decode_rate, identical
+from swarm.client.routing import ChainLink
 from bench.wan import targets as wan_targets
 
 
@@ -75,12 +75,12 @@ SERVERS = [LiveServer("near", 0, 8, 0.025, 1e-4), LiveServer("far", 0, 8, 0.075,
 
 
 def test_the_best_chain_is_the_one_with_the_least_round_trips():
-    assert best_chain(SERVERS, 0, 8) == [Hop("near", 0, 8)]
-    assert step_seconds([Hop("near", 0, 8)], SERVERS) == pytest.approx(0.025 + 8e-4)
-    assert best_chain(SERVERS[2:], 0, 8) == [Hop("head", 0, 4), Hop("tail", 4, 8)]
+    assert best_chain(SERVERS, 0, 8) == [ChainLink("near", 0, 8)]
+    assert step_seconds([ChainLink("near", 0, 8)], SERVERS) == pytest.approx(0.025 + 8e-4)
+    assert best_chain(SERVERS[2:], 0, 8) == [ChainLink("head", 0, 4), ChainLink("tail", 4, 8)]
     assert best_chain(SERVERS[2:3], 0, 8) is None  # nobody holds 0:4
     slow = [LiveServer("near", 0, 8, 0.025, 0.1), *SERVERS[1:]]  # compute can outweigh a round trip too
-    assert best_chain(slow, 0, 8) == [Hop("head", 0, 4), Hop("tail", 4, 8)]  # 60.8 ms, not 825 nor 75.8
+    assert best_chain(slow, 0, 8) == [ChainLink("head", 0, 4), ChainLink("tail", 4, 8)]  # 60.8 ms, not 825 nor 75.8
 
 
 def test_a_server_s_compute_per_block_comes_from_its_ready_line():
@@ -98,8 +98,8 @@ def test_choices_are_judged_against_the_servers_live_at_their_time(tmp_path):
         "2026-11-25 09:00:02,000 WARNING something else entirely\n"
         "2026-11-25 09:00:03,000 INFO swarm.client.swarm_client [-] routed blocks 4:8 of m through gone[4:8]\n")
     choices = read_choices(log, gateway=1)
-    assert [choice.hops for choice in choices] == [(Hop("far", 0, 8),), (Hop("head", 0, 4), Hop("tail", 4, 8)),
-                                                   (Hop("gone", 4, 8),)]
+    assert [choice.hops for choice in choices] == [(ChainLink("far", 0, 8),), (ChainLink("head", 0, 4), ChainLink("tail", 4, 8)),
+                                                   (ChainLink("gone", 4, 8),)]
     assert choices[1].at - choices[0].at == pytest.approx(1.5) and choices[2].start == 4
     verdicts = judge(choices, lambda at: SERVERS)
     assert verdicts[0].ratio == pytest.approx(75.8 / 25.8)  # 75 ms where 25 ms would do
