@@ -18,7 +18,7 @@ from bench.churn.churn import Churner
 from bench.churn.fleet import Fleet, ServerPlan, plan_latencies, plan_spans
 from bench.churn.model import churn_model, reference_replies
 from bench.churn.sessions import SessionWorkers
-from bench.churn.summary import summarize
+from bench.churn.summary import distribution, summarize
 from bench.gateway import Gateway
 from swarm.local import ChildProcess, READY_TIMEOUT
 
@@ -67,13 +67,15 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
         churner.stop()
         unfinished = workers.join(DRAIN_TIMEOUT)
         counters = [gateway_counters(gateway.url) for gateway in gateways]
+        measured = [measured_round_trips(gateway.url, folder.name, fleet) for gateway in gateways]
         lookups = measure_lookups(initial_peers, folder, options.blocks)
         choices = [choice for number, gateway in enumerate(gateways)
                    for choice in read_choices(gateway.log_dir / "gateway.log", number)]
         verdicts = judge(choices, live_at(fleet))
         summary = summarize(options, fleet, workers.results, unfinished, counters, verdicts, churner.skipped,
                             sessions_began)
-        return {**summary, "dht": lookups}
+        return {**summary, "dht": lookups, "round_trips_measured_over_real": distribution(
+            [ratio for ratios in measured for ratio in ratios])}
 
 
 def launch_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
@@ -115,6 +117,14 @@ def gateway_counters(url: str) -> dict[str, float]:
             if match.group(2):
                 totals[name] = float(match.group(3))
     return totals
+
+
+def measured_round_trips(url: str, model: str, fleet: Fleet) -> list[float]:
+    """Each live server's round trip as the gateway measured it (its /api/v1/swarm), over the real one."""
+    real = {fleet.peer_ids[name]: fleet.plans[name].latency_ms for name in fleet.ready}
+    listed = requests.get(url + "/api/v1/swarm", params={"model": model}, timeout=60).json()["models"][0]
+    return [server["rtt_ms"] / real[server["peer_id"]] for server in listed.get("servers", [])
+            if server.get("rtt_ms") is not None and server["peer_id"] in real and real[server["peer_id"]] > 0]
 
 
 def measure_lookups(initial_peers: list[str], folder: Path, num_blocks: int) -> dict:

@@ -104,6 +104,10 @@ def print_summary(summary: dict) -> None:
         dht = summary["dht"]
         print(f"routing lookups: {dht['keys_per_lookup']} keys, {dht['records_per_lookup']:.0f} records "
               f"({dht['bytes_per_lookup'] / 1000:.0f} kB) each, median {dht['seconds_median'] * 1000:.0f} ms")
+    if "round_trips_measured_over_real" in summary:
+        seen = summary["round_trips_measured_over_real"]
+        print(f"round trips the gateways measured over the real ones: median {seen['median']}, p90 {seen['p90']}, "
+              f"max {seen['max']} ({seen['count']} servers x gateways)")
     print(f"chains: {chains['choices']} chosen, {chains['judged']} judged, {chains['through_a_server_gone']} through "
           f"a server already gone; chosen/best expected step time: median {ratio['median']}, p90 {ratio['p90']}, "
           f"max {ratio['max']}; within 10%: {chains['within_10_percent']}")
