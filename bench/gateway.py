@@ -77,7 +77,7 @@ class Gateway:
             try:
                 if requests.get(self.url + "/health", timeout=30).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or still busy starting
                 pass
             time.sleep(0.3)
         raise LocalSwarmError(f"the gateway was not healthy after {READY_TIMEOUT:.0f} s; log: {self.process.log_tail()}")
