@@ -153,3 +153,18 @@ def test_the_wan_targets_compare_speculation_at_50_ms_and_check_outputs_are_iden
     assert verdicts["plain: sessions' aggregate tok/s at 50 ms >= 0.8x at 0 ms"] == (True, "0.85x")
     assert verdicts["speculative: sessions' aggregate tok/s at 50 ms >= 0.8x at 0 ms"][0] is None  # not run
     assert identical(wan_result(50, 4.0, 8.5, same=False)) == ["50 ms, copy-heavy, reply 0", "50 ms, chat, reply 0"]
+
+
+def test_routing_cost_measures_a_real_signed_record_and_routes_synthetic_swarms():
+    from bench.routing_cost import choose_chain_seconds, signed_record_bytes, synthetic_swarm
+    from swarm.client.routing import choose_chain
+    from swarm.protocol import missing_ranges
+    from swarm.trust import MAX_VALUE_BYTES
+
+    assert 500 < signed_record_bytes() < MAX_VALUE_BYTES  # an RSA owner key and signature, and the record
+    for servers, blocks in ((16, 24), (100, 80)):
+        remote, rtt, measured = synthetic_swarm(servers, blocks, 0.3, random.Random(0))
+        assert len(remote) == servers and not missing_ranges(remote, blocks)
+        chain = choose_chain(remote, blocks, "synthetic", measured=measured, rtt=rtt)
+        assert chain[0].start == 0 and chain[-1].end == blocks
+    assert choose_chain_seconds(16, 24, 0.3, repeats=2) > 0
