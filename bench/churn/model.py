@@ -94,8 +94,7 @@ def reference_replies(folder: Path, tokens: int) -> list[ReferenceReply]:
         messages = [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        with torch.inference_mode():
-            output = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
-                                    do_sample=False)[0, len(ids):].tolist()
-        replies.append(ReferenceReply(messages, ids, tokenizer.decode(output)))
+        with torch.inference_mode():  # greedy, stopping at the end of sequence as the gateway does (a real model)
+            output = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)[0, len(ids):]
+        replies.append(ReferenceReply(messages, ids, tokenizer.decode(output, skip_special_tokens=True)))
     return replies

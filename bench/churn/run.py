@@ -29,18 +29,9 @@ METRICS = ("swarm_client_failovers_total", "swarm_client_retries_total", "swarm_
 
 
 def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) -> dict:
-    from config import SwarmSettings
-    from swarm.weights import load_config, resolve_model
-
-    cache_dir = SwarmSettings.from_env().cache_dir
-    if options.model:
-        folder = resolve_model(options.model, cache_dir)
-        options.blocks = load_config(folder).num_hidden_layers
-    else:
-        folder = churn_model(cache_dir, options.blocks, resolve_model("SmolLM2-135M-Instruct", cache_dir))
+    folder = model_folder(options)
     print(f"local greedy replies of {folder.name} ({options.blocks} blocks)", flush=True)
     replies = reference_replies(folder, options.tokens)
-
     with ExitStack() as stack:
         bootstrap = ChildProcess("dht", ["-m", "swarm.dht"], log_dir)
         stack.callback(bootstrap.stop)
@@ -66,16 +57,30 @@ def run_churn(options: argparse.Namespace, log_dir: Path, rng: random.Random) ->
         time.sleep(options.duration)
         churner.stop()
         unfinished = workers.join(DRAIN_TIMEOUT)
-        counters = [gateway_counters(gateway.url) for gateway in gateways]
-        measured = [measured_round_trips(gateway.url, folder.name, fleet) for gateway in gateways]
-        lookups = measure_lookups(initial_peers, folder, options.blocks)
-        choices = [choice for number, gateway in enumerate(gateways)
-                   for choice in read_choices(gateway.log_dir / "gateway.log", number)]
-        verdicts = judge(choices, live_at(fleet))
-        summary = summarize(options, fleet, workers.results, unfinished, counters, verdicts, churner.skipped,
+        summary = summarize(options, fleet, workers.results, unfinished, [gateway_counters(gateway.url) for gateway
+                            in gateways], judge(logged_choices(gateways), live_at(fleet)), churner.skipped,
                             sessions_began)
-        return {**summary, "dht": lookups, "round_trips_measured_over_real": distribution(
-            [ratio for ratios in measured for ratio in ratios])}
+        measured = [ratio for gateway in gateways for ratio in measured_round_trips(gateway.url, folder.name, fleet)]
+        return {**summary, "dht": measure_lookups(initial_peers, folder, options.blocks),
+                "round_trips_measured_over_real": distribution(measured)}
+
+
+def model_folder(options: argparse.Namespace) -> Path:
+    """--model's folder (its block count becomes --blocks), or the tiny deep model of --blocks blocks."""
+    from config import SwarmSettings
+    from swarm.weights import load_config, resolve_model
+
+    cache_dir = SwarmSettings.from_env().cache_dir
+    if options.model:
+        folder = resolve_model(options.model, cache_dir)
+        options.blocks = load_config(folder).num_hidden_layers
+        return folder
+    return churn_model(cache_dir, options.blocks, resolve_model("SmolLM2-135M-Instruct", cache_dir))
+
+
+def logged_choices(gateways: list[Gateway]) -> list:
+    return [choice for number, gateway in enumerate(gateways)
+            for choice in read_choices(gateway.log_dir / "gateway.log", number)]
 
 
 def launch_fleet(options, folder: Path, initial_peers: list[str], log_dir: Path, rng: random.Random) -> Fleet:
