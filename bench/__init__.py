@@ -32,4 +32,9 @@ In data-flow order:
                  cache budget in bytes
     stats.py     token arrival times -> TTFT, ITL, tok/s; percentiles and medians
     report.py    the targets, the table, JSON and the plot
+
+Beside the suite, each its own command: prefix_share.py and reuse.py (issue 22: saved prefixes, conversations kept
+warm); wan.py (decode speed at simulated round trips, speculation on and off; its prompts in wan_prompts.py);
+churn/ (the churn harness: servers leaving and joining under live sessions); routing_cost.py (what routing's
+DHT lookups and choose_chain cost as a swarm grows: docs/wan.md).
 """

@@ -51,9 +51,16 @@ class Gateway:
         self.process: ChildProcess | None = None
 
     def start(self) -> "Gateway":
+        return self.launch().wait_healthy()
+
+    def launch(self) -> "Gateway":
+        """Start the gateway's process without waiting for it (several start side by side); then wait_healthy."""
         command = ["-m", "gunicorn", "--config", str(ROOT / "gunicorn.conf.py"), "--chdir", str(ROOT),
                    "--bind", f"127.0.0.1:{self.port}", "--threads", str(self.threads), "app:app"]
         self.process = ChildProcess("gateway", command, self.log_dir, {**os.environ, **self.env})
+        return self
+
+    def wait_healthy(self) -> "Gateway":
         try:
             self._wait_healthy()
         except BaseException:
@@ -70,7 +77,7 @@ class Gateway:
             try:
                 if requests.get(self.url + "/health", timeout=30).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or still busy starting
                 pass
             time.sleep(0.3)
         raise LocalSwarmError(f"the gateway was not healthy after {READY_TIMEOUT:.0f} s; log: {self.process.log_tail()}")

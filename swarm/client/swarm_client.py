@@ -132,7 +132,16 @@ class SwarmClient:
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
         start: int = 0, min_cache_tokens: int = 0,
     ) -> list[ChainLink]:
-        """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers."""
+        """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers; each
+        choice is logged (one line: which server runs which blocks), as Petals logs its routes."""
+        chain = self._best_chain(prefix, num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        if chain:
+            logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
+                        " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
+        return chain
+
+    def _best_chain(self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str],
+                    end: Optional[int], start: int, min_cache_tokens: int) -> list[ChainLink]:
         servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
         banned = self.bans.current()
         self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
