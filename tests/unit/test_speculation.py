@@ -24,6 +24,22 @@ def test_prompt_lookup_continues_the_latest_earlier_occurrence_of_the_longest_su
     assert prompt_lookup([1, 2, 3, 4], 3) == [] and prompt_lookup([1, 2, 1], 0) == []
 
 
+@pytest.mark.parametrize("value, message", [
+    ("-1", "SPECULATIVE_TOKENS must be between 0 and 32, got -1"),
+    ("33", "SPECULATIVE_TOKENS must be between 0 and 32, got 33"),
+    ("many", "SPECULATIVE_TOKENS: expected int, got 'many'"),
+])
+def test_a_bad_speculative_tokens_setting_is_refused_naming_it(value, message):
+    with pytest.raises(ValueError, match=message):
+        GatewaySettings.from_env({"SPECULATIVE_TOKENS": value})
+
+
+def test_the_speculation_settings_are_read_from_the_environment():
+    settings = GatewaySettings.from_env({"SPECULATIVE_TOKENS": "0", "DRAFT_MODEL": "/models/small"})
+    assert settings.limits.speculative_tokens == 0 and settings.default_model.draft_model == "/models/small"
+    assert GatewaySettings.from_env({}).limits.speculative_tokens == 8
+
+
 def test_pacing_drafts_long_when_steps_cost_their_round_trip_and_not_when_positions_cost_compute():
     wide_area, compute_bound = StepCosts(), StepCosts()
     for positions in (1, 5, 9) * 4:
