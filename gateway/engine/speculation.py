@@ -40,6 +40,7 @@ LOOKUP_NGRAM = 3  # the longest suffix of the context looked up; shorter ones ar
 STEP_SAMPLES = 64  # recent decode steps the per-model cost is fitted on
 ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts: a reply starts out at an acceptance rate of 0.5
 ACCEPTANCE_MEMORY = 0.9  # each draft's weight against the ones before it
+MIN_GAIN = 1.1  # a draft is sent only when it promises this many times the tokens per second of none
 
 
 def prompt_lookup(tokens: list[int], most: int, ngram: int = LOOKUP_NGRAM) -> list[int]:
@@ -121,7 +122,10 @@ class Pacing:
         def tokens_per_second(k: int) -> float:
             return (1 - rate ** (k + 1)) / (1 - rate) / (base + per_position * (k + 1))
 
-        return max(range(self.most + 1), key=tokens_per_second)
+        best = max(range(self.most + 1), key=tokens_per_second)
+        # what the line leaves out (verifying each row, other sessions' steps a longer one delays) is small but
+        # not nothing: a draft must promise a clear gain
+        return best if tokens_per_second(best) >= MIN_GAIN * tokens_per_second(0) else 0
 
 
 @dataclass(frozen=True)
