@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from gateway.engine.warm import shared_prefix
+
 logger = logging.getLogger(__name__)
 
 
@@ -62,7 +64,7 @@ class ReplyDrafts:
 
     def _read(self, tokens: list[int]):
         """The draft model's logits after `tokens`, reading only what its cache does not hold yet."""
-        common = _shared_length(self.seen, tokens)
+        common = shared_prefix(self.seen, tokens)
         common = min(common, len(tokens) - 1)  # at least one token to read: its logits are the first guess's
         if common < len(self.seen):
             self.cache.crop(common - len(self.seen))  # a negative count: the tokens to drop
@@ -75,15 +77,6 @@ class ReplyDrafts:
         logits = self.draft.model(torch.tensor([new]), past_key_values=self.cache, use_cache=True).logits
         self.seen.extend(new)
         return logits[0, -1]
-
-
-def _shared_length(a: list[int], b: list[int]) -> int:
-    length = 0
-    for left, right in zip(a, b):
-        if left != right:
-            break
-        length += 1
-    return length
 
 
 class DraftModels:
