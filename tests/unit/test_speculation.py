@@ -53,6 +53,16 @@ def test_pacing_drafts_long_when_steps_cost_their_round_trip_and_not_when_positi
     assert Pacing(compute_bound, 8).length() == 0 and wrong.length() == 0
 
 
+def test_a_draft_must_promise_a_clear_gain():
+    free_positions = WideAreaCosts()  # positions cost next to nothing: any right guess is a gain
+    rarely_right, often_right = Pacing(free_positions, 1), Pacing(free_positions, 1)
+    for _ in range(10):
+        rarely_right.drafted(1, 0)
+    often_right.drafted(1, 1)
+    assert rarely_right.acceptance < 0.1 and rarely_right.length() == 0  # 1 + acceptance tokens: under 1.1x
+    assert often_right.length() == 1
+
+
 def test_a_sampled_guess_stands_with_its_probability_and_the_token_follows_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     params = SamplingParams(do_sample=True, temperature=0.8, top_k=4, seed=7)
