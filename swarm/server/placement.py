@@ -13,7 +13,8 @@ from swarm.protocol import RemoteServer, ServerInfo, ServerState, servers_per_bl
 
 logger = logging.getLogger(__name__)
 
-CLAIM_ROUNDS = 8  # rounds end as soon as no rival overlaps: more only bound a slow DHT's worst case
+CLAIM_ROUNDS = 10  # rounds end once no rival overlaps twice in a row: more only bound a slow DHT's worst case
+CONFIRM_ROUNDS = 2
 
 
 async def live_others(node, prefix: str, num_blocks: int) -> list[RemoteServer]:
@@ -31,18 +32,22 @@ async def claim_span(node, prefix: str, num_blocks: int, length: int, period: fl
     """
     me = dht.peer_id_of(node)
     await asyncio.sleep(random.uniform(0.0, 1.0))
+    start, end = choose_span(await live_others(node, prefix, num_blocks), num_blocks, length)
+    quiet = 0  # rounds in a row without a rival: a rival's claim may reach this node's DHT a round late
     for _ in range(CLAIM_ROUNDS):
-        start, end = choose_span(await live_others(node, prefix, num_blocks), num_blocks, length)
         await dht.announce(node, prefix, ServerInfo(ServerState.JOINING, start, end, 0.0, 0), 3 * period)
         await asyncio.sleep(random.uniform(0.5, 1.5))
-        rivals = [
-            server for server in await live_others(node, prefix, num_blocks)
-            if server.info.state == ServerState.JOINING and server.peer_id < me
-            and server.info.start < end and start < server.info.end
-        ]
+        others = await live_others(node, prefix, num_blocks)
+        rivals = [server for server in others if server.info.state == ServerState.JOINING and server.peer_id < me
+                  and server.info.start < end and start < server.info.end]
         if not rivals:
-            break
+            quiet += 1
+            if quiet == CONFIRM_ROUNDS:
+                break
+            continue
+        quiet = 0
         logger.info("blocks %d:%d are being claimed by %s too; choosing again", start, end, rivals[0].peer_id)
+        start, end = choose_span(others, num_blocks, length)
     return start, end
 
 
