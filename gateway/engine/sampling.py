@@ -272,16 +272,17 @@ class Sampler:
             raise ValueError("no token can be chosen: the allowed mask and logit_bias exclude every token")
         if p.greedy:
             token = int(logits.argmax())
-        elif p.mirostat == 2:
-            logits = apply_temperature(logits, p.temperature)
-            token, self.mu = mirostat_v2_step(logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.generator)
-        elif p.mirostat == 1:
-            logits = apply_temperature(logits, p.temperature)
-            token, self.mu = mirostat_v1_step(
-                logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.vocab_size, self.generator
-            )
         else:
-            token = draw(self._filtered(logits), self.generator)
+            logits = apply_temperature(logits, p.temperature)
+            if p.mirostat == 2:
+                token, self.mu = mirostat_v2_step(logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.generator)
+            elif p.mirostat == 1:
+                token, self.mu = mirostat_v1_step(
+                    logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.vocab_size, self.generator
+                )
+            else:
+                logits = filter_typical(filter_top_k(logits, p.top_k), p.typical_p)
+                token = draw(filter_min_p(filter_top_p(logits, p.top_p), p.min_p), self.generator)
         self.record(token)
         return token
 
@@ -292,12 +293,6 @@ class Sampler:
         from the generator whether or not it was guessed, so a seeded reply is the same with or without drafts."""
         token = self(logits, allowed)
         return token, token == draft
-
-    def _filtered(self, processed: torch.Tensor) -> torch.Tensor:
-        """Temperature, then top_k, typical_p, top_p and min_p: the logits a sampled token is drawn from."""
-        p = self.params
-        logits = filter_typical(filter_top_k(apply_temperature(processed, p.temperature), p.top_k), p.typical_p)
-        return filter_min_p(filter_top_p(logits, p.top_p), p.min_p)
 
     def record(self, token: int) -> None:
         """Take `token` into the state as the sequence's next output token. __call__ does this itself; call it
