@@ -135,6 +135,9 @@ MAX_BLOCKS = 1 << 16  # blocks of a model
 MAX_VERSION_CHARS = 32
 MAX_NAME_CHARS = 1024  # a model's name, DHT prefix or source (a known name or a folder path)
 MAX_STARTED = 1e11  # a server's start, in seconds since the epoch: past the year 5000
+MAX_ADAPTERS = 256  # LoRA adapters one server announces
+# an adapter's name (its folder's name on the server): clients ask for it as "model:adapter", so never a colon
+ADAPTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -153,12 +156,16 @@ class ServerInfo:
     # when the server's process started (seconds since the epoch): a newer one under the same peer id is the
     # server restarted (a client lifts its ban); None in records of servers older than the field
     started: Optional[float] = None
+    # the LoRA adapters it applies on request (--adapters), by name; () in records of servers older than the field
+    adapters: tuple[str, ...] = ()
 
     def to_wire(self) -> dict:
-        wire = {**asdict(self), "state": int(self.state)}
+        wire = {**asdict(self), "state": int(self.state), "adapters": list(self.adapters)}
         for optional in ("max_session_tokens", "started"):
             if wire[optional] is None:  # as older servers wrote it
                 del wire[optional]
+        if not self.adapters:
+            del wire["adapters"]
         return wire
 
     @classmethod
@@ -177,6 +184,7 @@ class ServerInfo:
                 version=_bounded_str(value.get("version", ""), MAX_VERSION_CHARS),
                 max_session_tokens=_optional(value.get("max_session_tokens"), _bounded_int, 0, MAX_CACHE_TOKENS),
                 started=_optional(value.get("started"), _bounded_float, 0.0, MAX_STARTED),
+                adapters=_adapter_names(value.get("adapters", [])),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -203,6 +211,14 @@ def _bounded_str(value, max_chars: int) -> str:
     if not isinstance(value, str) or len(value) > max_chars:
         raise ValueError(f"expected a string of at most {max_chars} characters")
     return value
+
+
+def _adapter_names(value) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_ADAPTERS:
+        raise ValueError(f"expected a list of at most {MAX_ADAPTERS} adapter names")
+    if not all(isinstance(name, str) and ADAPTER_NAME_PATTERN.fullmatch(name) for name in value):
+        raise ValueError("expected adapter names")
+    return tuple(value)
 
 
 def _optional(value, parse, *bounds):

@@ -93,3 +93,24 @@ def _shape_arguments(model_type: str, num_layers: int) -> dict:
 def _tying_arguments(model_type: str) -> dict:
     """GPT-2 and BLOOM checkpoints tie the LM head to the token embeddings; the Llama-style ones here do not."""
     return {"tie_word_embeddings": model_type in ("gpt2", "bloom")}
+
+
+def build_lora_adapter(base: Path, folder: Path, target_modules: list[str], rank: int = 4, alpha: int = 8,
+                       seed: int = 0, **lora_settings) -> Path:
+    """Save a PEFT LoRA adapter of the model in `base` with random (non-zero) A and B into folder, whose name is
+    the adapter's name on servers; large enough that the adapted model's greedy choices differ from the base's."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, init_lora_weights=False,
+                             **lora_settings)
+    adapted = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0.0, 0.3)
+    adapted.save_pretrained(folder)
+    return folder

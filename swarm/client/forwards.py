@@ -9,12 +9,13 @@ sent as a unary call only well under that limit, and streamed otherwise; its rep
 from __future__ import annotations
 
 import asyncio
+from typing import Optional
 
 import torch
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 
-from swarm.client.stubs import call_forward, forward_outputs
+from swarm.client.stubs import call_forward, forward_metadata, forward_outputs
 from swarm.protocol import ServerUnavailableError, SwarmError
 from swarm.wire import PART_BYTES, BlockRPC, gather_parts, pack, split_parts, unpack
 
@@ -24,17 +25,19 @@ UNARY_MAX_BYTES = MAX_UNARY_PAYLOAD_SIZE
 DRAIN_SECONDS = 5.0  # after its reply, how long a stream may take to end
 
 
-async def forward_on(p2p, peer_id: str, hidden: torch.Tensor, start: int, end: int, timeout: float) -> torch.Tensor:
-    """Blocks [start, end) of one server on whole sequences (batch, length, hidden), nothing kept there."""
+async def forward_on(p2p, peer_id: str, hidden: torch.Tensor, start: int, end: int, timeout: float,
+                     adapter: Optional[str] = None) -> torch.Tensor:
+    """Blocks [start, end) of one server (through a LoRA `adapter` of it, if any) on whole sequences (batch,
+    length, hidden), nothing kept there."""
     if hidden.numel() * hidden.element_size() <= UNARY_MAX_BYTES:
-        return await call_forward(p2p, peer_id, hidden, start, end, timeout)
-    return await _streamed_forward(p2p, peer_id, hidden, start, end, timeout)
+        return await call_forward(p2p, peer_id, hidden, start, end, timeout, adapter)
+    return await _streamed_forward(p2p, peer_id, hidden, start, end, timeout, adapter)
 
 
 async def _streamed_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end: int,
-                            timeout: float) -> torch.Tensor:
+                            timeout: float, adapter: Optional[str]) -> torch.Tensor:
     stub = BlockRPC.get_stub(p2p, PeerID.from_base58(peer_id))
-    parts = split_parts(pack((hidden,), {"start": start, "end": end}))
+    parts = split_parts(pack((hidden,), forward_metadata(start, end, adapter)))
     size = hidden.numel() * hidden.element_size()  # the reply is as large: a server may send no more
     try:
         async with asyncio.timeout(timeout):

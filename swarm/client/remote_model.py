@@ -12,6 +12,7 @@ the CPU either way.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -32,6 +33,7 @@ class RemoteModel:
         head); hidden states and logits still leave it as float32 on the CPU (see swarm/client/head.py)."""
         self.folder, self.client, self.name = Path(folder), client, name
         self.prefix = prefix or dht_prefix(name)
+        self.adapter: Optional[str] = None  # the LoRA adapter its blocks run with (see with_adapter)
         self.config = load_config(self.folder)
         self.num_blocks = self.config.num_hidden_layers
         self._tokenizer = None
@@ -61,6 +63,14 @@ class RemoteModel:
         folder = resolve_model(name_or_path, cache_dir)
         return cls(folder, client, name or name_or_path, prefix or dht_prefix(name_or_path), device, dtype)
 
+    def with_adapter(self, adapter: str) -> "RemoteModel":
+        """The same model through a LoRA adapter that servers announce (python -m swarm.server --adapters):
+        its sessions and forwards run on servers holding it, named "name:adapter" in errors. It shares this
+        model's client half (embeddings, LM head, tokenizer): LoRA adapts the blocks only."""
+        adapted = copy.copy(self)
+        adapted.adapter, adapted.name = adapter, f"{self.name}:{adapter}"
+        return adapted
+
     def embed(self, token_ids, position: int = 0) -> torch.Tensor:
         """Token ids (batch, length) at absolute positions position.. -> the first block's input."""
         return self.client_modules.embed(_as_batch(token_ids), position)
@@ -89,7 +99,8 @@ class RemoteModel:
                 on_wait: Optional[Callable[[str], None]] = None) -> "InferenceSession":
         """A session on the swarm's servers; while no server holds some of its blocks, it waits for one (the
         client's block_wait at most), telling `on_wait(message)`, if given (see InferenceSession.on_wait)."""
-        blocks = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size, on_wait)
+        blocks = self.client.open_session(self.prefix, self.num_blocks, self.name, max_length, batch_size, on_wait,
+                                          self.adapter)
         return InferenceSession(self, blocks)
 
     @torch.inference_mode()
@@ -109,7 +120,8 @@ class RemoteModel:
     def _blocks_output(self, token_ids, layer: int) -> torch.Tensor:
         hidden = self.embed(token_ids, position=0)  # (batch, length, hidden)
         if layer > 0:
-            hidden = self.client.forward_blocks(self.prefix, self.num_blocks, self.name, hidden, end=layer)
+            hidden = self.client.forward_blocks(self.prefix, self.num_blocks, self.name, hidden, end=layer,
+                                                adapter=self.adapter)
         return hidden
 
     def close(self) -> None:

@@ -44,7 +44,8 @@ class Route:
 
     prefix: str
     num_blocks: int
-    model_name: str
+    model_name: str  # "model:adapter" for a session through a LoRA adapter
+    adapter: Optional[str] = None  # the LoRA adapter every server of its chain applies (and announces)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class RemoteSession:
             forked = Hop(hop.link, stream, inputs)
             services.load.opened(hop.link.peer_id)
             try:
-                services.loop.run(stream.open(self.max_length, self.batch_size, fork=(hop.stream, length)))
+                services.loop.run(stream.open(self.max_length, self.batch_size, fork=(hop.stream, length),
+                                              adapter=self.route.adapter))
                 self.hops.append(forked)
                 continue
             except Exception as error:  # gone, full, or the source session closed there: recompute
@@ -277,7 +279,7 @@ class RemoteSession:
                                              services.step_channels)
                     hops.append(Hop(link, stream))
                     services.load.opened(link.peer_id)
-                    services.loop.run(stream.open(self.max_length, self.batch_size))
+                    services.loop.run(stream.open(self.max_length, self.batch_size, adapter=self.route.adapter))
                 return hops
             except BaseException as error:
                 for hop in hops:  # the servers already opened free their cache at once
@@ -298,7 +300,7 @@ class RemoteSession:
         blocks, wait for one (the client's block_wait at most)."""
         services, route = self.services, self.route
         # servers take cache a page at a time as the session grows: what matters is room for the first
-        routing = dict(exclude=full | unreachable, end=end, start=start,
+        routing = dict(exclude=full | unreachable, end=end, start=start, adapter=route.adapter,
                        min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
         if not full:
             return services.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,

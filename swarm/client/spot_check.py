@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 import torch
@@ -45,6 +45,7 @@ class Check:
 
     link: ChainLink
     others: list[str]
+    adapter: Optional[str] = None  # the session's LoRA adapter: the others run it too
 
 
 def plan_check(chain: list[ChainLink], servers: Iterable[RemoteServer], excluded: Iterable[str],
@@ -102,8 +103,9 @@ class SpotChecker:
         """The check to run at this step, if it is one of the steps checked."""
         if self.rate <= 0 or self.rng.random() >= self.rate:
             return None
-        servers = self.client.servers(route.prefix, route.num_blocks)
-        return plan_check(chain, servers, self.client.bans.current(), self.rng)
+        servers = self.client.servers(route.prefix, route.num_blocks, route.adapter)
+        check = plan_check(chain, servers, self.client.bans.current(), self.rng)
+        return replace(check, adapter=route.adapter) if check is not None else None
 
     def verify(self, check: Check, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
         """Compare the hop's `outputs` (of its last positions) with what other servers compute from all its
@@ -111,7 +113,7 @@ class SpotChecker:
         from swarm.client import metrics
 
         position = inputs.shape[1] - outputs.shape[1]
-        opinions = ((peer, self._outputs(peer, check.link, inputs, position)) for peer in check.others)
+        opinions = ((peer, self._outputs(peer, check, inputs, position)) for peer in check.others)
         outcome, liar = find_liar(check.link.peer_id, outputs, opinions, self.tolerance)
         metrics.SPOT_CHECKS.labels(outcome).inc()
         blocks = f"blocks {check.link.start}:{check.link.end}"
@@ -125,13 +127,14 @@ class SpotChecker:
         if liar == check.link.peer_id:
             raise LyingServerError(f"server {liar} returned wrong outputs for {blocks}")
 
-    def _outputs(self, peer: str, link: ChainLink, inputs: torch.Tensor, position: int) -> Optional[torch.Tensor]:
+    def _outputs(self, peer: str, check: Check, inputs: torch.Tensor, position: int) -> Optional[torch.Tensor]:
         """Another server's outputs for the positions from `position`, or None if it fails to give them."""
         from swarm.client.forwards import forward_on
 
+        link = check.link
         try:  # a long session's history streams: it may be far over one message's 4 MiB
-            outputs = self.client.loop.run(
-                forward_on(self.client.node.p2p, peer, inputs, link.start, link.end, self.client.timeout))
+            outputs = self.client.loop.run(forward_on(self.client.node.p2p, peer, inputs, link.start, link.end,
+                                                      self.client.timeout, check.adapter))
         except SwarmError as error:
             logger.info("spot check: server %s could not serve as a second opinion: %s", peer, error)
             return None

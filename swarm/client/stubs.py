@@ -65,10 +65,16 @@ async def call_info(p2p, peer_id: str, timeout: float = 10.0) -> dict:
     return metadata
 
 
-async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end: int, timeout: float) -> torch.Tensor:
+def forward_metadata(start: int, end: int, adapter: Optional[str]) -> dict:
+    """A cache-less forward's request: its blocks, and the LoRA adapter they run with (if any)."""
+    return {"start": start, "end": end, **({"adapter": adapter} if adapter is not None else {})}
+
+
+async def call_forward(p2p, peer_id: str, hidden: torch.Tensor, start: int, end: int, timeout: float,
+                       adapter: Optional[str] = None) -> torch.Tensor:
     stub = BlockRPC.get_stub(p2p, PeerID.from_base58(peer_id))
     try:
-        response = await stub.rpc_forward(pack((hidden,), {"start": start, "end": end}), timeout=timeout)
+        response = await stub.rpc_forward(pack((hidden,), forward_metadata(start, end, adapter)), timeout=timeout)
     except Exception as error:
         reason = "did not answer in time" if isinstance(error, asyncio.TimeoutError) else f"failed: {error!r}"
         raise ServerUnavailableError(f"server {peer_id} {reason} (blocks {start}:{end})") from None
@@ -97,10 +103,10 @@ class InferenceStream:
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses = None
 
-    async def open(self, max_length: int, batch_size: int, fork: Optional[tuple["InferenceStream", int]] = None
-                   ) -> None:
-        """Open the session; with `fork` (a stream of this server's, a length), as a fork of that stream's
-        session sharing the cache of its first `length` positions."""
+    async def open(self, max_length: int, batch_size: int, fork: Optional[tuple["InferenceStream", int]] = None,
+                   adapter: Optional[str] = None) -> None:
+        """Open the session (through the LoRA `adapter`, if any); with `fork` (a stream of this server's, a
+        length), as a fork of that stream's session sharing the cache of its first `length` positions."""
         stub = BlockRPC.get_stub(self.p2p, PeerID.from_base58(self.peer_id))
         try:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._iterate_requests()), self.timeout)
@@ -110,6 +116,8 @@ class InferenceStream:
                    "session_id": self.session_id}
         if fork is not None:
             opening["fork"] = {"session_id": fork[0].session_id, "length": fork[1]}
+        if adapter is not None:
+            opening["adapter"] = adapter
         await self._exchange(pack(metadata=opening), self.timeout)
 
     async def park(self, timeout: Optional[float] = None) -> None:

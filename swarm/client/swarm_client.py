@@ -108,12 +108,17 @@ class SwarmClient:
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
 
-    def servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        """The online servers of a model that this client may route to (probed from now on: see probes.py)."""
+    def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> list[RemoteServer]:
+        """The online servers of a model that this client may route to (probed from now on: see probes.py); with
+        `adapter`, only those that announce that LoRA adapter."""
         servers = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
-        return servers
+        return [server for server in servers if adapter is None or adapter in server.info.adapters]
+
+    def adapters(self, prefix: str, num_blocks: int) -> set[str]:
+        """The LoRA adapters of a model that some online server announces."""
+        return {adapter for server in self.servers(prefix, num_blocks) for adapter in server.info.adapters}
 
     def _note_restarts(self, servers: list[RemoteServer]) -> None:
         """A server whose record shows a newer start than before has restarted (same identity, maybe another
@@ -130,19 +135,21 @@ class SwarmClient:
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
-        start: int = 0, min_cache_tokens: int = 0,
+        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None,
     ) -> list[ChainLink]:
-        """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers; each
-        choice is logged (one line: which server runs which blocks), as Petals logs its routes."""
-        chain = self._best_chain(prefix, num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers, of
+        servers that hold the LoRA `adapter` (if any); each choice is logged (one line: which server runs which
+        blocks), as Petals logs its routes."""
+        servers = self.servers(prefix, num_blocks, adapter)
+        chain = self._best_chain(servers, num_blocks, model_name, exclude, end, start, min_cache_tokens)
         if chain:
             logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
                         " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
         return chain
 
-    def _best_chain(self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str],
+    def _best_chain(self, servers: list[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str],
                     end: Optional[int], start: int, min_cache_tokens: int) -> list[ChainLink]:
-        servers, end = self.servers(prefix, num_blocks), num_blocks if end is None else end
+        end = num_blocks if end is None else end
         banned = self.bans.current()
         self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
         try:
@@ -201,15 +208,17 @@ class SwarmClient:
         return self.loop.run(call_info(self.node.p2p, peer_id))
 
     def forward_blocks(self, prefix: str, num_blocks: int, model_name: str, hidden: torch.Tensor,
-                       end: Optional[int] = None) -> torch.Tensor:
-        """A whole sequence through blocks [0, end) with no cache left behind, routed around servers that fail,
-        err or have no room for it: each failure re-routes the blocks not yet run (max_retries times at most)."""
+                       end: Optional[int] = None, adapter: Optional[str] = None) -> torch.Tensor:
+        """A whole sequence through blocks [0, end) (through a LoRA `adapter`, if any) with no cache left behind,
+        routed around servers that fail, err or have no room for it: each failure re-routes the blocks not yet
+        run (max_retries times at most)."""
         start, end, avoided, failures = 0, num_blocks if end is None else end, set(), 0
         while start < end:
-            chain = self.wait_for_chain(prefix, num_blocks, model_name, exclude=avoided, start=start, end=end)
+            chain = self.wait_for_chain(prefix, num_blocks, model_name, exclude=avoided, start=start, end=end,
+                                        adapter=adapter)
             for link in chain:
                 try:
-                    hidden = self.forward([link], hidden)
+                    hidden = self.forward([link], hidden, adapter)
                 except (ServerUnavailableError, CacheFullError, InternalServerError) as error:
                     failures += 1
                     if failures > self.max_retries:
@@ -223,24 +232,27 @@ class SwarmClient:
                 start = link.end
         return hidden
 
-    def forward(self, chain: list[ChainLink], hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, chain: list[ChainLink], hidden: torch.Tensor, adapter: Optional[str] = None) -> torch.Tensor:
         """A whole sequence through the chain, with no cache left behind: (batch, length, hidden) in and out;
         a sequence too large for one message streams (swarm/client/forwards.py)."""
 
         async def run_chain():
             output = hidden.to(self.wire_dtype)
             for link in chain:
-                output = await forward_on(self.node.p2p, link.peer_id, output, link.start, link.end, self.timeout)
+                output = await forward_on(self.node.p2p, link.peer_id, output, link.start, link.end, self.timeout,
+                                          adapter)
             return output
 
         return self.loop.run(run_chain()).to(hidden.dtype)
 
     def open_session(
         self, prefix: str, num_blocks: int, model_name: str, max_length: int, batch_size: int = 1,
-        on_wait: Optional[Callable[[str], None]] = None,
+        on_wait: Optional[Callable[[str], None]] = None, adapter: Optional[str] = None,
     ) -> RemoteSession:
-        """A session over every block; `on_wait(message)` is told when it waits for a server of some blocks."""
-        return RemoteSession(self._services(), Route(prefix, num_blocks, model_name), max_length, batch_size, on_wait)
+        """A session over every block (through a LoRA `adapter`, if any); `on_wait(message)` is told when it
+        waits for a server of some blocks."""
+        route = Route(prefix, num_blocks, model_name, adapter)
+        return RemoteSession(self._services(), route, max_length, batch_size, on_wait)
 
     def session_step_timeout(self) -> float:
         """A new session's step timeout: step_timeout, plus two of the longest round trips measured (at most

@@ -42,6 +42,7 @@ class Segment:
     length: int
     position: int
     cache: Optional[SessionCache]  # None: cache-less sequences, nothing kept (position is then 0)
+    adapter: Optional[str] = None  # the LoRA adapter its tokens go through (swarm/server/adapters.py), if any
 
     @property
     def tokens(self) -> int:
@@ -76,10 +77,13 @@ class PackedBatch:
         self.cos: Optional[torch.Tensor] = None  # rotary families: (1, tokens, head_dim)
         self.sin: Optional[torch.Tensor] = None
         self.alibi_slopes: Optional[torch.Tensor] = None  # ALiBi families: (heads,) float32
+        self.adapter_tokens: dict[str, torch.Tensor] = {}  # LoRA adapter -> (tokens,) its segments' packed tokens
 
     @classmethod
     def of(cls, segments: list[Segment], pool: Optional[KVPool], first_layer: int, device) -> "PackedBatch":
-        return cls(token_positions(segments, device), group_sequences(segments, pool, device), pool, first_layer)
+        batch = cls(token_positions(segments, device), group_sequences(segments, pool, device), pool, first_layer)
+        batch.adapter_tokens = adapter_tokens(segments, device)
+        return batch
 
     def build_masks(self, windows: set, dtype: torch.dtype) -> None:
         for group in self.groups:
@@ -137,6 +141,17 @@ def token_positions(segments: list[Segment], device) -> torch.Tensor:
     positions = [position for segment in segments for _ in range(segment.rows)
                  for position in range(segment.position, segment.position + segment.length)]
     return torch.tensor(positions, device=device)  # one tensor op whatever the number of sessions
+
+
+def adapter_tokens(segments: list[Segment], device) -> dict[str, torch.Tensor]:
+    """Each LoRA adapter of the round -> the packed tokens of its segments (one tensor per adapter)."""
+    tokens: dict[str, list[int]] = {}
+    offset = 0
+    for segment in segments:
+        if segment.adapter is not None:
+            tokens.setdefault(segment.adapter, []).extend(range(offset, offset + segment.tokens))
+        offset += segment.tokens
+    return {name: torch.tensor(indices, device=device) for name, indices in tokens.items()}
 
 
 def _sequences(segments: list[Segment]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from typing import Optional
 
 import torch
 
@@ -74,6 +75,7 @@ class Backend:
             "steps_pushed": self.sessions.steps_pushed,
             "version": PROTOCOL_VERSION,
             "loaded_names": self.span.loaded_names,
+            "adapters": sorted(self.span.adapters),
         }
 
     async def forward(self, tensors: list, metadata: dict) -> torch.Tensor:
@@ -81,6 +83,7 @@ class Backend:
         compute thread's rounds like prompts, a chunk at a time, so that decoding sessions wait for one chunk at
         most."""
         start, end = self._block_range(metadata)
+        adapter = self._adapter(metadata)
         hidden = await self.check_hidden_states(tensors)
         rows, length = hidden.shape[:2]
         if length > self.max_positions:
@@ -88,13 +91,15 @@ class Backend:
         chunk = self.scheduler.prefill_chunk_tokens
         if length <= chunk:  # a sequence fits a chunk: no cache needed, a chunk's worth of rows at a time
             rows_per_job = chunk // length
-            parts = await asyncio.gather(*(self.scheduler.submit(hidden[first : first + rows_per_job], 0, start, end)
+            parts = await asyncio.gather(*(self.scheduler.submit(hidden[first : first + rows_per_job], 0, start, end,
+                                                                 adapter=adapter)
                                            for first in range(0, rows, rows_per_job)))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         async with self._long_forwards:
-            return await self._forward_in_chunks(hidden, start, end)
+            return await self._forward_in_chunks(hidden, start, end, adapter)
 
-    async def _forward_in_chunks(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    async def _forward_in_chunks(self, hidden: torch.Tensor, start: int, end: int, adapter: Optional[str]
+                                 ) -> torch.Tensor:
         """A forward longer than a chunk, computed like a prompt through a temporary cache of its length: the
         same outputs as one unchunked pass. The cache comes from the budget like a session's, waiting up to
         --cache-wait, then refused with CacheFullError: the pool is the only memory attention reads keys from,
@@ -114,12 +119,13 @@ class Backend:
             cache.release()
             self.budget.give_back(rows * positions)
 
-        return await self.scheduler.submit(hidden, 0, start, end, cache, on_settled=give_back)
+        return await self.scheduler.submit(hidden, 0, start, end, cache, on_settled=give_back, adapter=adapter)
 
     async def open_session(self, metadata: dict, peer_id: str) -> ServerSession:
         """A new session for peer `peer_id`, holding its first page of cache (refused with CacheFullError if
         none frees up, or ServerLimitError past the limits on one client)."""
         start, end = self._block_range(metadata)
+        adapter = self._adapter(metadata)
         max_length = int_field(metadata, "max_length", 1, self.max_positions)
         batch_size = int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
         session_id = metadata.get("session_id")
@@ -133,12 +139,13 @@ class Backend:
         self._check_session_count(peer_id)
         fork = metadata.get("fork")
         if fork is not None:  # the pages of the source's first positions, shared
-            cache, length = await self._forked_cache(fork, peer_id, start, end, batch_size, max_length)
+            cache, length = await self._forked_cache(fork, peer_id, (start, end, batch_size, adapter), max_length)
         else:  # an empty cache: it takes pages as the session grows
             cache, length = self.span.new_cache(batch_size), 0
         services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.submit, self.take_cache,
                                   self.give_back_cache, self.limits.session_idle_timeout, self.warm.trim)
-        session = ServerSession(services, cache, start, end, max_length, batch_size, peer_id, session_id, length)
+        session = ServerSession(services, cache, start, end, max_length, batch_size, peer_id, session_id, length,
+                                adapter)
         try:
             if not cache.pages:  # its first page (a fork pays for its pages as it writes)
                 await session.reserve(0, 1)
@@ -153,12 +160,12 @@ class Backend:
             raise ServerLimitError(f"peer {peer_id} has {self.sessions.per_peer[peer_id]} sessions open on this "
                                    f"server already, its limit per peer")
 
-    async def _forked_cache(self, fork, peer_id: str, start: int, end: int, batch_size: int, max_length: int
-                            ) -> tuple[SessionCache, int]:
-        """A fork's cache, sharing its source's pages, and its length. The count of the peer's sessions is
-        checked again once the source let it fork: others may have opened while it waited."""
+    async def _forked_cache(self, fork, peer_id: str, shape: tuple, max_length: int) -> tuple[SessionCache, int]:
+        """A fork's cache, sharing its source's pages, and its length; `shape` is the new session's (start, end,
+        batch size, adapter). The count of the peer's sessions is checked again once the source let it fork:
+        others may have opened while it waited."""
         length = _fork_length(fork, max_length)
-        cache = await self._fork_source(fork, peer_id, start, end, batch_size).fork_cache(length)
+        cache = await self._fork_source(fork, peer_id, shape).fork_cache(length)
         try:
             self._check_session_count(peer_id)
         except ServerLimitError:  # the source may have closed meanwhile: what this cache alone held is freed
@@ -166,14 +173,17 @@ class Backend:
             raise
         return cache, length
 
-    def _fork_source(self, fork: dict, peer_id: str, start: int, end: int, batch_size: int) -> ServerSession:
-        """The open session a new one forks: the same peer's, over the same blocks, with the same batch size."""
+    def _fork_source(self, fork: dict, peer_id: str, shape: tuple) -> ServerSession:
+        """The open session a new one forks: the same peer's, over the same blocks, with the same batch size and
+        adapter (a cache computed through one adapter means nothing to another)."""
         source = self.sessions.by_id.get(fork.get("session_id")) if isinstance(fork.get("session_id"), str) else None
         if source is None or source.peer_id != peer_id:  # another peer's session reads as no session at all
             raise BadRequestError("field 'fork.session_id' names no open session of yours on this server")
-        if (source.start, source.end, source.batch_size) != (start, end, batch_size):
-            raise BadRequestError(f"a fork must have its source's blocks and batch size: {source.start}:{source.end} "
-                                  f"x {source.batch_size}, got {start}:{end} x {batch_size}")
+        start, end, batch_size, adapter = shape
+        if (source.start, source.end, source.batch_size, source.adapter) != shape:
+            raise BadRequestError(f"a fork must have its source's blocks, batch size and adapter: {source.start}:"
+                                  f"{source.end} x {source.batch_size} ({source.adapter}), got {start}:{end} x "
+                                  f"{batch_size} ({adapter})")
         return source
 
     async def take_cache(self, peer_id: str, tokens: int) -> None:
@@ -243,6 +253,14 @@ class Backend:
 
     def close(self) -> None:
         self.scheduler.stop()
+
+    def _adapter(self, metadata: dict) -> Optional[str]:
+        """The LoRA adapter a request names (field 'adapter'), one this server applies; None: the base model."""
+        adapter = metadata.get("adapter")
+        if adapter is not None and (not isinstance(adapter, str) or adapter not in self.span.adapters):
+            held = ", ".join(sorted(self.span.adapters)) or "none"
+            raise BadRequestError(f"field 'adapter': this server has no adapter {adapter!r:.80} (it has: {held})")
+        return adapter
 
     def _block_range(self, metadata: dict) -> tuple[int, int]:
         start = int_field(metadata, "start", self.span.start, self.span.end - 1)

@@ -51,6 +51,7 @@ class Job:
     # called on the event loop once the compute thread is done with the job (finished, failed or dropped),
     # before its result is set: what frees a temporary cache, which no round may write after it is freed
     on_settled: Optional[Callable[[], None]] = None
+    adapter: Optional[str] = None  # the LoRA adapter its positions go through (swarm/server/adapters.py)
     computed: int = 0  # positions already computed
     outputs: list = field(default_factory=list)
 
@@ -94,14 +95,14 @@ class Scheduler:
 
     async def submit(self, hidden: torch.Tensor, position: int, start: int, end: int,
                      cache: Optional[SessionCache] = None, still_wanted: Callable[[], bool] = lambda: True,
-                     on_settled: Optional[Callable[[], None]] = None) -> torch.Tensor:
+                     on_settled: Optional[Callable[[], None]] = None, adapter: Optional[str] = None) -> torch.Tensor:
         """Outputs of these new positions, once the compute thread has computed them (with others). Without a
         cache, the job must fit one chunk: it cannot be split, and must not hold up decoding sessions."""
         if cache is None and hidden.shape[0] * hidden.shape[1] > self.prefill_chunk_tokens:
             raise ValueError(f"a cache-less job of {hidden.shape[0]} x {hidden.shape[1]} tokens is over one chunk "
                              f"({self.prefill_chunk_tokens}): give it a temporary cache")
         loop = asyncio.get_running_loop()
-        job = Job(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted, on_settled)
+        job = Job(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted, on_settled, adapter)
         with self._wakeup:
             self._waiting.append(job)
             self._wakeup.notify()
@@ -169,7 +170,7 @@ class Scheduler:
         try:
             segments, pieces = [], []
             for job, positions in round_:
-                segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache))
+                segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache, job.adapter))
                 pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
             packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
             output = span.forward_packed(packed, segments, first.start, first.end)[0].to("cpu")

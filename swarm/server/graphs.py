@@ -196,7 +196,8 @@ class DecodeGraphs:
     def replay(self, hidden: torch.Tensor, segments: list[Segment], start: int, end: int) -> Optional[torch.Tensor]:
         """The round's outputs (1, tokens, hidden) from its bucket's graph (captured on the bucket's first round,
         within the bounds), or None when it must run eagerly."""
-        if self.failed or not all(segment.cache is not None and segment.length == 1 for segment in segments):
+        if self.failed or not all(segment.cache is not None and segment.length == 1 and segment.adapter is None
+                                  for segment in segments):  # a LoRA adapter's gathers depend on the round
             return None
         sequences = sum(segment.rows for segment in segments)
         keys = max(segment.position + 1 for segment in segments)

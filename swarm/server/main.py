@@ -29,6 +29,7 @@ from swarm.protocol import (
     dht_prefix,
 )
 from swarm.server import metrics, placement
+from swarm.server.adapters import AdapterFolder, attach_adapters, read_adapter
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
 from swarm.server.settings import ServerSettings, parse_settings
@@ -48,14 +49,16 @@ async def serve(settings: ServerSettings) -> None:
     if settings.blocks is not None and settings.blocks[1] > num_blocks:
         start, end = settings.blocks
         raise BadRequestError(f"--blocks {start}:{end} is out of range: {settings.model} has blocks 0:{num_blocks}")
+    adapters = [read_adapter(adapter) for adapter in settings.adapters]  # a wrong folder fails before anything loads
     # first, so that a port already taken fails in a second rather than after the weights load
     metrics_server, metrics_address = _start_metrics(settings)
     node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity)
     try:
-        presence = await Presence.join(node, settings, folder, num_blocks)
+        presence = await Presence.join(node, settings, folder, num_blocks, adapters)
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
               f"cache {settings.cache_tokens} tokens"
+              + (f", adapters {' '.join(sorted(presence.span.adapters))}" if adapters else "")
               + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
               + (f", metrics at {metrics_address}" if metrics_address else ""),
               flush=True)
@@ -71,8 +74,9 @@ class Presence:
     """The server as the swarm sees it: its span, announced every period, and moved when the swarm is uneven."""
 
     def __init__(self, node, settings: ServerSettings, folder: Path, num_blocks: int, span: BlockSpan,
-                 throughput: float):
+                 throughput: float, adapters: list[AdapterFolder]):
         self.node, self.settings, self.folder, self.num_blocks = node, settings, folder, num_blocks
+        self.adapters = adapters  # read once: a moved span gets them too
         self.prefix = settings.dht_prefix or dht_prefix(settings.model)
         self.span, self.throughput = span, throughput
         self.backend = Backend(span, CacheBudget(settings.cache_tokens), settings.limits,
@@ -89,7 +93,8 @@ class Presence:
         return self.span.end
 
     @classmethod
-    async def join(cls, node, settings: ServerSettings, folder: Path, num_blocks: int) -> "Presence":
+    async def join(cls, node, settings: ServerSettings, folder: Path, num_blocks: int,
+                   adapters: list[AdapterFolder]) -> "Presence":
         """Claim a span, load it (announced as joining meanwhile), take requests, and announce it online."""
         from swarm.server.pushes import PushTargets
         from swarm.server.handler import BlockHandler
@@ -102,9 +107,9 @@ class Presence:
                                                     settings.announce_period)
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
         joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens, started=STARTED)
-        loaded = _load(settings, folder, start, end)
+        loaded = _load(settings, folder, start, end, adapters)
         span, throughput = await _announced_while(node, prefix, joining, settings.announce_period, loaded)
-        presence = cls(node, settings, folder, num_blocks, span, throughput)
+        presence = cls(node, settings, folder, num_blocks, span, throughput, adapters)
         await asyncio.to_thread(span.capture_graphs_ahead)  # on its pool, before any request can come
         metrics.watch_cache(presence.backend.budget)
         push_targets = PushTargets(node, prefix, settings.allowed_servers)
@@ -119,7 +124,8 @@ class Presence:
         max_session_tokens = min(self.backend.limits.max_session_tokens, self.backend.budget.total)
         available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
         return ServerInfo(state, self.start, self.end, throughput, available,
-                          max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED)
+                          max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED,
+                          adapters=tuple(sorted(self.span.adapters)))
 
     async def announce_online(self) -> None:
         from swarm.weights import KNOWN_MODELS
@@ -158,7 +164,7 @@ class Presence:
         old = self.record(ServerState.OFFLINE)
         logger.info("moving from blocks %d:%d to %d:%d to even out the swarm", self.start, self.end, start, end)
         try:
-            span, throughput = await _load(self.settings, self.folder, start, end, reuse=self.span)
+            span, throughput = await _load(self.settings, self.folder, start, end, self.adapters, reuse=self.span)
             self.backend.move_to(span)
         except Exception:
             logger.warning("could not move to blocks %d:%d; serving blocks %d:%d on", start, end, self.start,
@@ -184,11 +190,13 @@ class Presence:
             logger.warning("could not withdraw in time; the records will expire by themselves")
 
 
-async def _load(settings: ServerSettings, folder: Path, start: int, end: int,
+async def _load(settings: ServerSettings, folder: Path, start: int, end: int, adapters: list[AdapterFolder],
                 reuse: Optional[BlockSpan] = None) -> tuple[BlockSpan, float]:
-    """The span and its throughput, off the event loop, so that the DHT node keeps answering its peers."""
+    """The span (with its adapters) and its throughput, off the event loop, so that the DHT node keeps answering
+    its peers."""
     span = await asyncio.to_thread(load_span, folder, start, end, device=settings.device, dtype=settings.dtype,
                                    reuse=reuse, quantization=settings.quantization)
+    attach_adapters(span, adapters)
     if settings.cuda_graphs and span.device.type == "cuda" and not span.quantization:
         span.use_graphs()  # bitsandbytes' kernels sync with the host: quantized spans stay eager
     return span, await asyncio.to_thread(cached_throughput, span, folder, settings.cache_dir)

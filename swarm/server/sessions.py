@@ -113,8 +113,10 @@ class ServerSession:
     """
 
     def __init__(self, server: ServerServices, cache: SessionCache, start: int, end: int, max_length: int,
-                 batch_size: int, peer_id: str, session_id: Optional[str] = None, length: int = 0):
+                 batch_size: int, peer_id: str, session_id: Optional[str] = None, length: int = 0,
+                 adapter: Optional[str] = None):
         self.server, self.start, self.end = server, start, end
+        self.adapter = adapter  # the LoRA adapter every step of it goes through (None: the base model)
         self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
         self.cache = cache  # empty, or a fork's shared pages: it takes pages as it grows
         self.length = length  # positions filled in the cache
@@ -197,7 +199,7 @@ class ServerSession:
             raise ServerUnavailableError("the session ended before its step ran")
         self._in_flight += 1  # the scheduler calls _settled once it is done with the step, whatever happens here
         output = await self.server.compute(hidden, position, self.start, self.end, self.cache, self._wanted,
-                                           self._settled)
+                                           self._settled, adapter=self.adapter)
         self.length = end
         self.server.open_sessions.positions_served += hidden.shape[1]
         metrics.POSITIONS_SERVED.inc(hidden.shape[1])

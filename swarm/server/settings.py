@@ -77,6 +77,7 @@ class ServerSettings:
     metrics_port: int
     cache_dir: Path
     latency: SimulatedLatency = SimulatedLatency()  # --simulated-latency (off: 0)
+    adapters: tuple[Path, ...] = ()  # PEFT LoRA adapter folders it applies on request (swarm/server/adapters.py)
 
     @property
     def allowed_peers(self) -> tuple[str, ...]:
@@ -113,6 +114,7 @@ def parse_settings(argv=None) -> ServerSettings:
         dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
         threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
         latency=SimulatedLatency(args.simulated_latency, args.simulated_latency_jitter, args.simulated_latency_seed),
+        adapters=tuple(Path(folder) for folder in args.adapters),
     )
 
 
@@ -145,6 +147,9 @@ def _parser(defaults):
                         help="most tokens in one batched forward (decode steps of all sessions + prefill chunks)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=128,
                         help="most prompt tokens per forward: a long prompt runs in chunks between decode steps")
+    parser.add_argument("--adapters", nargs="*", default=[], metavar="PATH",
+                        help="PEFT LoRA adapter folders of this model: the server applies the adapter a request "
+                             "names (by its folder's name) to its blocks, and announces them")
     parser.add_argument("--dht-prefix", help="the model's name in the DHT (default: from --model)")
     parser.add_argument("--announce-period", type=float, default=defaults.announce_period)
     parser.add_argument("--rebalance-period", type=float,

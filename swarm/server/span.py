@@ -18,6 +18,7 @@ from torch import nn
 
 from swarm.families import Family, family_of
 from swarm.protocol import BadRequestError, ServerUnavailableError
+from swarm.server.adapters import applied
 from swarm.server.attention import PackedBatch, Segment
 from swarm.server.cache import KVPool, SessionCache
 from swarm.server.graphs import DecodeGraphs, capture_disabled
@@ -42,6 +43,7 @@ class BlockSpan(nn.Module):
         self.kv_heads, self.head_dim = family.cache_shape(config, layers[0])
         self.pool: Optional[KVPool] = None  # every session's keys and values (see new_pool)
         self.graphs: Optional[DecodeGraphs] = None  # captured decode rounds (see use_graphs)
+        self.adapters: frozenset[str] = frozenset()  # LoRA adapters its layers apply on request (adapters.py)
 
     @property
     def device(self) -> torch.device:
@@ -90,13 +92,14 @@ class BlockSpan(nn.Module):
         cache: Optional[SessionCache] = None,
         start: Optional[int] = None,
         end: Optional[int] = None,
+        adapter: Optional[str] = None,
     ) -> torch.Tensor:
         """One request's new positions through blocks [start, end) (default: the whole span), on the caller's
         thread, which owns `cache`: it takes the pages the request needs (the server's compute thread never
         does; see forward_packed)."""
         if cache is not None:
             cache.prepare(position, position + hidden.shape[1])
-        segment = Segment(hidden.shape[0], hidden.shape[1], position, cache)
+        segment = Segment(hidden.shape[0], hidden.shape[1], position, cache, adapter)
         return self.forward_packed(hidden.reshape(1, -1, hidden.shape[-1]), [segment], start, end).view(hidden.shape)
 
     @torch.inference_mode()
@@ -125,6 +128,8 @@ class BlockSpan(nn.Module):
         """Refuse a round that would write through page numbers of another pool (the server moved to other
         blocks since the request began) or past a cache's pages (they would land in the shared zero page)."""
         for segment in segments:
+            if segment.adapter is not None and segment.adapter not in self.adapters:
+                raise BadRequestError(f"this server has no adapter {segment.adapter!r}")
             if segment.cache is None:
                 continue
             if segment.cache.pool is not self.pool:
@@ -138,8 +143,9 @@ class BlockSpan(nn.Module):
         layers = self.layers[start - self.start : end - self.start]
         self.family.batch_inputs(self.position_state, hidden, batch)
         batch.build_masks({layer.attention_window for layer in layers}, self.dtype)
-        for index, layer in enumerate(layers):
-            hidden = self.family.layer_forward(layer, hidden, batch, index)
+        with applied(batch.adapter_tokens):
+            for index, layer in enumerate(layers):
+                hidden = self.family.layer_forward(layer, hidden, batch, index)
         return hidden
 
 
