@@ -7,6 +7,10 @@ from this gateway's own model cache. A record is a stranger's word: its name pic
 count differs from that folder's config is ignored. Listing the models and their coverage reads the cached
 configs and the DHT, never any weights.
 
+Adapted: "model:adapter" names a served model through a LoRA adapter that the model's servers announce
+(python -m swarm.server --adapters); it shares the model's client half, and its sessions run only on servers
+holding the adapter. Each served model lists its adapters, each with the model as its parent.
+
 Loaded: a model's client half (embeddings, LM head, tokenizer) is loaded by the first request that uses it,
 under a lock of its own (a model loading holds up no request for another), and at most `max_loaded_models`
 stay loaded: the least recently used is let go first (sessions open on it keep it until they end).
@@ -19,7 +23,7 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,6 +31,8 @@ from config import MODEL_NAME_PATTERN, ModelConfig, Settings
 from gateway.engine.served import CATALOGUE_SECONDS, ServedModel, session_length
 from gateway.errors import NotFound, from_exception
 from swarm.protocol import ModelRecord, dht_prefix
+
+ADAPTER_SEPARATOR = ":"  # "model:adapter"
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,15 @@ def _shape_of(config: ModelConfig, remote) -> Shape:
     return Shape(prefix, num_blocks, getattr(remote.config, "max_position_embeddings", None))
 
 
+def split_adapter(name: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """"model:adapter" -> ("model", "adapter"); any other name -> (name, None). Model names never hold a colon
+    (config.MODEL_NAME_PATTERN), nor do adapter names (swarm.protocol.ADAPTER_NAME_PATTERN)."""
+    if name is None or ADAPTER_SEPARATOR not in name:
+        return name, None
+    base, _, adapter = name.partition(ADAPTER_SEPARATOR)
+    return base, adapter
+
+
 def read_config(folder: Path):
     """A model folder's config (config.json only: no weights, no code of the model's)."""
     import transformers
@@ -78,6 +93,8 @@ class ServedModels:
         self._lock = threading.Lock()  # guards the three dicts; held for no load, no network call
         self._catalogue: tuple[float, list[Discovered]] = (-math.inf, [])
         self._catalogue_lock = threading.Lock()  # one thread asks the DHT; the others use the last answer
+        self._adapters: dict[str, tuple[float, frozenset]] = {}  # model -> (when asked, the adapters announced)
+        self._adapted: dict[str, ServedModel] = {}  # "model:adapter" -> its view of the loaded model
 
     # ------------------------------------------------------------------------------- what is served
 
@@ -86,10 +103,34 @@ class ServedModels:
         config = self.gateway.model(name)
         if config is None:
             config = next((found.config for found in self.discovered() if found.config.name == name), None)
+        if config is None and split_adapter(name)[1] is not None:
+            return self._adapted_config(*split_adapter(name))
         if config is None:
             served = ", ".join(model.name for model in (*self.gateway.models, *self.discovered_configs()))
             raise NotFound(f"unknown model {name!r}; served models: {served}", field="model")
         return config
+
+    def _adapted_config(self, base_name: str, adapter: str) -> ModelConfig:
+        """A served model through one of the LoRA adapters its servers announce; 404 for any other adapter."""
+        base = self.config(base_name)
+        announced = self.adapters(base.name)
+        if adapter not in announced:
+            raise NotFound(f"unknown model {base_name}:{adapter!r}: no server of {base.name} announces the adapter "
+                           f"{adapter!r} (adapters announced: {', '.join(sorted(announced)) or 'none'})", field="model")
+        return replace(base, name=f"{base.name}{ADAPTER_SEPARATOR}{adapter}")
+
+    def adapters(self, name: str) -> frozenset:
+        """The LoRA adapters that the servers of a served model announce (asked again every few seconds)."""
+        asked_at, announced = self._adapters.get(name, (-math.inf, frozenset()))
+        if time.monotonic() - asked_at >= CATALOGUE_SECONDS:
+            shape = self.shape(name)
+            try:
+                announced = frozenset(self._client_of(name).adapters(shape.prefix, shape.num_blocks))
+            except Exception:  # servers unreachable now: no adapter is served until they answer
+                logger.debug("could not ask the swarm for the adapters of %s", name, exc_info=True)
+                announced = frozenset()
+            self._adapters[name] = (time.monotonic(), announced)
+        return announced
 
     def discovered_configs(self) -> list[ModelConfig]:
         return [found.config for found in self.discovered()]
@@ -157,8 +198,12 @@ class ServedModels:
     # ------------------------------------------------------------------------------- what is loaded
 
     def get(self, name: Optional[str]) -> ServedModel:
-        """The model's client half, loaded by the first request for it (the others for it wait for that)."""
+        """The model's client half, loaded by the first request for it (the others for it wait for that); a
+        "model:adapter" shares the model's."""
         config = self.config(name)
+        base_name, adapter = split_adapter(config.name)
+        if adapter is not None:
+            return self._adapted_model(config, self.get(base_name), adapter)
         with self._lock:
             if config.name in self._loaded:
                 self._loaded.move_to_end(config.name)
@@ -176,6 +221,13 @@ class ServedModels:
                 self._evict()
             return model
 
+    def _adapted_model(self, config: ModelConfig, base: ServedModel, adapter: str) -> ServedModel:
+        with self._lock:
+            adapted = self._adapted.get(config.name)
+            if adapted is None or adapted.remote.client_modules is not base.remote.client_modules:  # base reloaded
+                adapted = self._adapted[config.name] = ServedModel(config, base.remote.with_adapter(adapter))
+            return adapted
+
     def _evict(self) -> None:
         while len(self._loaded) > self.max_loaded:
             name, _ = self._loaded.popitem(last=False)
@@ -188,8 +240,9 @@ class ServedModels:
     # ------------------------------------------------------------------------------- what the swarm holds
 
     def shape(self, name: Optional[str]) -> Shape:
-        """A model's prefix and blocks: from its load or the catalogue; a configured model never loaded loads."""
-        config = self.config(name)
+        """A model's prefix and blocks (a "model:adapter"'s are the model's): from its load or the catalogue; a
+        configured model never loaded loads."""
+        config = self.config(split_adapter(self.config(name).name)[0])
         with self._lock:
             shape = self._shapes.get(config.name)
         if shape is None:
@@ -214,6 +267,22 @@ class ServedModels:
                 entry.update(covered=False, error=from_exception(error).message)
             if configured or entry["covered"]:
                 listed.append(entry)
+            if entry.get("covered"):
+                listed.extend(self._listed_adapters(entry))
+        return listed
+
+    def _listed_adapters(self, parent: dict) -> list[dict]:
+        """The adapters of a listed model that its servers cover (every block held by a server with it)."""
+        listed = []
+        for adapter in sorted(self.adapters(parent["name"])):
+            name = f"{parent['name']}{ADAPTER_SEPARATOR}{adapter}"
+            entry = {**parent, "name": name, "parent": parent["name"], "adapter": adapter}
+            try:
+                entry.update(self.coverage(name))
+            except Exception as error:
+                entry.update(covered=False, error=from_exception(error).message)
+            if entry["covered"]:
+                listed.append(entry)
         return listed
 
     def _session_length(self, config: ModelConfig) -> int:
@@ -234,7 +303,8 @@ class ServedModels:
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it."""
         shape = self.shape(name)
-        coverage = self._client_of(name).coverage(shape.prefix, shape.num_blocks)
+        adapter = split_adapter(self.config(name).name)[1]  # its servers: those holding the adapter
+        coverage = self._client_of(name).coverage(shape.prefix, shape.num_blocks, adapter)
         return {"num_blocks": coverage.num_blocks, "servers": coverage.servers, "covered": coverage.covered,
                 "missing_blocks": coverage.missing_blocks}
 
@@ -247,5 +317,5 @@ class ServedModels:
         """The swarm client a model's lookups go through: its own if loaded (an engine given its own `connect`
         has no other), else the process's."""
         with self._lock:
-            model = self._loaded.get(self.config(name).name) if name is not None else None
+            model = self._loaded.get(split_adapter(self.config(name).name)[0]) if name is not None else None
         return model.remote.client if model is not None else self._swarm_client()

@@ -183,7 +183,9 @@ def tags():
     for listed in engine.listed_models():
         model = loaded.get(listed["name"])
         config = model.config if model else engine.model_config(listed["name"])
-        entries.append(wire.model_entry(config, model.remote.config if model else None))
+        entry = wire.model_entry(config, model.remote.config if model else None)
+        entry["details"]["parent_model"] = listed.get("parent", "")  # a LoRA adapter's base model
+        entries.append(entry)
     return jsonify(models=entries)
 
 

@@ -105,7 +105,9 @@ def completions():
 @blueprint.get("/models")
 def models():
     data = [{"id": model["name"], "object": "model", "created": 0, "owned_by": "swarm",
-             "max_model_len": model["max_session_length"]} for model in get_engine().listed_models()]
+             "max_model_len": model["max_session_length"],
+             **({"parent": model["parent"]} if "parent" in model else {})}  # a LoRA adapter's base, as vLLM lists it
+            for model in get_engine().listed_models()]
     return jsonify(object="list", data=data)
 
 

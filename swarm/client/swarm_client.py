@@ -189,8 +189,9 @@ class SwarmClient:
         """The models the swarm's servers announce (one record per model, as most of its servers sign it)."""
         return self.loop.run(dht.fetch_catalogue(self.node, self.allowed_servers), timeout=10)
 
-    def coverage(self, prefix: str, num_blocks: int) -> Coverage:
-        servers = self.servers(prefix, num_blocks)
+    def coverage(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> Coverage:
+        """How many online servers hold blocks of the model (with the LoRA `adapter`, if any), and which none holds."""
+        servers = self.servers(prefix, num_blocks, adapter)
         return Coverage(num_blocks, len(servers), missing_ranges(servers, num_blocks))
 
     def health(self, prefix: str, num_blocks: int) -> SwarmHealth:
