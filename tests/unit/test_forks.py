@@ -175,8 +175,8 @@ async def one_operation(backend: Backend, rng: random.Random, action: str, live:
 @pytest.mark.parametrize("fork_field, peer, opening, message", [
     ({"session_id": "0" * 32, "length": 1}, "peer", {}, "names no open session of yours"),
     (None, "other", {}, "names no open session of yours"),  # another peer's session reads as none
-    (None, "peer", {"end": 1}, "its source's blocks and batch size"),
-    (None, "peer", {"batch_size": 2, "max_length": PAGE_TOKENS}, "its source's blocks and batch size"),
+    (None, "peer", {"end": 1}, "its source's blocks, batch size and adapter"),
+    (None, "peer", {"batch_size": 2, "max_length": PAGE_TOKENS}, "its source's blocks, batch size and adapter"),
     ({"length": PAGE_TOKENS + 1}, "peer", {}, "at most the forked session's length"),
     ({"length": -1}, "peer", {}, "must be an integer in"),
     ({"length": "1"}, "peer", {}, "must be an integer in"),

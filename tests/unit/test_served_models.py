@@ -24,8 +24,11 @@ class FakeSwarm:
         self.catalogue_reads += 1
         return self.records
 
-    def coverage(self, prefix, num_blocks):
+    def coverage(self, prefix, num_blocks, adapter=None):
         return SimpleNamespace(num_blocks=num_blocks, servers=1, covered=True, missing_blocks=None)
+
+    def adapters(self, prefix, num_blocks):
+        return set()
 
     def longest_session(self, prefix, num_blocks):
         return 1024
