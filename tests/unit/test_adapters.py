@@ -156,3 +156,22 @@ def test_records_announce_adapters_and_ignore_malformed_lists():
     assert "adapters" not in ServerInfo(ServerState.ONLINE, 0, 2, 10.0, 100).to_wire()  # as older servers wrote it
     for malformed in (["a:b"], "ad-attn", [1], ["x"] * 1000):
         assert ServerInfo.from_wire({**info.to_wire(), "adapters": malformed}) is None
+
+
+def test_rank_and_alpha_patterns_scale_as_peft_does(folders, tmp_path):
+    import peft
+    import transformers
+
+    base = folders[0]
+    patterned = build_lora_adapter(base, tmp_path / "ad-patterned", ["q_proj", "v_proj"], rank=4, alpha=8,
+                                   rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 32})
+    span = load_span(base, 0, SPAN_END)
+    attach_adapters(span, [read_adapter(patterned)])
+    assert span.layers[0].self_attn.q_proj.deltas["ad-patterned"].down.shape[0] == 2
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), patterned).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = model(input_ids=ids, output_hidden_states=True).hidden_states[SPAN_END][0]
+        hidden = model.get_input_embeddings()(ids)
+    output = span.forward_packed(hidden, [Segment(1, 5, 0, None, "ad-patterned")])[0]
+    torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
