@@ -150,7 +150,8 @@ def attach_adapters(span, adapters: list[AdapterFolder]) -> None:
 
 def _deltas_by_module(span, adapter: AdapterFolder) -> dict:
     """(block index, module name within the block) -> LowRank, for the span's blocks."""
-    layer_pattern = re.compile(re.escape(span.family.layer_key).replace(r"\{\}", r"(\d+)") + r"(.+)\.lora_([AB])\.weight")
+    block_key = re.escape(span.family.layer_key).replace(r"\{\}", r"(\d+)")  # "model.layers.{}." -> a group
+    layer_pattern = re.compile(block_key + r"(.+)\.lora_([AB])\.weight")
     pairs: dict[tuple[int, str], dict] = {}
     for key, tensor in adapter.tensors.items():
         match = layer_pattern.fullmatch(key)
@@ -165,8 +166,8 @@ def _deltas_by_module(span, adapter: AdapterFolder) -> dict:
         if set(pair) != {"A", "B"} or pair["A"].shape[0] != pair["B"].shape[1]:
             raise AdapterError(f"adapter {adapter.name}: block {index}'s {module_name} lacks a matching lora_A/lora_B")
         scaling = _scaling(adapter.config, f"{span.family.layer_key.format(index)}{module_name}", pair["A"].shape[0])
-        deltas[(index, module_name)] = LowRank(pair["A"].to(span.device, span.dtype), pair["B"].to(span.device, span.dtype),
-                                               scaling)
+        down, up = (pair[part].to(span.device, span.dtype) for part in "AB")
+        deltas[(index, module_name)] = LowRank(down, up, scaling)
     return deltas
 
 
