@@ -11,6 +11,8 @@ import openai
 import pytest
 import requests
 
+from shared_swarm import TINY_ADAPTERS
+
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
 GREEDY = {"temperature": 0, "num_predict": 8}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "mood"],
@@ -197,7 +199,9 @@ def test_embed_is_normalized_and_the_older_route_is_not(client, oai):
 
 
 def test_list_show_ps_and_version(client, gateway):
-    [listed] = client.list().models
+    models = client.list().models
+    assert [model.model for model in models] == ["tiny", *(f"tiny:{name}" for name in TINY_ADAPTERS)]  # and adapters
+    listed = models[0]
     assert listed.model == "tiny" and listed.details.family == "llama" and len(listed.digest) == 64
     shown = client.show("tiny")
     assert shown.details.family == "llama" and shown.modelinfo["llama.context_length"] == 1024
@@ -265,7 +269,7 @@ def test_keys_guard_every_route_but_version(strict_gateway):
     refused = requests.get(url + "/api/tags")
     assert refused.status_code == 401 and list(refused.json()) == ["error"] and "API key" in refused.json()["error"]
     keyed = ollama.Client(host=url, headers={"Authorization": "Bearer key-ollama"})
-    assert [model.model for model in keyed.list().models] == ["tiny"]
+    assert [model.model for model in keyed.list().models][0] == "tiny"
     with pytest.raises(ollama.ResponseError) as caught:
         keyed.generate(model="tiny", prompt="x" * 9000)  # over MAX_BODY_BYTES
     assert caught.value.status_code == 413

@@ -12,6 +12,8 @@ import requests
 import torch
 import transformers
 
+from shared_swarm import TINY_ADAPTERS
+
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
 
 
@@ -237,7 +239,8 @@ def test_embeddings_are_mean_pooled_hidden_states(client, local):
 
 
 def test_models_list(client):
-    assert [model.id for model in client.models.list().data] == ["tiny"]
+    # the model, and the LoRA adapters its servers announce (tests/e2e/test_adapters_api.py)
+    assert [model.id for model in client.models.list().data] == ["tiny", *(f"tiny:{name}" for name in TINY_ADAPTERS)]
 
 
 def test_ai00_routes_and_extras(gateway, local):
