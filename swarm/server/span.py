@@ -166,7 +166,7 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
         with torch.device("meta"):  # no throwaway random init: the checkpoint fills every parameter
             layer = family.new_layer(config, index)
         state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-        layer.load_state_dict(state, strict=True, assign=True)
+        layer.load_state_dict(family.layer_state(state), strict=True, assign=True)
         layer.to(device=device, dtype=dtype)
         if quantization is not None:
             quantize_linears(layer, quantization, dtype)
