@@ -5,7 +5,7 @@ in one sequence, so that each weight is read once for all of them, and attention
 over the span's page pool (swarm/server/attention.py). The layers' parameters stay in transformers' own
 modules (projections, MLP, norms: stable for years); the attention itself is ours, so that the cache is
 written in place and attention goes through torch's scaled_dot_product_attention. How each family's layer
-runs is swarm/families.py's.
+runs is swarm/families/'s.
 """
 
 from __future__ import annotations
