@@ -23,16 +23,18 @@ from swarm.server.span import load_span
 from tiny_model import FAMILY_QUIRKS, build_tiny_model
 
 ATOL = 1e-4
-_folders: dict = {}
 
 
 @pytest.fixture(scope="module")
 def folder_of(tmp_path_factory):
+    """model_type -> the folder of its tiny model with FAMILY_QUIRKS' config, built on first use."""
+    folders = {}
+
     def folder(model_type: str):
-        if model_type not in _folders:
-            _folders[model_type] = build_tiny_model(tmp_path_factory.mktemp(model_type), model_type, 4, seed=7,
-                                                    **FAMILY_QUIRKS[model_type])
-        return _folders[model_type]
+        if model_type not in folders:
+            folders[model_type] = build_tiny_model(tmp_path_factory.mktemp(model_type), model_type, 4, seed=7,
+                                                   **FAMILY_QUIRKS[model_type])
+        return folders[model_type]
 
     return folder
 
