@@ -7,6 +7,7 @@ never ifs on names.
     family.py     Family and ClientSide: what an entry holds; norms, windows, embedding scale, logit caps
     positions.py  rotary (one cos/sin pair, or one per layer type), ALiBi, learned positions
     decoder.py    the rotary decoder layer, its parts: projections, QK-norm, partial rotary, soft-capping, residuals
+    experts.py    mixtures of experts: their tensors stacked at load, their batched implementation
     classic.py    BLOOM's and GPT-2's layers
 
 A layer forward gets the packed batch of the block server's round (PackedBatch, swarm/server/attention.py)
@@ -17,14 +18,12 @@ imports nothing of the server nor of the client.
 
 from __future__ import annotations
 
-import re
 from typing import Optional
-
-import torch
 
 from swarm.families.classic import bloom_cache_shape, bloom_layer_forward, gpt2_cache_shape, gpt2_layer_forward
 from swarm.families.decoder import (RotaryDecoderLayer, attention_logit_softcap, fused_qkv, kv_cache_shape,
                                     qk_norm, rotate_head_fronts, sandwich_residuals)
+from swarm.families.experts import grouped_experts, stacked_experts
 from swarm.families.family import (ClientSide, Family, final_logit_softcap, hidden_size_root, layer_norm, no_window,
                                    rms_norm, window_by_layer_type)
 from swarm.families.positions import (alibi_inputs, alibi_state, causal_inputs, no_position_state,
@@ -36,37 +35,6 @@ __all__ = ["FAMILIES", "ClientSide", "Family", "family_of"]
 LLAMA_STYLE_CLIENT = ClientSide(embed_key="model.embed_tokens.weight", norm_prefix="model.norm.", norm=rms_norm)
 GEMMA_CLIENT = ClientSide(embed_key="model.embed_tokens.weight", norm_prefix="model.norm.", norm=rms_norm,
                           embed_scale=hidden_size_root, logit_softcap=final_logit_softcap)
-
-
-def grouped_experts(config):
-    """Qwen3-MoE: the experts as transformers' from_pretrained runs them ("grouped_mm": the round's token-expert
-    pairs sorted by expert, one grouped matmul per projection for all of them, no host sync, so CUDA graphs
-    capture it). A layer built from a bare config would loop over the experts, syncing with the host each time."""
-    config._experts_implementation = "grouped_mm"
-    return config
-
-
-EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def stacked_experts(state: dict) -> dict:
-    """Qwen3-MoE checkpoints hold each expert's projections (mlp.experts.<e>.gate_proj.weight, ...); transformers'
-    module holds them stacked, gate and up concatenated: mlp.experts.gate_up_proj (experts, 2 * intermediate,
-    hidden) and mlp.experts.down_proj (experts, hidden, intermediate), as its from_pretrained converts them."""
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    converted = {}
-    for name, tensor in state.items():
-        match = EXPERT_KEY.fullmatch(name)
-        if match is None:
-            converted[name] = tensor
-        else:
-            experts.setdefault(match[2], {})[int(match[1])] = tensor
-    if experts:
-        stacked = {part: torch.stack([by_index[index] for index in sorted(by_index)])
-                   for part, by_index in experts.items()}
-        converted["mlp.experts.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
-        converted["mlp.experts.down_proj"] = stacked["down_proj"]
-    return converted
 
 
 def bidirectional_attention(config) -> Optional[str]:

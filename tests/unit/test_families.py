@@ -15,6 +15,7 @@ import transformers
 from swarm import families
 from swarm.families import FAMILIES, family_of
 from swarm.families.decoder import no_qk_norm, no_softcap, pre_norm_residuals, rotate_whole_heads
+from swarm.families.experts import stacked_experts
 from swarm.families.family import no_window, uncapped, unscaled
 from swarm.client.head import load_client
 from swarm.protocol import UnknownModelError
@@ -186,11 +187,11 @@ def test_experts_are_stacked_from_the_checkpoints_per_expert_tensors():
         state |= {f"mlp.experts.{expert}.gate_proj.weight": gate[expert],
                   f"mlp.experts.{expert}.up_proj.weight": up[expert],
                   f"mlp.experts.{expert}.down_proj.weight": down[expert]}
-    stacked = families.stacked_experts(state)
+    stacked = stacked_experts(state)
     assert set(stacked) == {"mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
     torch.testing.assert_close(stacked["mlp.experts.gate_up_proj"], torch.cat([gate, up], 1))
     torch.testing.assert_close(stacked["mlp.experts.down_proj"], down)
-    assert families.stacked_experts({"mlp.gate.weight": state["mlp.gate.weight"]}).keys() == {"mlp.gate.weight"}
+    assert stacked_experts({"mlp.gate.weight": state["mlp.gate.weight"]}).keys() == {"mlp.gate.weight"}
 
 
 def test_an_embedding_gemma_is_refused_by_name():
