@@ -9,7 +9,7 @@ Two packages, and what both share:
 
     protocol.py   DHT key scheme, the ServerInfo and ModelRecord records, block coverage, the SwarmError tree
     wire.py       the RPC interface both sides speak (BlockRPC), and tensors in messages
-    families.py   every layer quirk of every model family, as a registry of functions
+    families/     every layer quirk of every model family, as a registry of functions
     weights.py    resolve a model name or folder; convert the shipped GGUF once; read only the tensors asked for
     trust.py      identity keys, and the DHT record validator: only records signed under their writer's subkey
     dht.py        the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`

@@ -59,13 +59,13 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         **{**_shape_arguments(model_type, num_layers), **_tying_arguments(model_type), **overrides},
     )
-    if perturb_vectors is None:
-        perturb_vectors = model_type in ("gpt2", "bloom")
+    if perturb_vectors is None:  # the newer families' norms (QK-norm, Gemma's 1 + weight) matter: exercise them
+        perturb_vectors = model_type not in ("llama", "mistral", "qwen2")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init, so that greedy choices are not all alike
         for parameter in model.parameters():
-            if parameter.ndim == 2:
+            if parameter.ndim >= 2:  # matrices, and the experts' stacked ones (experts, out, in)
                 parameter.normal_(0.0, 0.2)
             elif perturb_vectors:
                 parameter.add_(torch.randn_like(parameter), alpha=0.1)
@@ -87,12 +87,37 @@ def _shape_arguments(model_type: str, num_layers: int) -> dict:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
+        **NEWER_SHAPES.get(model_type, {}),
     )
 
 
+# Qwen3 and Gemma default to heads of 128 or 256 dimensions (Gemma scales by query_pre_attn_scalar, left at its
+# 256 so that it differs from head_dim); Qwen3-MoE: 4 experts of which 2 per token, the last layer a dense MLP
+NEWER_SHAPES = {
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[3]),
+    "gemma2": dict(head_dim=16),
+    "gemma3_text": dict(head_dim=16),
+}
+
+# What makes each newer family's quirks show in a 4-block model with prompts of 5 to 12 tokens: windows of 4
+# tokens on the sliding layers, soft caps low enough to bite, half-rotary heads
+FAMILY_QUIRKS = {
+    "qwen3": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),  # layers 1.. slide
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=4),  # every layer slides
+    "phi3": dict(partial_rotary_factor=0.5, sliding_window=4),
+    "gemma2": dict(sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=8.0),  # sliding, full, ...
+    "gemma3_text": dict(
+        sliding_window=4,
+        final_logit_softcapping=8.0,
+        layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+    ),  # local and global layers rotate with their own bases (10k, 1M), both in each half of the blocks
+}
+
+
 def _tying_arguments(model_type: str) -> dict:
-    """GPT-2 and BLOOM checkpoints tie the LM head to the token embeddings; the Llama-style ones here do not."""
-    return {"tie_word_embeddings": model_type in ("gpt2", "bloom")}
+    """GPT-2, BLOOM and Gemma checkpoints tie the LM head to the token embeddings; the others here do not."""
+    return {"tie_word_embeddings": model_type in ("gpt2", "bloom", "gemma2", "gemma3_text")}
 
 
 def build_lora_adapter(base: Path, folder: Path, target_modules: list[str], rank: int = 4, alpha: int = 8,

@@ -1,5 +1,6 @@
 """The client's half of a model's weights: embeddings (and learned positions, an embedding norm), the final
-norm and the LM head, built from the family's ClientSide (swarm/families.py), from the client's tensors only.
+norm and the LM head, built from the family's ClientSide (swarm/families/), from the client's tensors only;
+with the family's scale of the embeddings and cap of the logits (Gemma), where it has them.
 
 They run on a device and in a dtype of their own (a GPU and bfloat16 take the LM head, the client's largest
 matmul, off the CPU), but what they exchange with the rest of the client is always float32 on the CPU:
@@ -38,6 +39,10 @@ class ClientModules(nn.Module):
         self.embed_positions = None
         if client.position_embed_key is not None:
             self.embed_positions = nn.Embedding.from_pretrained(tensors[client.position_embed_key], freeze=True)
+        # Gemma scales the embeddings by a float32 constant rounded to the model's dtype, as transformers does
+        scale = client.embed_scale(config)
+        self.embed_scale = None if scale is None else torch.tensor(scale).to(self.device, dtype)
+        self.logit_softcap = client.logit_softcap(config)
         self.embed_norm = None
         if client.embed_norm_prefix is not None:
             self.embed_norm = _load_norm(family, config, client.embed_norm_prefix, tensors)
@@ -54,6 +59,8 @@ class ClientModules(nn.Module):
         """Token ids (batch, length) at absolute positions position.. -> hidden states (batch, length, hidden)
         as the first block expects them (transformers' hidden_states[0]), float32 on the CPU."""
         hidden = self.embed_tokens(token_ids.to(self.device))
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         if self.embed_positions is not None:
             end = position + token_ids.shape[1]
             if end > self.embed_positions.num_embeddings:
@@ -74,7 +81,10 @@ class ClientModules(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last block's output -> final norm -> LM head, float32 on the CPU: the gateway's sampler (penalties,
         grammar masks, seeded generators) works on CPU tensors, and a row of logits is only vocab * 4 bytes."""
-        return self.lm_head(self.norm(hidden.to(self.device, self.dtype))).to(HOST, torch.float32)
+        logits = self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits.to(HOST, torch.float32)
 
 
 def _load_norm(family: Family, config, prefix: str, tensors: dict) -> nn.Module:

@@ -13,7 +13,7 @@ In data-flow order, from the command line to the compute thread:
     sessions.py    ServerSession: one client's session, its cache and steps (and steps pushed to it early);
                    OpenSessions, the server's registry of them
     batching.py    Scheduler: the compute thread; submitted jobs (steps, forwards) go in rounds, prompts in chunks
-    span.py        BlockSpan: the span's layers over a packed batch of sessions (families.py says how each computes)
+    span.py        BlockSpan: the span's layers over a packed batch of sessions (swarm/families says how each computes)
     graphs.py      on CUDA, decode-only rounds captured once per shape bucket as CUDA graphs and replayed
     attention.py   a round's attention over the page pool, per group (decode, prefill, cacheless): a fixed number
                    of calls per layer, whatever the sessions

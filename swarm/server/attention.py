@@ -13,10 +13,11 @@ queries or outputs at all, and is what CUDA graphs capture (swarm/server/graphs.
 
 Everything a group needs (which packed token each query is, which pool slot each key is, the masks) is
 computed once per round, as tensors, and shared by every layer. Per layer and group: a gather of the
-queries, two of keys and values, one scaled_dot_product_attention, one scatter of the outputs; plus, per
-layer, two writes of the new keys and values into the pool. So a layer issues the same number of torch
-calls for 1 session as for 64, and the shapes of a decode round depend only on the number of sequences
-and the longest of them (what CUDA graphs need).
+queries, two of keys and values, one scaled_dot_product_attention (a soft-capped layer's: the few ops of
+softcapped_attention, which no fused kernel does), one scatter of the outputs; plus, per layer, two writes
+of the new keys and values into the pool. So a layer issues the same number of torch calls for 1 session as
+for 64, and the shapes of a decode round depend only on the number of sequences and the longest of them
+(what CUDA graphs need).
 
 Padding keys point at the pool's zero page and are masked out; padding queries are computed and dropped.
 """
@@ -24,6 +25,7 @@ Padding keys point at the pool's zero page and are masked out; padding queries a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import torch
@@ -74,8 +76,7 @@ class PackedBatch:
     def __init__(self, positions: torch.Tensor, groups: list[Group], pool: Optional[KVPool], first_layer: int):
         self.positions = positions  # (tokens,) absolute position of each new token
         self.groups, self.pool, self.first_layer = groups, pool, first_layer  # pool layer of the range's first block
-        self.cos: Optional[torch.Tensor] = None  # rotary families: (1, tokens, head_dim)
-        self.sin: Optional[torch.Tensor] = None
+        self.rotary: dict = {}  # rotary families: layer type (None: every layer) -> cos, sin (1, tokens, rotary dims)
         self.alibi_slopes: Optional[torch.Tensor] = None  # ALiBi families: (heads,) float32
         self.adapter_tokens: dict[str, torch.Tensor] = {}  # LoRA adapter -> (tokens,) its segments' packed tokens
 
@@ -89,22 +90,25 @@ class PackedBatch:
         for group in self.groups:
             group.masks = {window: _mask(group, window, self.alibi_slopes, dtype) for window in windows}
 
-    def attend(self, index: int, queries, keys, values, window: Optional[int], scale: float) -> torch.Tensor:
+    def attend(self, index: int, queries, keys, values, window: Optional[int], scale: float,
+               softcap: Optional[float] = None) -> torch.Tensor:
         """Packed (1, tokens, heads, head_dim) queries/keys/values of layer `index` of the forward's range ->
-        (1, tokens, heads * head_dim): the new keys/values go to the pool, each query sees its own past."""
+        (1, tokens, heads * head_dim): the new keys/values go to the pool, each query sees its own past. With
+        `softcap`, the scores are capped (tanh(scores / softcap) * softcap) before the mask and softmax."""
         queries, keys, values = queries[0], keys[0], values[0]
         pool_keys, pool_values = self.pool.layer(self.first_layer + index) if self.pool is not None else (None, None)
+        attend = (lambda group: self._attend_group(group, queries, keys, values, pool_keys, pool_values, window,
+                                                   scale, softcap))
         if len(self.groups) == 1 and self.groups[0].decode_only:  # no reordering to do
-            return self._attend_group(self.groups[0], queries, keys, values, pool_keys, pool_values, window,
-                                      scale)[None]
+            return attend(self.groups[0])[None]
         output = queries.new_empty(queries.shape[0], queries.shape[1] * queries.shape[2])  # (tokens, heads*dim)
         for group in self.groups:
-            attended = self._attend_group(group, queries, keys, values, pool_keys, pool_values, window, scale)
-            output.index_copy_(0, group.destination, attended)
+            output.index_copy_(0, group.destination, attend(group))
         return output[None]
 
     @staticmethod
-    def _attend_group(group: Group, queries, keys, values, pool_keys, pool_values, window, scale) -> torch.Tensor:
+    def _attend_group(group: Group, queries, keys, values, pool_keys, pool_values, window, scale,
+                      softcap) -> torch.Tensor:
         """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination."""
         if group.from_pool:
             new_keys, new_values = (keys, values) if group.decode_only else \
@@ -112,7 +116,9 @@ class PackedBatch:
             pool_keys.index_copy_(0, group.write_slots, new_keys)
             pool_values.index_copy_(0, group.write_slots, new_values)
         key_source, value_source = (pool_keys, pool_values) if group.from_pool else (keys, values)
-        attended = F.scaled_dot_product_attention(
+        attention = F.scaled_dot_product_attention if softcap is None else partial(softcapped_attention,
+                                                                                  softcap=softcap)
+        attended = attention(
             queries[:, None].transpose(1, 2) if group.decode_only else _gather(queries, group.query_tokens),
             _gather(key_source, group.key_index, group.from_pool),  # (n, kv_heads, keys, head_dim)
             _gather(value_source, group.key_index, group.from_pool),  # queries: (n, heads, queries, head_dim)
@@ -121,6 +127,22 @@ class PackedBatch:
             enable_gqa=True,
         ).transpose(1, 2).flatten(2).flatten(0, 1)  # (n * queries, heads * head_dim)
         return attended if group.real_queries is None else attended.index_select(0, group.real_queries)
+
+
+def softcapped_attention(queries, keys, values, attn_mask: torch.Tensor, scale: float, softcap: float,
+                         enable_gqa: bool = True) -> torch.Tensor:
+    """scaled_dot_product_attention's arguments and result, with the scores capped as Gemma 2's attention caps
+    them (transformers' eager attention: scores * scale, tanh(/ softcap) * softcap, mask, softmax in float32),
+    which no fused kernel does. Queries (n, heads, queries, head_dim) over keys/values (n, kv heads, keys,
+    head_dim): each KV head's group of query heads in one matmul, no repeated keys. `attn_mask`: bool
+    (n, 1, queries, keys), True where a key is visible (no ALiBi family caps its scores)."""
+    n, query_heads, length, head_dim = queries.shape
+    grouped = queries.unflatten(1, (keys.shape[1], query_heads // keys.shape[1]))  # (n, kv, group, queries, dim)
+    scores = torch.matmul(grouped, keys[:, :, None].transpose(-1, -2)) * scale  # (n, kv, group, queries, keys)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~attn_mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values[:, :, None]).flatten(1, 2)  # (n, heads, queries, head_dim)
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor, pages: bool = False) -> torch.Tensor:

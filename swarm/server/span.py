@@ -5,7 +5,7 @@ in one sequence, so that each weight is read once for all of them, and attention
 over the span's page pool (swarm/server/attention.py). The layers' parameters stay in transformers' own
 modules (projections, MLP, norms: stable for years); the attention itself is ours, so that the cache is
 written in place and attention goes through torch's scaled_dot_product_attention. How each family's layer
-runs is swarm/families.py's.
+runs is swarm/families/'s.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
         with torch.device("meta"):  # no throwaway random init: the checkpoint fills every parameter
             layer = family.new_layer(config, index)
         state = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-        layer.load_state_dict(state, strict=True, assign=True)
+        layer.load_state_dict(family.layer_state(state), strict=True, assign=True)
         layer.to(device=device, dtype=dtype)
         if quantization is not None:
             quantize_linears(layer, quantization, dtype)

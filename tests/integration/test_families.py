@@ -4,7 +4,11 @@ One swarm for the module: a bootstrap peer and, per family, two block servers sp
 blocks (0:2 and 2:4) under the family's own DHT prefix. The quirks each family brings: BLOOM (ALiBi bias over
 cached keys, word_embeddings_layernorm at the client, fused head-interleaved qkv, tied head), GPT-2 (learned
 absolute positions added at the client from the session's position, Conv1D projections, tied head), Qwen2
-(attention biases) and Mistral (a sliding window shorter than the prompts).
+(attention biases), Mistral (a sliding window shorter than the prompts), and the newer ones with the configs of
+tiny_model.FAMILY_QUIRKS: Qwen3 (QK-norm, sliding layers by layer_types), Qwen3-MoE (QK-norm, experts batched
+over the round), Phi-3 (fused qkv and gate_up, half-rotary heads), Gemma 2 (soft-capped attention and logits,
+alternating sliding layers, scaled embeddings, norms around attention and MLP) and Gemma 3 (QK-norm, sliding
+layers with their own rotary base, scaled embeddings, soft-capped logits).
 """
 
 import pytest
@@ -12,7 +16,7 @@ import torch
 import transformers
 
 from exact_match import ATOL, assert_interleaved_sessions_match
-from tiny_model import build_tiny_model
+from tiny_model import FAMILY_QUIRKS, build_tiny_model
 
 BLOCKS = 4
 SPANS = [(0, 2), (2, 4)]
@@ -21,6 +25,7 @@ FAMILIES = {
     "gpt2": {},
     "qwen2": {"perturb_vectors": True},  # non-zero q/k/v biases
     "mistral": {"sliding_window": 4},  # every prompt below is longer than the window
+    **FAMILY_QUIRKS,  # windows of 4 tokens too
 }
 
 
