@@ -122,6 +122,15 @@ def model_entry(config, remote_config) -> dict:
             "digest": hashlib.sha256(identity).hexdigest(), "details": details(remote_config)}
 
 
+def embedding_model_entry(name: str, folder: str, family: str) -> dict:
+    """An embedding model (EMBEDDING_MODELS) in /api/tags: run in the gateway, so no swarm in its digest."""
+    digest = hashlib.sha256(f"{name}\0{folder}".encode()).hexdigest()
+    details = {"parent_model": "", "format": "safetensors", "family": family, "families": [family] if family else [],
+               "parameter_size": "", "quantization_level": ""}
+    return {"name": name, "model": name, "modified_at": created_at(SERVING_SINCE), "size": 0, "digest": digest,
+            "details": details}
+
+
 def running_entry(config, remote_config) -> dict:
     """A model in /api/ps: its client half is loaded in this gateway; its blocks run on the swarm's servers."""
     return {**model_entry(config, remote_config), "expires_at": NEVER, "size_vram": 0,
