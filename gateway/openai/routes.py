@@ -172,7 +172,7 @@ def encoder_embeddings(engine, encoder, fields: EmbeddingRequest) -> dict:
 
 def encoder_texts(value, model_name: str) -> list[str]:
     texts = [value] if isinstance(value, str) else value
-    if not texts:
+    if value == "" or not texts:  # as for a chat model
         raise BadRequest("input: must not be empty", field="input")
     if not all(isinstance(text, str) for text in texts):
         raise BadRequest(f"input: {model_name} takes text, not token ids (they would be another tokenizer's)",
