@@ -244,6 +244,9 @@ def running():
 @blueprint.post("/show")
 def show():
     fields = json_fields(OllamaShowRequest)
+    encoder = embedding_model(get_engine(), fields.model or fields.name)
+    if encoder is not None:
+        return jsonify(wire.embedding_model_show(encoder.name, encoder.family, encoder.dimension, encoder.max_tokens))
     model, _ = load_model(get_engine(), fields.model or fields.name)
     capabilities = ["completion", "tools"] if model.tokenizer.chat_template else ["completion"]
     return jsonify(wire.show(model, capabilities))

@@ -105,6 +105,9 @@ def test_embedding_models_are_listed_and_marked(client, oll, gateway):
     assert listed[TINY_ENCODER].owned_by == "gateway" and listed[TINY_ENCODER].model_extra["type"] == "embeddings"
     tags = {model.model: model for model in oll.list().models}
     assert list(tags) == ["tiny", TINY_ENCODER, TINY_RAW_ENCODER] and tags[TINY_ENCODER].details.family == "bert"
+    shown = oll.show(TINY_ENCODER)
+    assert shown.capabilities == ["embedding"] and shown.details.family == "bert"
+    assert shown.modelinfo["bert.embedding_length"] == HIDDEN and shown.modelinfo["bert.context_length"] == MAX_SEQ_LENGTH
     petals = requests.get(gateway.url + "/api/v1/models").json()
     assert [model["name"] for model in petals["models"]] == ["tiny"]  # what the chat page offers for chat
     assert [model["name"] for model in petals["embedding_models"]] == [TINY_ENCODER, TINY_RAW_ENCODER]
