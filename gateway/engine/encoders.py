@@ -104,18 +104,21 @@ class Encoder:
             encoded = model.tokenizer([prompt + text for text in texts], add_special_tokens=True, verbose=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
-    def check_fits(self, counts: list[int], field: str) -> None:
-        """Refuse an input longer than the encoder reads, rather than embed only its beginning."""
+    def check_fits(self, counts: list[int], field: str, listed: bool = True) -> None:
+        """Refuse an input longer than the encoder reads, rather than embed only its beginning. `listed`: the field
+        holds a list, and the error names the input's index in it."""
         for index, count in enumerate(counts):
             if count > self.max_tokens:
-                raise LengthExceeded(f"{field}[{index}]: {count} tokens, more than the {self.max_tokens} that "
-                                     f"{self.name} reads (its max_seq_length)", field=f"{field}[{index}]")
+                name = f"{field}[{index}]" if listed else field
+                raise LengthExceeded(f"{name}: {count} tokens, more than the {self.max_tokens} that {self.name} "
+                                     "reads (its max_seq_length)", field=name)
 
     def chunks(self, text: str, size: int) -> list[str]:
         """`text` in consecutive pieces of at most `size` tokens (cut where tokens meet, nothing dropped between)."""
         model = self.model
         with self._lock:
-            offsets = model.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            offsets = model.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                      verbose=False)["offset_mapping"]
         starts = [offsets[index][0] for index in range(0, len(offsets), size)]
         return [text[start:end] for start, end in zip(starts, [*starts[1:], len(text)])]
 

@@ -173,8 +173,8 @@ def embedding_model(engine: Engine, name: Optional[str]) -> Optional[Encoder]:
 def encoder_embed(engine: Engine, encoder: Encoder, fields: OllamaEmbedRequest, stats) -> dict:
     """All the inputs in one encode call, each vector normalized as Ollama's are; an input longer than the encoder
     reads is cut as sentence-transformers cuts it (truncate: false refuses it)."""
-    load_seconds = encoder.load()
     check_input_count(engine.limits, "input", len(fields.input))
+    load_seconds = encoder.load()
     if not fields.input:  # as for a chat model: no input, no vector
         return wire.embeddings(encoder.name, [], stats, load_seconds, 0)
     for index, text in enumerate(fields.input):
@@ -195,7 +195,7 @@ def encoder_embedding(engine: Engine, encoder: Encoder, prompt: str) -> list[flo
     if not prompt:
         return []
     counts = encoder.token_counts([prompt])
-    encoder.check_fits(counts, "prompt")
+    encoder.check_fits(counts, "prompt", listed=False)
     check_input_tokens(engine.limits, "prompt", counts[0])
     with work_slot(engine):
         return encoder.encode([prompt])[0]

@@ -160,7 +160,7 @@ def encoder_embeddings(engine, encoder, fields: EmbeddingRequest) -> dict:
     texts = encoder_texts(fields.input, encoder.name)
     check_input_count(engine.limits, "input", len(texts))
     counts = encoder.token_counts(texts)
-    encoder.check_fits(counts, "input")
+    encoder.check_fits(counts, "input", listed=not isinstance(fields.input, str))
     check_input_tokens(engine.limits, "input", sum(counts))
     with work_slot(engine):
         vectors = encoder.encode(texts, fields.dimensions)

@@ -133,6 +133,7 @@ def test_concurrent_requests_each_get_their_own_vectors(client, local):
     ({"model": TINY_ENCODER, "input": ["a"] * 2049}, 400, "input", "at most 2048 inputs in one request, got 2049"),
     ({"model": TINY_ENCODER, "input": [1, 2, 3]}, 400, "input", "takes text, not token ids"),
     ({"model": TINY_ENCODER, "input": ["ok", LONG]}, 400, "input[1]", f"more than the {MAX_SEQ_LENGTH} that"),
+    ({"model": TINY_ENCODER, "input": LONG}, 400, "input", f"more than the {MAX_SEQ_LENGTH} that"),
     ({"model": TINY_ENCODER, "input": "x", "dimensions": HIDDEN + 1}, 400, "dimensions", f"at most {HIDDEN}"),
     ({"model": TINY_ENCODER, "input": "x", "layer": 1}, 400, "layer", "is an embedding model"),
 ])

@@ -132,6 +132,9 @@ def test_tokens_are_counted_and_checked_as_the_encoder_reads_them(folders, local
                                              f"{MAX_SEQ_LENGTH} that unit-encoder reads") as error:
         tiny.check_fits([3, MAX_SEQ_LENGTH + 1], "input")
     assert error.value.field == "input[1]"
+    with pytest.raises(LengthExceeded, match="prompt: 99 tokens") as error:
+        tiny.check_fits([99], "prompt", listed=False)
+    assert error.value.field == "prompt"
 
 
 def test_chunks_cover_the_text_in_pieces_of_at_most_size_tokens(folders):
