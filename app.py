@@ -2,7 +2,7 @@
 
     gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: a gthread worker, threads sized from the limits)
     python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
-                  [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16]
+                  [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16] [--embedding-models FOLDER ...]
 
 With no initial peers configured (--initial-peers or INITIAL_PEERS), it starts an embedded local swarm:
 a bootstrap peer and two block servers per served model, as child processes stopped when it exits.
@@ -17,6 +17,7 @@ from typing import Optional
 
 from config import Settings
 from gateway import create_app
+from gateway.engine.encoders import EmbeddingModelError
 from gateway.engine.session_store import SessionStoreError
 from gateway.web.request_ids import configure_logging
 from swarm.cli import fail, settings_from_env
@@ -62,6 +63,8 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
         app = create_app(_settings)  # cheap: the swarm client is built in the worker, on the first request needing it
     except SessionStoreError as _error:  # corrupt or unreadable: one line, and no start that would lose its sessions
         fail(str(_error), status=APP_LOAD_ERROR)
+    except EmbeddingModelError as _error:  # an EMBEDDING_MODELS folder that cannot be served: one line, no start
+        fail(str(_error), status=APP_LOAD_ERROR)
 
 
 def _parser():
@@ -73,6 +76,9 @@ def _parser():
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
     parser.add_argument("--model", help="the model to serve: a known name or a Hugging Face folder")
+    parser.add_argument("--embedding-models", nargs="+", metavar="FOLDER", help="also serve these local "
+                        "sentence-transformers folders as embedding models, each under its folder's name, run in the "
+                        "gateway (EMBEDDING_MODELS)")
     parser.add_argument("--device", type=gateway_device, help="where the gateway's embeddings, final norm and LM "
                         "head run: cpu, cuda or cuda:N (GATEWAY_DEVICE; default: cpu)")
     parser.add_argument("--dtype", choices=GATEWAY_DTYPES, help="their weights' dtype (GATEWAY_DTYPE; default: "
@@ -106,6 +112,7 @@ def main(argv=None) -> None:
     settings = {
         "INITIAL_PEERS": " ".join(args.initial_peers or []),
         "MODEL": args.model,
+        "EMBEDDING_MODELS": " ".join(args.embedding_models or []),
         "GATEWAY_DEVICE": args.device,
         "GATEWAY_DTYPE": args.dtype,
         "API_KEYS": ",".join(args.api_key or []),

@@ -14,6 +14,9 @@ Each command-line tool takes its defaults from here, so an operator can set them
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
+    EMBEDDING_MODELS  embedding models served beside the chat models, run in the gateway's own process: local
+                      sentence-transformers folders (space- or comma-separated), each served under its folder's name
+                      (gateway/engine/encoders.py); nothing is downloaded
     DISCOVERED_MODELS which models the swarm announces, besides MODEL or MODELS, the gateway serves: none (default),
                       cached (those whose files are in its own cache, SWARM_CACHE_DIR/models/NAME), or a list of
                       such names; a model is never loaded from a path a swarm record names
@@ -164,6 +167,26 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingModelConfig:
+    """An encoder served in the gateway's own process (EMBEDDING_MODELS): a local sentence-transformers folder."""
+
+    name: str  # what clients call it: the folder's name
+    folder: Path
+
+    @classmethod
+    def from_folder(cls, folder: str) -> "EmbeddingModelConfig":
+        path = Path(folder).expanduser()
+        if not MODEL_NAME_PATTERN.fullmatch(path.name):
+            raise ValueError(f"EMBEDDING_MODELS: {folder!r} is served under its folder's name, which must be letters, "
+                             "digits, '.', '_' or '-' (at most 128, starting with a letter or digit)")
+        return cls(name=path.name, folder=path)
+
+
+def _embedding_models(value: str) -> tuple[EmbeddingModelConfig, ...]:
+    return tuple(EmbeddingModelConfig.from_folder(folder) for folder in _split_list(value))
+
+
+@dataclass(frozen=True)
 class Limits:
     """What one request, and one client, may take. A client is its API key when keys are configured, else its IP.
 
@@ -272,6 +295,8 @@ class GatewaySettings:
     # the SQLite file that keeps sessions across restarts (SESSION_STORE); None: memory only (from_env's default is
     # a file in the cache folder; "off" turns it off)
     session_store: str | None = None
+    # encoders served beside the chat models, in this process (EMBEDDING_MODELS): their names are the folders'
+    embedding_models: tuple[EmbeddingModelConfig, ...] = ()
 
     def __post_init__(self):
         names = _split_list(self.discovered_models)
@@ -283,6 +308,16 @@ class GatewaySettings:
             raise ValueError(f"GATEWAY_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in GATEWAY_DTYPES:
             raise ValueError(f"GATEWAY_DTYPE must be one of {', '.join(GATEWAY_DTYPES)}, got {self.dtype!r}")
+        self._check_embedding_names()
+
+    def _check_embedding_names(self) -> None:
+        """A name picks one model: two encoders, or an encoder and a chat model, may not share one."""
+        taken = {model.name for model in self.models}
+        for encoder in self.embedding_models:
+            if encoder.name in taken:
+                raise ValueError(f"EMBEDDING_MODELS: the name {encoder.name!r} ({encoder.folder}) is already taken "
+                                 "by another served model")
+            taken.add(encoder.name)
 
     def serves_discovered(self, name: str) -> bool:
         """Whether a model the swarm announces (not configured here) may be served, if its files are in the
@@ -313,7 +348,8 @@ class GatewaySettings:
                    log_level=environ.get("LOG_LEVEL", "INFO").upper(),
                    device=environ.get("GATEWAY_DEVICE") or "cpu", dtype=environ.get("GATEWAY_DTYPE") or "float32",
                    discovered_models=environ.get("DISCOVERED_MODELS") or "none",
-                   session_store=_session_store(environ))
+                   session_store=_session_store(environ),
+                   embedding_models=_embedding_models(environ.get("EMBEDDING_MODELS", "")))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ blueprint = Blueprint("docs", __name__)
 ROUTES = [
     ("/v1/chat/completions", "post", openai_schemas.ChatCompletionRequest, "Chat completion (stream with SSE)"),
     ("/v1/completions", "post", openai_schemas.CompletionRequest, "Text completion (stream with SSE)"),
-    ("/v1/embeddings", "post", openai_schemas.EmbeddingRequest, "Embeddings: mean-pooled hidden states of the model"),
+    ("/v1/embeddings", "post", openai_schemas.EmbeddingRequest, "Embeddings: an embedding model's vectors "
+     "(EMBEDDING_MODELS, run in the gateway), or a chat model's mean-pooled hidden states"),
+    ("/v1/embeds", "post", openai_schemas.EmbedsRequest, "Ai00: an embedding model's vector of each chunk of a text"),
     ("/v1/chooses", "post", openai_schemas.ChooseRequest, "Ai00: rank choices by perplexity, best first"),
     ("/v1/responses", "post", ResponseCreateRequest, "Responses: a reply (stream: typed SSE events), tools, store"),
     ("/v1/responses/{response_id}", "get", None, "Responses: a stored response, as it stands"),
@@ -53,7 +55,8 @@ ROUTES = [
     ("/health", "get", None, "200 when the default model can be served now, else 503"),
     ("/api/chat", "post", ollama_schemas.OllamaChatRequest, "Ollama: chat, tools (NDJSON lines unless stream: false)"),
     ("/api/generate", "post", ollama_schemas.OllamaGenerateRequest, "Ollama: generate from a prompt (NDJSON lines)"),
-    ("/api/embed", "post", ollama_schemas.OllamaEmbedRequest, "Ollama: normalized embeddings of one or more inputs"),
+    ("/api/embed", "post", ollama_schemas.OllamaEmbedRequest, "Ollama: normalized embeddings of one or more inputs "
+     "(an embedding model's, or a chat model's hidden states)"),
     ("/api/embeddings", "post", ollama_schemas.OllamaEmbeddingsRequest, "Ollama (older): the embedding of a prompt"),
     ("/api/show", "post", ollama_schemas.OllamaShowRequest, "Ollama: a model's details, parameters and template"),
     ("/api/tags", "get", None, "Ollama: served models"),

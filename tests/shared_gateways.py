@@ -5,6 +5,8 @@ fixtures, tests/e2e/conftest.py): the tests that check a limit read it here."""
 TINY_MAX_SESSIONS = 6
 TINY_MAX_SESSION_LENGTH = 1024  # the tiny tokenizer spends a token on nearly every character
 TINY_IDLE_TIMEOUT = 3.0
+# its embedding models (EMBEDDING_MODELS, tests/tiny_encoder.py), served under these folder names: one normalizes
+TINY_ENCODER, TINY_RAW_ENCODER = "tiny-encoder", "tiny-encoder-raw"
 
 # `strict_gateway`: API keys, an origin allowlist, small limits
 STRICT_KEYS = ("key-access", "key-body", "key-context", "key-sessions", "key-other", "key-rate", "key-ws-rate",

@@ -8,6 +8,7 @@ In data-flow order:
     catalogue.py   ServedModels: which models are served (configured; discovered ones as DISCOVERED_MODELS says, from
                    the gateway's own cache), their coverage without loading them, at most MAX_LOADED_MODELS loaded
     served.py      ServedModel (a model's client half: embeddings, LM head, tokenizer) and GatewaySession
+    encoders.py    EmbeddingModels: the sentence-transformers encoders of EMBEDDING_MODELS, run whole in this process
     sessions.py    the open sessions: caps overall and per client, idle expiry, one request at a time
     session_store.py  sessions that outlive the process: an SQLite file (SESSION_STORE), reopened by id with a replay
     lengths.py     a request's token budget and context length checked, each a 400 naming its field

@@ -24,6 +24,7 @@ from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
 from gateway.engine.drafts import DraftModels, ReplyDrafts
+from gateway.engine.encoders import EmbeddingModels
 from gateway.engine.speculation import Decoder, Emitted, Pacing
 from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
@@ -82,11 +83,14 @@ class Engine:
         self.warm = WarmConversations(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
         self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client)
         self.draft_models = DraftModels(settings.swarm.cache_dir)
+        # EMBEDDING_MODELS, run in this process: their folders are checked now, and each loads on first use
+        self.encoders = EmbeddingModels(settings.gateway.embedding_models, settings.gateway.device)
 
     # ----------------------------------------------------------------------------------- models
 
     def model_config(self, name: Optional[str]) -> ModelConfig:
         """A configured model, else one the swarm's catalogue announces that this gateway serves."""
+        self.encoders.refuse_chat(name)
         return self.models.config(name)
 
     def discovered_models(self) -> list[ModelConfig]:
@@ -99,6 +103,7 @@ class Engine:
 
     def model(self, name: Optional[str]) -> ServedModel:
         """The model's client half, loaded by the first request that needs it (see catalogue.py)."""
+        self.encoders.refuse_chat(name)
         return self.models.get(name)
 
     def loaded_models(self) -> list[ServedModel]:

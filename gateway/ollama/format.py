@@ -122,6 +122,28 @@ def model_entry(config, remote_config) -> dict:
             "digest": hashlib.sha256(identity).hexdigest(), "details": details(remote_config)}
 
 
+def embedding_model_entry(name: str, folder: str, family: str) -> dict:
+    """An embedding model (EMBEDDING_MODELS) in /api/tags: run in the gateway, so no swarm in its digest."""
+    digest = hashlib.sha256(f"{name}\0{folder}".encode()).hexdigest()
+    return {"name": name, "model": name, "modified_at": created_at(SERVING_SINCE), "size": 0, "digest": digest,
+            "details": _encoder_details(family)}
+
+
+def embedding_model_show(name: str, family: str, dimension: int, context_length: int) -> dict:
+    """/api/show for an embedding model: as Ollama shows its own, capability "embedding" and no template."""
+    arch = family or "unknown"
+    info = {"general.architecture": arch, f"{arch}.context_length": context_length,
+            f"{arch}.embedding_length": dimension}
+    return {"license": "", "modelfile": f"# run in the gateway (sentence-transformers)\nFROM {name}\n",
+            "parameters": f"num_ctx {context_length}", "template": "", "details": _encoder_details(family),
+            "model_info": info, "capabilities": ["embedding"], "modified_at": created_at(SERVING_SINCE)}
+
+
+def _encoder_details(family: str) -> dict:
+    return {"parent_model": "", "format": "safetensors", "family": family, "families": [family] if family else [],
+            "parameter_size": "", "quantization_level": ""}
+
+
 def running_entry(config, remote_config) -> dict:
     """A model in /api/ps: its client half is loaded in this gateway; its blocks run on the swarm's servers."""
     return {**model_entry(config, remote_config), "expires_at": NEVER, "size_vram": 0,

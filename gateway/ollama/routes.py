@@ -15,6 +15,7 @@ from flask import Blueprint, jsonify, request
 
 from gateway.chat.params import offered_tools, requested_top_logprobs
 from gateway.chat.plan import chat_prompt_ids
+from gateway.engine.encoders import Encoder
 from gateway.engine.generation import Engine
 from gateway.engine.lengths import check_context_length
 from gateway.engine.served import ServedModel
@@ -126,6 +127,9 @@ def embed():
     fields = json_fields(OllamaEmbedRequest)
     engine = get_engine()
     stats = engine.stats.begin()
+    encoder = embedding_model(engine, fields.model)
+    if encoder is not None:
+        return jsonify(encoder_embed(engine, encoder, fields, stats))
     model, load_seconds = load_model(engine, fields.model)
     check_input_count(engine.limits, "input", len(fields.input))
     token_lists = [embedding_ids(model, text, f"input[{index}]", fields.truncate is not False)
@@ -147,6 +151,9 @@ def embeddings():
     """The older route: one prompt, its vector as the model gives it (not normalized); an empty prompt, none."""
     fields = json_fields(OllamaEmbeddingsRequest)
     engine = get_engine()
+    encoder = embedding_model(engine, fields.model)
+    if encoder is not None:
+        return jsonify(embedding=encoder_embedding(engine, encoder, fields.prompt))
     model, _ = load_model(engine, fields.model)
     if not fields.prompt:
         return jsonify(embedding=[])
@@ -154,6 +161,44 @@ def embeddings():
     check_input_tokens(engine.limits, "prompt", len(ids))
     with work_slot(engine):
         return jsonify(embedding=engine.embed(model.name, ids, None))
+
+
+def embedding_model(engine: Engine, name: Optional[str]) -> Optional[Encoder]:
+    """The embedding model (EMBEDDING_MODELS) that `name` names, with or without Ollama's :latest; None: not one."""
+    if name and name.endswith(LATEST):
+        return engine.encoders.get(name) or engine.encoders.get(name[: -len(LATEST)])
+    return engine.encoders.get(name)
+
+
+def encoder_embed(engine: Engine, encoder: Encoder, fields: OllamaEmbedRequest, stats) -> dict:
+    """All the inputs in one encode call, each vector normalized as Ollama's are; an input longer than the encoder
+    reads is cut as sentence-transformers cuts it (truncate: false refuses it)."""
+    check_input_count(engine.limits, "input", len(fields.input))
+    load_seconds = encoder.load()
+    if not fields.input:  # as for a chat model: no input, no vector
+        return wire.embeddings(encoder.name, [], stats, load_seconds, 0)
+    for index, text in enumerate(fields.input):
+        if not text:
+            raise BadRequest(f"input[{index}]: must not be empty", field=f"input[{index}]")
+    counts = encoder.token_counts(fields.input)
+    if fields.truncate is False:
+        encoder.check_fits(counts, "input")
+    prompt_tokens = sum(min(count, encoder.max_tokens) for count in counts)
+    check_input_tokens(engine.limits, "input", prompt_tokens)
+    with work_slot(engine):
+        vectors = encoder.encode(fields.input, fields.dimensions, normalize=True)
+    return wire.embeddings(encoder.name, vectors, stats, load_seconds, prompt_tokens)
+
+
+def encoder_embedding(engine: Engine, encoder: Encoder, prompt: str) -> list[float]:
+    """The older route: the vector as the model gives it (normalized only if its modules normalize)."""
+    if not prompt:
+        return []
+    counts = encoder.token_counts([prompt])
+    encoder.check_fits(counts, "prompt", listed=False)
+    check_input_tokens(engine.limits, "prompt", counts[0])
+    with work_slot(engine):
+        return encoder.encode([prompt])[0]
 
 
 def embedding_ids(model: ServedModel, text: str, field: str, truncate: bool) -> list[int]:
@@ -186,6 +231,8 @@ def tags():
         entry = wire.model_entry(config, model.remote.config if model else None)
         entry["details"]["parent_model"] = listed.get("parent", "")  # a LoRA adapter's base model
         entries.append(entry)
+    entries += [wire.embedding_model_entry(encoder.name, str(encoder.folder), encoder.family)
+                for encoder in engine.encoders]
     return jsonify(models=entries)
 
 
@@ -199,6 +246,9 @@ def running():
 @blueprint.post("/show")
 def show():
     fields = json_fields(OllamaShowRequest)
+    encoder = embedding_model(get_engine(), fields.model or fields.name)
+    if encoder is not None:
+        return jsonify(wire.embedding_model_show(encoder.name, encoder.family, encoder.dimension, encoder.max_tokens))
     model, _ = load_model(get_engine(), fields.model or fields.name)
     capabilities = ["completion", "tools"] if model.tokenizer.chat_template else ["completion"]
     return jsonify(wire.show(model, capabilities))

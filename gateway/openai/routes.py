@@ -27,6 +27,7 @@ from gateway.openai.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    EmbedsRequest,
     TokenizeRequest,
 )
 from gateway.openai.translate import plan_chat, prompt_token_lists, saved_state
@@ -104,17 +105,26 @@ def completions():
 
 @blueprint.get("/models")
 def models():
+    """The chat models (owned by the swarm), then the embedding models, run in the gateway and marked as LM Studio
+    marks them (type: embeddings)."""
+    engine = get_engine()
     data = [{"id": model["name"], "object": "model", "created": 0, "owned_by": "swarm",
              "max_model_len": model["max_session_length"],
              **({"parent": model["parent"]} if "parent" in model else {})}  # a LoRA adapter's base, as vLLM lists it
-            for model in get_engine().listed_models()]
+            for model in engine.listed_models()]
+    data += [{"id": encoder.name, "object": "model", "created": 0, "owned_by": "gateway", "type": "embeddings"}
+             for encoder in engine.encoders]
     return jsonify(object="list", data=data)
 
 
 @blueprint.post("/embeddings")
 def embeddings():
+    """An embedding model's name (EMBEDDING_MODELS) runs that encoder; any other, the chat model's hidden states."""
     fields = json_body(EmbeddingRequest)
     engine = get_engine()
+    encoder = engine.encoders.get(fields.model)
+    if encoder is not None:
+        return jsonify(encoder_embeddings(engine, encoder, fields))
     model = engine.model(fields.model)
     if fields.input == "" or fields.input == []:
         raise BadRequest("input: must not be empty", field="input")
@@ -132,11 +142,72 @@ def embeddings():
             vector = engine.embed(model.name, ids, fields.layer)
             if fields.dimensions:
                 vector = vector[: fields.dimensions]
-            if fields.encoding_format == "base64":
-                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-            data.append({"object": "embedding", "index": index, "embedding": vector})
+            data.append({"object": "embedding", "index": index, "embedding": encoded(vector, fields.encoding_format)})
     return jsonify(object="list", data=data, model=model.name,
                    usage={"prompt_tokens": tokens, "total_tokens": tokens})
+
+
+def encoded(vector: list[float], encoding_format: str):
+    """OpenAI's base64: the float32 values' little-endian bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+def encoder_embeddings(engine, encoder, fields: EmbeddingRequest) -> dict:
+    """All the inputs in one encode call. Text only: token ids would be another tokenizer's (clients count with
+    tiktoken). An input longer than the encoder reads is refused, as OpenAI refuses one, rather than cut."""
+    if fields.layer is not None:
+        raise BadRequest(f"layer: {encoder.name} is an embedding model; layers are a chat model's", field="layer")
+    texts = encoder_texts(fields.input, encoder.name)
+    check_input_count(engine.limits, "input", len(texts))
+    counts = encoder.token_counts(texts)
+    encoder.check_fits(counts, "input", listed=not isinstance(fields.input, str))
+    check_input_tokens(engine.limits, "input", sum(counts))
+    with work_slot(engine):
+        vectors = encoder.encode(texts, fields.dimensions)
+    data = [{"object": "embedding", "index": index, "embedding": encoded(vector, fields.encoding_format)}
+            for index, vector in enumerate(vectors)]
+    return dict(object="list", data=data, model=encoder.name,
+                usage={"prompt_tokens": sum(counts), "total_tokens": sum(counts)})
+
+
+def encoder_texts(value, model_name: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if value == "" or not texts:  # as for a chat model
+        raise BadRequest("input: must not be empty", field="input")
+    if not all(isinstance(text, str) for text in texts):
+        raise BadRequest(f"input: {model_name} takes text, not token ids (they would be another tokenizer's)",
+                         field="input")
+    for index, text in enumerate(texts):
+        if not text:
+            raise BadRequest(f"input[{index}]: must not be empty", field=f"input[{index}]")
+    return texts
+
+
+@blueprint.post("/embeds")
+def embeds():
+    """Ai00: each text cut into chunks of at most max_tokens tokens (fewer where the prefix and the encoder's own
+    tokens leave less room), each chunk embedded after `prefix`: one vector per chunk."""
+    fields = json_body(EmbedsRequest)
+    engine = get_engine()
+    encoder = engine.encoders.first(fields.model)
+    texts = encoder_texts(fields.input, encoder.name)
+    check_input_count(engine.limits, "input", len(texts))
+    room = max(1, encoder.max_tokens - encoder.token_counts([fields.prefix])[0])
+    chunked = [encoder.chunks(text, min(fields.max_tokens, room)) for text in texts]
+    for index, chunks in enumerate(chunked):
+        if not chunks:
+            raise BadRequest(f"input[{index}]: has no tokens", field=f"input[{index}]")
+    pieces = [fields.prefix + chunk for chunks in chunked for chunk in chunks]
+    check_input_count(engine.limits, "input", len(pieces))  # each chunk is an input of the encoder's
+    check_input_tokens(engine.limits, "input", sum(encoder.token_counts(pieces)))
+    with work_slot(engine):
+        vectors = iter(encoder.encode(pieces))
+    data = [{"object": "embed", "index": index, "chunks": [{"chunk": chunk, "embed": [next(vectors)]}
+                                                           for chunk in chunks]}
+            for index, chunks in enumerate(chunked)]
+    return jsonify(object="embeds", model=encoder.name, data=data)
 
 
 def input_count(value) -> int:

@@ -48,6 +48,16 @@ class EmbeddingRequest(ExtensibleRequest):
     dimensions: Optional[int] = Field(None, ge=1)
 
 
+class EmbedsRequest(ExtensibleRequest):
+    """Ai00's /embeds: each text cut into chunks of at most max_tokens tokens, `prefix` put before each chunk, one
+    vector per chunk, from an embedding model (EMBEDDING_MODELS; by default the first)."""
+
+    input: Union[str, list[str]]
+    model: Optional[str] = None
+    max_tokens: int = Field(510, ge=1)  # Ai00's default and cap (a 512-token encoder's room beside [CLS], [SEP])
+    prefix: str = "query:"
+
+
 class ChooseRequest(ExtensibleRequest):
     input: Union[str, list[str]]
     choices: list[str] = Field(min_length=1)

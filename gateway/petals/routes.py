@@ -103,4 +103,6 @@ def close_inference_session():
 @blueprint.get("/api/v1/models")
 def models():
     engine = get_engine()
-    return jsonify(ok=True, default_model=engine.settings.gateway.default_model.name, models=engine.listed_models())
+    embedding_models = [{"name": encoder.name, "family": encoder.family} for encoder in engine.encoders]
+    return jsonify(ok=True, default_model=engine.settings.gateway.default_model.name, models=engine.listed_models(),
+                   embedding_models=embedding_models)  # apart: the chat page offers `models` for chat

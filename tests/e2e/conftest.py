@@ -9,14 +9,24 @@ import json
 import pytest
 
 from gunicorn_gateway import running_gateway
-from shared_gateways import (STRICT_CONTEXT, STRICT_KEYS, STRICT_LIMITS, STRICT_ORIGIN, TINY_IDLE_TIMEOUT,
-                             TINY_MAX_SESSION_LENGTH, TINY_MAX_SESSIONS)
+from shared_gateways import (STRICT_CONTEXT, STRICT_KEYS, STRICT_LIMITS, STRICT_ORIGIN, TINY_ENCODER,
+                             TINY_IDLE_TIMEOUT, TINY_MAX_SESSION_LENGTH, TINY_MAX_SESSIONS, TINY_RAW_ENCODER)
 from shared_swarm import TINY_PREFIX
+from tiny_encoder import build_tiny_encoder
 
 
 @pytest.fixture(scope="session")
-def gateway(tiny_swarm, tiny_llama, tmp_path_factory):
-    """gunicorn in front of the tiny swarm, with a small cap on sessions and a short idle timeout."""
+def tiny_encoders(tmp_path_factory):
+    """The `gateway`'s two embedding models, as sentence-transformers folders: (normalizing, not normalizing). Cheap:
+    loaded by the gateway only when a request names one."""
+    folder = tmp_path_factory.mktemp("encoders")
+    return (build_tiny_encoder(folder / TINY_ENCODER), build_tiny_encoder(folder / TINY_RAW_ENCODER, normalize=False))
+
+
+@pytest.fixture(scope="session")
+def gateway(tiny_swarm, tiny_llama, tiny_encoders, tmp_path_factory):
+    """gunicorn in front of the tiny swarm, with a small cap on sessions and a short idle timeout, and two embedding
+    models beside the chat model."""
     models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": TINY_MAX_SESSION_LENGTH}]
     env = {
         "INITIAL_PEERS": " ".join(tiny_swarm.initial_peers),
@@ -25,6 +35,7 @@ def gateway(tiny_swarm, tiny_llama, tmp_path_factory):
         "SESSION_IDLE_TIMEOUT": str(TINY_IDLE_TIMEOUT),
         "MAX_NEW_TOKENS": "200",
         "WS_PING_INTERVAL": "1",
+        "EMBEDDING_MODELS": " ".join(str(folder) for folder in tiny_encoders),
     }
     with running_gateway(env, tmp_path_factory.mktemp("gateway")) as server:
         yield server
