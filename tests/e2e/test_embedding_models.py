@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from shared_gateways import TINY_ENCODER, TINY_RAW_ENCODER
+from shared_swarm import TINY_ADAPTERS
 from tiny_encoder import HIDDEN, MAX_SEQ_LENGTH
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "Привет, мир!"]
@@ -100,16 +101,17 @@ def test_ai00_embeds_chunks_each_text_and_embeds_each_chunk_after_the_prefix(gat
 
 def test_embedding_models_are_listed_and_marked(client, oll, gateway):
     listed = {model.id: model for model in client.models.list().data}
-    assert list(listed) == ["tiny", TINY_ENCODER, TINY_RAW_ENCODER]
+    chat_models = ["tiny", *(f"tiny:{adapter}" for adapter in TINY_ADAPTERS)]  # and its LoRA adapters
+    assert list(listed) == [*chat_models, TINY_ENCODER, TINY_RAW_ENCODER]
     assert listed["tiny"].owned_by == "swarm"
     assert listed[TINY_ENCODER].owned_by == "gateway" and listed[TINY_ENCODER].model_extra["type"] == "embeddings"
     tags = {model.model: model for model in oll.list().models}
-    assert list(tags) == ["tiny", TINY_ENCODER, TINY_RAW_ENCODER] and tags[TINY_ENCODER].details.family == "bert"
+    assert list(tags) == [*chat_models, TINY_ENCODER, TINY_RAW_ENCODER] and tags[TINY_ENCODER].details.family == "bert"
     shown = oll.show(TINY_ENCODER)
     assert shown.capabilities == ["embedding"] and shown.details.family == "bert"
     assert shown.modelinfo["bert.embedding_length"] == HIDDEN and shown.modelinfo["bert.context_length"] == MAX_SEQ_LENGTH
     petals = requests.get(gateway.url + "/api/v1/models").json()
-    assert [model["name"] for model in petals["models"]] == ["tiny"]  # what the chat page offers for chat
+    assert [model["name"] for model in petals["models"]] == chat_models  # what the chat page offers for chat
     assert [model["name"] for model in petals["embedding_models"]] == [TINY_ENCODER, TINY_RAW_ENCODER]
 
 
