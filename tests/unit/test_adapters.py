@@ -175,3 +175,16 @@ def test_rank_and_alpha_patterns_scale_as_peft_does(folders, tmp_path):
         hidden = model.get_input_embeddings()(ids)
     output = span.forward_packed(hidden, [Segment(1, 5, 0, None, "ad-patterned")])[0]
     torch.testing.assert_close(output, expected, atol=ATOL, rtol=0)
+
+
+def test_decode_rounds_with_an_adapter_run_eagerly_not_as_graphs(folders):
+    base, first, _ = folders
+    span = load_span(base, 0, SPAN_END)
+    attach_adapters(span, [read_adapter(first)])
+    span.new_pool(256)
+    span.use_graphs(capture=False)  # the graphs' padded rounds, run eagerly: how a CPU checks that path
+    cache = span.new_cache(1, 16)
+    span.forward_packed(torch.randn(1, 4, span.config.hidden_size), [Segment(1, 4, 0, cache)])
+    step = torch.randn(1, 1, span.config.hidden_size)
+    assert span.graphs.replay(step, [Segment(1, 1, 4, cache, "ad-attn")], 0, SPAN_END) is None
+    assert span.graphs.replay(step, [Segment(1, 1, 4, cache)], 0, SPAN_END) is not None
