@@ -121,7 +121,7 @@ def _tying_arguments(model_type: str) -> dict:
 
 
 def build_lora_adapter(base: Path, folder: Path, target_modules: list[str], rank: int = 4, alpha: int = 8,
-                       seed: int = 0, **lora_settings) -> Path:
+                       seed: int = 0, std: float = 0.15, **lora_settings) -> Path:
     """Save a PEFT LoRA adapter of the model in `base` with random (non-zero) A and B into folder, whose name is
     the adapter's name on servers; large enough that the adapted model's greedy choices differ from the base's."""
     import peft
@@ -136,6 +136,6 @@ def build_lora_adapter(base: Path, folder: Path, target_modules: list[str], rank
     with torch.no_grad():
         for name, parameter in adapted.named_parameters():
             if "lora_" in name:
-                parameter.normal_(0.0, 0.3)
+                parameter.normal_(0.0, std)
     adapted.save_pretrained(folder)
     return folder

@@ -37,7 +37,8 @@ def test_health_and_models(gateway):
     assert health.status_code == 200 and health.json()["covered"] is True
     models = api(gateway, "/api/v1/models", "get").json()
     assert models["ok"] and models["default_model"] == "tiny"
-    [tiny] = models["models"]
+    tiny, *adapters = models["models"]  # the model, then its LoRA adapters (tests/e2e/test_adapters_api.py)
+    assert [adapter["parent"] for adapter in adapters] == ["tiny"] * len(adapters) == ["tiny", "tiny"]
     assert tiny["covered"] and tiny["num_blocks"] == 4 and tiny["servers"] == 2 and tiny["missing_blocks"] is None
 
 

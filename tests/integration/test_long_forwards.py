@@ -28,8 +28,9 @@ def wide_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wide_servers(tiny_swarm, wide_model):
-    started = [tiny_swarm.add_server(["--model", str(wide_model), "--blocks", f"0:{BLOCKS}", "--dht-prefix", PREFIX],
-                                     wait=False) for _ in range(2)]
+    # "--adapters" alone: none (the tiny swarm's are not this model's)
+    arguments = ["--model", str(wide_model), "--blocks", f"0:{BLOCKS}", "--dht-prefix", PREFIX, "--adapters"]
+    started = [tiny_swarm.add_server(arguments, wait=False) for _ in range(2)]
     for server in started:
         server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 120)
     return started
