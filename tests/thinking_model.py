@@ -22,7 +22,7 @@ R1_TEMPLATE = _TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n<th
 PROMPT = "Hello, how are you?"
 REASONING, ANSWER = "the user greets", "Hello there"
 REPLY = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"  # thinking: what the model says after the generation prompt
-TRAINING_STEPS = 300
+TRAINING_STEPS = 120
 
 
 def thinking_tokenizer(template: str = QWEN3_TEMPLATE):

@@ -3,8 +3,15 @@ across tokens the split is the same, and nothing is told that is later found to 
 and whether their reply begins inside the reasoning, read from the template and the rendered prompt; the reply
 assembly (chat/reply.py) tells each piece's reasoning apart and counts the reasoning's tokens."""
 
+import json
+from types import SimpleNamespace
+
 import pytest
 
+from gateway.anthropic import format as anthropic_wire
+from gateway.anthropic.format import MessageReply
+from gateway.chat.schemas import Tool
+from gateway.openai.format import ChatCompletionReplies
 from gateway.chat.reasoning import (NO_THINKING, ReasoningSplitter, Thinking, reply_thinking, requested_thinking,
                                     template_kwargs)
 from gateway.chat.reply import Piece, Replies
@@ -13,6 +20,7 @@ from gateway.openai.schemas import ChatCompletionRequest
 from tiny_model import CHAT_TEMPLATE
 from thinking_model import ANSWER, PROMPT, QWEN3_TEMPLATE, R1_TEMPLATE, REASONING, REPLY, thinking_tokenizer
 
+WEATHER = Tool.model_validate({"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}})
 QWEN3 = Thinking(split=True, opened=False)
 R1 = Thinking(split=True, opened=True)
 R1_REPLY = REPLY[len("<think>"):]  # the generation prompt opened the block
@@ -123,3 +131,37 @@ def test_the_reply_assembly_tells_reasoning_apart_and_counts_its_tokens():
     [reply] = replies.replies.values()
     assert (reply.reasoning, reply.text, reply.tokens, reply.reasoning_tokens) == (REASONING, ANSWER, 9, 7)
     assert replies.reasoning_tokens == 7
+
+
+class ToolPlan(ThinkingPlan):
+    """A thinking reply with tools offered: held whole, its reasoning and its call known at its end."""
+
+    tools, cached_tokens, model = [WEATHER], 0, SimpleNamespace(name="thinker", tokenizer=None)
+
+
+CALL = json.dumps({"name": "weather", "arguments": {"city": "Paris"}})
+THINKING_CALL = [Delta("the user greets\n</think>\n\n", 4), Delta(CALL, 5, "stop")]
+
+
+def test_a_held_reply_tells_its_reasoning_before_its_call_in_openai_chunks():
+    chunks = list(ChatCompletionReplies(ToolPlan(THINKING_CALL), None, False, None).chunks(lambda: False))
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert deltas[1] == {"reasoning_content": REASONING} and deltas[2]["tool_calls"][0]["function"]["name"] == "weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_anthropic_blocks_are_thinking_then_the_answer_or_the_call():
+    events = list(MessageReply(ToolPlan(THINKING_CALL), None).events(lambda: False))
+    starts = [event["content_block"]["type"] for event in events if event["type"] == "content_block_start"]
+    assert starts == ["thinking", "tool_use"]
+    signed = [event["delta"] for event in events if event["type"] == "content_block_delta" and event["index"] == 0]
+    assert signed == [{"type": "thinking_delta", "thinking": REASONING},
+                      {"type": "signature_delta", "signature": anthropic_wire.signature(REASONING)}]
+    plan = ToolPlan([Delta("the user greets\n</think>\n\nHello", 6), Delta(" there", 1, "stop")])
+    plan.tools = None
+    streamed = list(MessageReply(plan, None).events(lambda: False))
+    assert [(event["type"], event.get("index")) for event in streamed if "index" in event] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_delta", 1), ("content_block_stop", 1)]
+    content = MessageReply(plan, None).finish(Replies(plan, None).whole()[0])[0]
+    assert content == [anthropic_wire.thinking_block(REASONING), {"type": "text", "text": ANSWER}]
