@@ -5,8 +5,8 @@ end, so such a reply is held whole: no Piece of it is told, and its Finished car
 formats what it is told:
 
     Began(index)      a choice's first delta came (OpenAI's role chunk)
-    Piece(index, d)   a delta of a reply that is not held, with the answer's text and the reasoning's that it
-                      told (reasoning.py: a thinking model's reply is split; the dialect decides what is worth a frame)
+    Piece(index, d)   a delta of a reply that is not held, and what it tells: answer text and reasoning text
+                      (reasoning.py splits a thinking model's reply; the dialect decides what is worth a frame)
     Finished(reply)   a choice ended: its text or tool calls, finish reason, stop sequence, tokens and logprobs
 
     replies = Replies(plan, stats)

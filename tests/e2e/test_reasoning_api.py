@@ -99,12 +99,11 @@ def test_anthropic_messages_have_thinking_blocks_whole_and_streamed(thinking_gat
         events = list(stream)
         streamed = stream.get_final_message()
     assert [block.model_dump() for block in streamed.content] == [block.model_dump() for block in message.content]
-    kinds = [(event.type, getattr(getattr(event, "delta", None), "type", None)) for event in events
-             if event.type.startswith("content_block") and event.type != "content_block_delta"
-             or getattr(getattr(event, "delta", None), "type", "").endswith(("thinking_delta", "signature_delta"))]
-    assert kinds[0] == ("content_block_start", None) and kinds[-2:] == [("content_block_start", None),
-                                                                        ("content_block_stop", None)]
-    assert ("content_block_delta", "signature_delta") in kinds and ("content_block_delta", "thinking_delta") in kinds
+    assert [event.content_block.type for event in events if event.type == "content_block_start"] == [
+        "thinking", "text"]
+    deltas = [event.delta.type for event in events if event.type == "content_block_delta"]
+    thinking_deltas = deltas.index("signature_delta")  # the thinking block's last delta: its signature
+    assert set(deltas[:thinking_deltas]) == {"thinking_delta"} and set(deltas[thinking_deltas + 1:]) == {"text_delta"}
     off = client.messages.create(thinking={"type": "disabled"}, **settings)
     assert [(block.type, block.text) for block in off.content] == [("text", ANSWER)]
 
