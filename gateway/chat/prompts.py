@@ -76,7 +76,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: Optional[list[Too
 # what render_chat sets itself: a request's chat_template_kwargs cannot override them
 RENDER_ARGUMENTS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "continue_final_message",
                               "tokenize", "return_dict", "return_tensors", "chat_template", "documents", "padding",
-                              "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+                              "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                              "sanitize_control_tokens"})
 
 
 def _extra_variables(template_kwargs: Optional[dict]) -> dict:

@@ -10,7 +10,8 @@ import pytest
 
 from gateway.anthropic import format as anthropic_wire
 from gateway.anthropic.format import MessageReply
-from gateway.chat.schemas import Tool
+from gateway.chat.prompts import render_chat
+from gateway.chat.schemas import ChatMessage, Tool
 from gateway.openai.format import ChatCompletionReplies
 from gateway.chat.reasoning import (NO_THINKING, ReasoningSplitter, Thinking, reply_thinking, requested_thinking,
                                     template_kwargs)
@@ -98,6 +99,14 @@ def test_which_templates_think_and_where_the_reply_begins():
     assert thinking_of(R1_TEMPLATE, None) == R1
     assert thinking_of(R1_TEMPLATE, False) == NO_THINKING  # no switch: the model thinks anyway, its text as it is
     assert thinking_of(CHAT_TEMPLATE, None) == thinking_of(CHAT_TEMPLATE, True) == NO_THINKING
+
+
+def test_template_variables_reach_the_template_but_never_override_the_rendering():
+    tokenizer = thinking_tokenizer()
+    messages = [ChatMessage(role="user", content=PROMPT)]
+    rendered = render_chat(tokenizer, messages, None, template_kwargs={"add_generation_prompt": False,
+                                                                       "tokenize": True, "enable_thinking": False})
+    assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_a_request_turns_thinking_on_or_off():
