@@ -11,7 +11,7 @@ Templates that think write the reasoning between `<think>` and `</think>`:
 Whether a template thinks, and whether it has the switch, is read from its text; whether the reply begins inside
 the block, from the end of the rendered prompt. The split is incremental (ReasoningSplitter): a tag cut across
 tokens still splits, and text that may yet become a tag is held until it is known. Whitespace at the edges of the
-two parts is dropped, as Ollama and vLLM's clients see it.
+two parts is dropped, as Ollama drops it.
 """
 
 from __future__ import annotations
