@@ -270,11 +270,34 @@ function button(label, onClick, className, ariaLabel) {
   return node;
 }
 
+// A thinking model (Qwen3, the DeepSeek-R1 distills) writes its reasoning before "</think>" (after "<think>" when the
+// reply opens the block itself): shown folded above the answer, as the gateway's APIs tell the two apart.
+function splitReasoning(text) {
+  const start = text.trimStart();
+  const opened = start.startsWith("<think>");
+  if (!opened && !text.includes("</think>")) return { reasoning: null, answer: text };
+  const body = opened ? start.slice("<think>".length) : text;
+  const close = body.indexOf("</think>");
+  if (close < 0) return { reasoning: body.trim(), answer: "" }; // still thinking
+  return { reasoning: body.slice(0, close).trim(), answer: body.slice(close + "</think>".length).trimStart() };
+}
+
+function reasoningFold(article, text) {
+  const fold = element("details", "reasoning");
+  fold.open = article.dataset.reasoningOpen === "true"; // the reader's choice outlives the repaint of each token
+  fold.addEventListener("toggle", () => { article.dataset.reasoningOpen = String(fold.open); });
+  fold.append(element("summary", null, "Reasoning"), element("div", "reasoning-text", text)); // text, never markup
+  return fold;
+}
+
 function fill(article, message) {
   const body = article.querySelector(".body");
   const markdown = message.role === "assistant" && md; // a person's own text is shown as typed
-  if (markdown) body.innerHTML = md.render(message.content); // safe: see md above
-  else body.textContent = message.content;
+  const { reasoning, answer } = message.role === "assistant" ? splitReasoning(message.content)
+    : { reasoning: null, answer: message.content };
+  if (markdown) body.innerHTML = md.render(answer); // safe: see md above
+  else body.textContent = answer;
+  if (reasoning !== null) body.prepend(reasoningFold(article, reasoning));
   body.classList.toggle("plain", !markdown);
   article.querySelector(".note").textContent = NOTES[message.finish] || "";
 }

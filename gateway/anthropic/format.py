@@ -2,13 +2,15 @@
 one reply of a request (chat/reply.py) in it: MessageReply.
 
 A streamed message is, in order: message_start, then per content block content_block_start, content_block_delta
-(text_delta or input_json_delta) ... content_block_stop, a ping after the first block starts, then message_delta
-(stop_reason, usage.output_tokens) and message_stop. An error, even mid-stream, is
+(text_delta, input_json_delta, or a thinking block's thinking_delta ... and its signature_delta) ...
+content_block_stop, a ping after the first block starts, then message_delta (stop_reason, usage.output_tokens) and
+message_stop. A thinking model's reasoning (chat/reasoning.py) is a thinking block before the text. An error, even mid-stream, is
 `{"type": "error", "error": {"type": ..., "message": ...}}` (sse.py names each event after its `type`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from typing import Callable, Iterator, Optional
@@ -36,6 +38,16 @@ def stop_reason(finish_reason: str, stop_sequence: Optional[str]) -> str:
 
 def text_block(text: str) -> dict:
     return {"type": "text", "text": text}
+
+
+def thinking_block(thinking: str) -> dict:
+    """A thinking model's reasoning. Its signature is a digest of the text: clients send the block back unchanged
+    in the next turn; this gateway leaves earlier reasoning out of the prompt and checks nothing."""
+    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
+
+
+def signature(thinking: str) -> str:
+    return hashlib.sha256(thinking.encode("utf-8")).hexdigest()
 
 
 def tool_use_block(name: str, arguments: str) -> dict:
@@ -66,13 +78,24 @@ def ping() -> dict:
 
 
 def block_start(index: int, block: dict) -> dict:
-    """A block's opening: a text block empty, a tool_use block with an empty input (its JSON follows in deltas)."""
-    empty = text_block("") if block["type"] == "text" else {**block, "input": {}}
+    """A block's opening: a text block empty, a thinking block empty and unsigned, a tool_use block with an empty
+    input (their text, signature and JSON follow in deltas)."""
+    empty = {"text": text_block(""), "thinking": {"type": "thinking", "thinking": "", "signature": ""}}.get(
+        block["type"]) or {**block, "input": {}}
     return {"type": "content_block_start", "index": index, "content_block": empty}
 
 
 def text_delta(index: int, text: str) -> dict:
     return {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}
+
+
+def thinking_delta(index: int, thinking: str) -> dict:
+    return {"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": thinking}}
+
+
+def signature_delta(index: int, signature_: str) -> dict:
+    return {"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta",
+                                                                    "signature": signature_}}
 
 
 def input_json_delta(index: int, partial_json: str) -> dict:
@@ -89,6 +112,9 @@ def whole_block_events(index: int, block: dict) -> Iterator[dict]:
     yield block_start(index, block)
     if block["type"] == "tool_use":
         yield input_json_delta(index, json.dumps(block["input"], ensure_ascii=False))
+    elif block["type"] == "thinking":
+        yield thinking_delta(index, block["thinking"])
+        yield signature_delta(index, block["signature"])
     elif block["text"]:
         yield text_delta(index, block["text"])
     yield block_stop(index)
@@ -127,15 +153,15 @@ class MessageReply:
                        usage(self.input_tokens, reply.tokens, self.cached_tokens))
 
     def events(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
-        held = self.replies.held
+        held, streamed = self.replies.held, StreamedBlocks()
         yield message_start(self.id, self.model.name, self.input_tokens, self.cached_tokens)
-        if not held:
-            yield block_start(0, text_block(""))
+        if not held and not self.replies.plan.thinking.split:  # a reply that cannot think: all of it one text block
+            yield from streamed.open("text")
         yield ping()
         reply = Reply(0)
         for event in self.replies.events(cancelled):
-            if isinstance(event, Piece) and event.delta.text:
-                yield text_delta(0, event.delta.text)
+            if isinstance(event, Piece):
+                yield from streamed.tell(event.reasoning, event.text)
             elif isinstance(event, Finished):
                 reply = event.reply
         blocks, stop_reason_, stop_sequence = self.finish(reply)
@@ -143,13 +169,53 @@ class MessageReply:
             for index, block in enumerate(blocks):
                 yield from whole_block_events(index, block)
         else:
-            yield block_stop(0)
+            yield from streamed.end()
         yield message_delta(stop_reason_, stop_sequence, reply.tokens)
         yield message_stop()
 
     @staticmethod
     def finish(reply: Reply) -> tuple[list[dict], str, Optional[str]]:
-        """The reply's content blocks (tool_use blocks when it is tool calls), stop reason and sequence."""
+        """The reply's content blocks (its reasoning's thinking block first; tool_use blocks when it is tool calls,
+        else a text block, unless the reply is reasoning only), stop reason and sequence."""
+        thought = [thinking_block(reply.reasoning)] if reply.reasoning else []
         if reply.tool_calls:
-            return [tool_use_block(name, arguments) for name, arguments in reply.tool_calls], "tool_use", None
-        return [text_block(reply.text)], stop_reason(reply.finish_reason, reply.stop_sequence), reply.stop_sequence
+            calls = [tool_use_block(name, arguments) for name, arguments in reply.tool_calls]
+            return thought + calls, "tool_use", None
+        text = [text_block(reply.text)] if reply.text or not thought else []
+        return thought + text, stop_reason(reply.finish_reason, reply.stop_sequence), reply.stop_sequence
+
+
+class StreamedBlocks:
+    """A streamed reply's blocks, opened as its pieces come: a thinking block for its reasoning, then a text block
+    for its answer; a thinking block is signed as it closes. A reply that told nothing is one empty text block."""
+
+    def __init__(self):
+        self.index, self.kind, self.thinking = -1, None, ""
+
+    def tell(self, reasoning: str, text: str) -> Iterator[dict]:
+        if reasoning:
+            if self.kind != "thinking":
+                yield from self.open("thinking")
+            self.thinking += reasoning
+            yield thinking_delta(self.index, reasoning)
+        if text:
+            if self.kind != "text":
+                yield from self.open("text")
+            yield text_delta(self.index, text)
+
+    def open(self, kind: str) -> Iterator[dict]:
+        yield from self.close()
+        self.index, self.kind = self.index + 1, kind
+        yield block_start(self.index, {"type": kind})
+
+    def close(self) -> Iterator[dict]:
+        if self.kind == "thinking":
+            yield signature_delta(self.index, signature(self.thinking))
+        if self.kind is not None:
+            yield block_stop(self.index)
+        self.kind = None
+
+    def end(self) -> Iterator[dict]:
+        if self.index < 0:
+            yield from self.open("text")
+        yield from self.close()

@@ -14,8 +14,9 @@ from flask import Blueprint, jsonify, request
 
 from gateway.anthropic import format as wire
 from gateway.anthropic.schemas import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from gateway.anthropic.translate import prompt_of, sampling_fields
+from gateway.anthropic.translate import prompt_of, sampling_fields, thinking_of
 from gateway.chat.plan import plan_generation
+from gateway.chat.reasoning import reply_thinking
 from gateway.web.bodies import json_body
 from gateway.web.current_engine import get_engine
 from gateway.web.sse import event_stream
@@ -45,7 +46,9 @@ def messages():
     engine = get_engine()
     model = engine.model(fields.model)
     prompt_ids, tool_choice = prompt_of(model, fields)
-    plan = plan_generation(engine, model, sampling_fields(fields), prompt_ids, "messages", tool_choice)
+    thinking = reply_thinking(model.tokenizer, prompt_ids, thinking_of(fields))
+    plan = plan_generation(engine, model, sampling_fields(fields), prompt_ids, "messages", tool_choice,
+                           thinking=thinking)
     reply = wire.MessageReply(plan, engine.stats.begin())
     if not fields.stream:
         return jsonify(reply.message())

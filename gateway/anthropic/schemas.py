@@ -1,8 +1,10 @@
 """The request shapes of Anthropic's Messages API (/v1/messages and /v1/messages/count_tokens), as pydantic models.
 
-Text, tool_use and tool_result content blocks are served; images, documents and server tools are refused with a 400
-that names them (the swarm serves text models). Unknown fields are accepted and ignored (web/bodies.py logs each
-name once), so that clients newer than this gateway (thinking, service_tier, cache_control, ...) still get a reply.
+Text, tool_use and tool_result content blocks are served, and an earlier reply's thinking blocks (read, and left out
+of the prompt, as thinking templates leave earlier reasoning out); images, documents and server tools are refused
+with a 400 that names them (the swarm serves text models). `thinking` turns a thinking model's reasoning on or off.
+Unknown fields are accepted and ignored (web/bodies.py logs each name once), so that clients newer than this gateway
+(service_tier, cache_control, ...) still get a reply.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 # what each kind of content block must carry (a block is one model, so that a wrong `type` gets a clear message)
-BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+BLOCK_FIELDS = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
+                "thinking": ("thinking",), "redacted_thinking": ("data",)}
 
 
 class _AnthropicRequest(BaseModel):
@@ -39,9 +42,10 @@ TextBlocks = _blocks(AnthropicTextBlock)
 
 
 class AnthropicContentBlock(_AnthropicRequest):
-    """One block of a turn: text, a tool call (in an assistant turn) or a tool's result (in a user turn)."""
+    """One block of a turn: text, a tool call or an earlier reply's thinking (in an assistant turn), or a tool's
+    result (in a user turn)."""
 
-    type: Literal["text", "tool_use", "tool_result"]
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: Optional[str] = None
     id: Optional[str] = None  # tool_use
     name: Optional[str] = None
@@ -49,6 +53,9 @@ class AnthropicContentBlock(_AnthropicRequest):
     tool_use_id: Optional[str] = None  # tool_result
     content: Optional[TextBlocks] = None
     is_error: bool = False
+    thinking: Optional[str] = None  # thinking
+    signature: Optional[str] = None
+    data: Optional[str] = None  # redacted_thinking
 
     @model_validator(mode="after")
     def has_its_fields(self):
@@ -84,6 +91,20 @@ class AnthropicToolChoice(_AnthropicRequest):
         return self
 
 
+class AnthropicThinking(_AnthropicRequest):
+    """Extended thinking: on (with a budget, as Anthropic requires one) or off; "adaptive" leaves the model's
+    default. A thinking model's template switch follows it (chat/reasoning.py); the budget is not enforced."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def has_a_budget(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking of type enabled needs budget_tokens")
+        return self
+
+
 class AnthropicMetadata(_AnthropicRequest):
     user_id: Optional[str] = None
 
@@ -96,6 +117,7 @@ class AnthropicCountTokensRequest(_AnthropicRequest):
     system: Optional[TextBlocks] = None
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
+    thinking: Optional[AnthropicThinking] = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):

@@ -6,10 +6,12 @@ chat's SamplingFields (chat/params.py turns them into SamplingParams and a token
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from gateway.anthropic.schemas import AnthropicContentBlock, AnthropicCountTokensRequest, AnthropicMessage, AnthropicMessagesRequest
 from gateway.chat.params import ToolChoice
 from gateway.chat.plan import chat_prompt_ids
+from gateway.chat.reasoning import template_kwargs
 from gateway.chat.schemas import ChatMessage, FunctionCall, FunctionDefinition, NamedToolChoice, SamplingFields, Tool, ToolCall
 from gateway.engine.served import ServedModel
 from gateway.errors import BadRequest
@@ -20,7 +22,14 @@ def prompt_of(model: ServedModel, fields: AnthropicCountTokensRequest) -> tuple[
     is a prefilled reply: the model goes on from its text."""
     tool_choice = tool_choice_of(fields)
     prefilled = fields.messages[-1].role == "assistant"
-    return chat_prompt_ids(model, chat_messages(fields), tool_choice.tools, continue_final=prefilled), tool_choice
+    return chat_prompt_ids(model, chat_messages(fields), tool_choice.tools, continue_final=prefilled,
+                           template_kwargs=template_kwargs(thinking_of(fields))), tool_choice
+
+
+def thinking_of(fields: AnthropicCountTokensRequest) -> Optional[bool]:
+    """`thinking` as the template's switch: enabled on, disabled off, adaptive or absent the model's default."""
+    kind = fields.thinking.type if fields.thinking is not None else "adaptive"
+    return {"enabled": True, "disabled": False}.get(kind)
 
 
 def tool_choice_of(fields: AnthropicCountTokensRequest) -> ToolChoice:
@@ -56,14 +65,15 @@ def chat_messages(fields: AnthropicCountTokensRequest) -> list[ChatMessage]:
 
 
 def assistant_turn(turn: AnthropicMessage, index: int) -> list[ChatMessage]:
-    """An assistant turn is one message: its text, and its tool_use blocks as tool calls."""
+    """An assistant turn is one message: its text, and its tool_use blocks as tool calls. Its thinking blocks are
+    left out, as thinking templates leave an earlier reply's reasoning out of the prompt."""
     texts, calls = [], []
     for number, block in enumerate(turn.content):
         if block.type == "tool_result":
             raise misplaced(index, number, "tool_result blocks belong in user turns")
         if block.type == "text":
             texts.append(block.text)
-        else:
+        elif block.type == "tool_use":
             calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=json.dumps(block.input))))
     return [ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls or None)]
 
@@ -73,8 +83,8 @@ def user_turn(turn: AnthropicMessage, index: int) -> list[ChatMessage]:
     text between them a user message."""
     messages, texts = [], []
     for number, block in enumerate(turn.content):
-        if block.type == "tool_use":
-            raise misplaced(index, number, "tool_use blocks belong in assistant turns")
+        if block.type in ("tool_use", "thinking", "redacted_thinking"):
+            raise misplaced(index, number, f"{block.type} blocks belong in assistant turns")
         if block.type == "text":
             texts.append(block.text)
             continue

@@ -7,7 +7,9 @@ In data-flow order:
     params.py      those fields -> SamplingParams, a token budget, stops, logprobs, the ToolChoice, the grammar
     structured.py  which structured output a request asks for (response_format, grammar, vLLM's guided_*)
     prompts.py     chat messages -> a prompt with the model's chat template; tool calls out of a reply's text
+    reasoning.py   a thinking model's reply split into reasoning and answer, as it comes (which templates think)
     plan.py        everything checked and the session open before a reply starts: a Plan of n choices
     reply.py       the one reply assembly: a plan's deltas summed into replies (text or tool calls, held whole when
-                   tools are offered, finish reason, counts), told as events that each dialect only formats
+                   tools are offered, reasoning apart, finish reason, counts), told as events that each dialect
+                   only formats
 """

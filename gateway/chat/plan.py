@@ -24,6 +24,7 @@ from gateway.chat.params import (
     stop_fields,
 )
 from gateway.chat.prompts import render_chat
+from gateway.chat.reasoning import NO_THINKING, Thinking
 from gateway.chat.schemas import ChatMessage, SamplingFields, Tool
 from gateway.engine.generation import Delta, Engine, GenerationRequest
 from gateway.engine.lengths import check_context_length
@@ -34,16 +35,19 @@ from gateway.web.access import client_id
 
 
 def chat_prompt_ids(model: ServedModel, messages: list[ChatMessage], tools: Optional[list[Tool]],
-                    continue_final: bool = False) -> list[int]:
+                    continue_final: bool = False, template_kwargs: Optional[dict] = None) -> list[int]:
     """The prompt's token ids: the messages rendered with the model's chat template (see prompts.render_chat)."""
-    prompt = render_chat(model.tokenizer, messages, tools, continue_final=continue_final)
+    prompt = render_chat(model.tokenizer, messages, tools, continue_final=continue_final,
+                         template_kwargs=template_kwargs)
     return model.encode(prompt, at_start=False)  # the template wrote any special tokens itself
 
 
 def plan_generation(engine: Engine, model: ServedModel, fields: SamplingFields, prompt_ids: list[int], param: str,
-                    tool_choice: ToolChoice = NO_TOOLS, logprobs: Optional[int] = None) -> "Plan":
+                    tool_choice: ToolChoice = NO_TOOLS, logprobs: Optional[int] = None,
+                    thinking: Thinking = NO_THINKING) -> "Plan":
     """Check the lengths, the sampling fields and the grammar, then open the session. `param` is the field that the
-    prompt came in (errors name it); `logprobs`: None for none, else how many alternatives each token comes with."""
+    prompt came in (errors name it); `logprobs`: None for none, else how many alternatives each token comes with;
+    `thinking`: how the replies' reasoning is told from their answers (reasoning.reply_thinking)."""
     config = model.config
     if not prompt_ids:
         raise BadRequest(f"{param}: must not be empty", field=param)
@@ -55,7 +59,7 @@ def plan_generation(engine: Engine, model: ServedModel, fields: SamplingFields, 
     request = GenerationRequest(
         inputs=None, sampling=sampling, max_new_tokens=max_tokens, stop_sequences=tuple(stop_sequences),
         include_stop=False, stop_token_ids=tuple(stop_token_ids), logprobs=logprobs, constraint=constraint)
-    return Plan(engine, model, prompt_ids, request, fields.n, tool_choice.tools, fields.cache_salt or "")
+    return Plan(engine, model, prompt_ids, request, fields.n, tool_choice.tools, fields.cache_salt or "", thinking)
 
 
 @dataclass(eq=False)
@@ -72,6 +76,7 @@ class Plan:
     n: int
     tools: Optional[list[Tool]]  # a reply may be a call of these: known only at its end (reply.py holds it whole)
     cache_salt: str = ""  # the client's own separation of its cached conversations (see engine/warm.py)
+    thinking: Thinking = NO_THINKING  # a thinking model's reasoning is told apart from its answer (reasoning.py)
     session: GatewaySession = field(init=False)
     cached_tokens: int = field(init=False)  # of the prompt, in the servers' caches already: never computed again
 

@@ -34,10 +34,11 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], tools: Optional[list[Tool]], continue_final: bool = False,
-                as_prefix: bool = False) -> str:
+                as_prefix: bool = False, template_kwargs: Optional[dict] = None) -> str:
     """The prompt text for these messages, ending where the assistant's reply begins; with `continue_final`, where
     the last (assistant) message ends, so that the reply goes on from it (Anthropic's prefilled replies); with
-    `as_prefix`, where the last message ends, as the beginning of a longer chat (a saved state)."""
+    `as_prefix`, where the last message ends, as the beginning of a longer chat (a saved state).
+    `template_kwargs`: more variables for the template (enable_thinking: reasoning.template_kwargs)."""
     template = tokenizer.chat_template or ""
     if not template:
         raise BadRequest("this model has no chat template: use /v1/completions", field="messages")
@@ -66,9 +67,21 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: Optional[list[Too
     try:
         return tokenizer.apply_chat_template(rendered, tools=tool_dicts if template_knows_tools else None,
                                              add_generation_prompt=not (continue_final or as_prefix),
-                                             continue_final_message=continue_final, tokenize=False)
+                                             continue_final_message=continue_final, tokenize=False,
+                                             **_extra_variables(template_kwargs))
     except Exception as error:  # the template itself refused these messages (e.g. roles out of order)
         raise BadRequest(f"messages: the model's chat template refused them: {error}", field="messages") from None
+
+
+# what render_chat sets itself: a request's chat_template_kwargs cannot override them
+RENDER_ARGUMENTS = frozenset({"conversation", "messages", "tools", "add_generation_prompt", "continue_final_message",
+                              "tokenize", "return_dict", "return_tensors", "chat_template", "documents", "padding",
+                              "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                              "sanitize_control_tokens"})
+
+
+def _extra_variables(template_kwargs: Optional[dict]) -> dict:
+    return {name: value for name, value in (template_kwargs or {}).items() if name not in RENDER_ARGUMENTS}
 
 
 def _arguments(arguments: str, index: int):

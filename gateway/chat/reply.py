@@ -5,7 +5,8 @@ end, so such a reply is held whole: no Piece of it is told, and its Finished car
 formats what it is told:
 
     Began(index)      a choice's first delta came (OpenAI's role chunk)
-    Piece(index, d)   a delta of a reply that is not held (the dialect decides which are worth a frame)
+    Piece(index, d)   a delta of a reply that is not held, and what it tells: answer text and reasoning text
+                      (reasoning.py splits a thinking model's reply; the dialect decides what is worth a frame)
     Finished(reply)   a choice ended: its text or tool calls, finish reason, stop sequence, tokens and logprobs
 
     replies = Replies(plan, stats)
@@ -20,6 +21,7 @@ from typing import Callable, Iterator, Optional, Union
 
 from gateway.chat.plan import Plan
 from gateway.chat.prompts import parse_tool_calls
+from gateway.chat.reasoning import ReasoningSplitter
 from gateway.engine.generation import Delta, TokenLogprob
 
 
@@ -28,16 +30,21 @@ class Reply:
     """What one choice's deltas add up to."""
 
     index: int
-    text: str = ""
+    text: str = ""  # the answer (all of the reply, unless it is a thinking model's)
     finish_reason: str = "stop"  # the engine's: "stop", "length" or "cancelled"
     stop_sequence: Optional[str] = None  # which of the request's stop sequences ended it
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: Optional[list[tuple[str, str]]] = None  # (name, arguments as JSON text) when the reply is calls
+    reasoning: str = ""  # a thinking model's reasoning, apart from its answer
+    reasoning_tokens: int = 0
 
-    def add(self, delta: Delta) -> None:
-        self.text += delta.text
+    def add(self, delta: Delta, reasoning: str, text: str, thought: bool) -> None:
+        """`delta` told as `reasoning` and `text`; `thought`: its tokens were (some of) the reasoning's."""
+        self.text += text
+        self.reasoning += reasoning
         self.tokens += delta.token_count
+        self.reasoning_tokens += delta.token_count if thought else 0
         self.logprobs += delta.logprobs
         if delta.finish_reason:
             self.finish_reason, self.stop_sequence = delta.finish_reason, delta.stop_sequence
@@ -62,6 +69,8 @@ class Began:
 class Piece:
     index: int
     delta: Delta
+    text: str = ""  # of the answer
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,25 +88,45 @@ class Replies:
         self.plan, self.stats = plan, stats
         self.held = plan.tools is not None  # with tools offered, a reply is a call or text: known at its end
         self.replies: dict[int, Reply] = {}
+        self.splitters: dict[int, ReasoningSplitter] = {}
 
     @property
     def tokens(self) -> int:
         """Tokens generated so far, over every choice."""
         return sum(reply.tokens for reply in self.replies.values())
 
+    @property
+    def reasoning_tokens(self) -> Optional[int]:
+        """Tokens of reasoning so far, over every choice; None when the replies are not split (reasoning.py)."""
+        if not self.plan.thinking.split:
+            return None
+        return sum(reply.reasoning_tokens for reply in self.replies.values())
+
     def events(self, cancelled: Callable[[], bool] = lambda: False) -> Iterator[ReplyEvent]:
         for index, delta in self.plan.run(cancelled, self.stats):
             reply = self.replies.get(index)
             if reply is None:
                 reply = self.replies[index] = Reply(index)
+                self.splitters[index] = ReasoningSplitter(self.plan.thinking)
                 yield Began(index)
-            reply.add(delta)
+            reasoning, text = self.split(index, delta, reply)
             if not self.held:
-                yield Piece(index, delta)
+                yield Piece(index, delta, text, reasoning)
             if delta.finish_reason:
                 if self.held:
                     reply.tool_calls = parse_tool_calls(reply.text, self.plan.tools)
                 yield Finished(reply)
+
+    def split(self, index: int, delta: Delta, reply: Reply) -> tuple[str, str]:
+        """(reasoning, answer) that `delta` tells, added to its reply; at the reply's end, all that was held."""
+        splitter = self.splitters[index]
+        thinking_before = splitter.reasoning
+        reasoning, text = splitter.feed(delta.text)
+        if delta.finish_reason:
+            last_reasoning, last_text = splitter.finish()
+            reasoning, text = reasoning + last_reasoning, text + last_text
+        reply.add(delta, reasoning, text, thinking_before or splitter.reasoning)
+        return reasoning, text
 
     def whole(self) -> list[Reply]:
         """Every choice's reply, in order, once all have ended."""

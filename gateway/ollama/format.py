@@ -32,21 +32,26 @@ def created_at(moment: Optional[datetime] = None) -> str:
     return (moment or datetime.now(timezone.utc)).isoformat().replace("+00:00", "Z")
 
 
-def _line(shape: str, model: str, text: str, tool_calls: Optional[list[dict]] = None) -> dict:
+def _line(shape: str, model: str, text: str, tool_calls: Optional[list[dict]] = None, thinking: str = "") -> dict:
+    """`thinking`: a thinking model's reasoning (chat/reasoning.py), beside the text; left out when empty."""
     line = {"model": model, "created_at": created_at()}
     if shape == "chat":
         line["message"] = {"role": "assistant", "content": text}
+        if thinking:
+            line["message"]["thinking"] = thinking
         if tool_calls:
             line["message"]["tool_calls"] = tool_calls
     else:
         line["response"] = text
+        if thinking:
+            line["thinking"] = thinking
     return line
 
 
 def part(shape: str, model: str, text: str, logprobs: Optional[list[dict]] = None,
-         tool_calls: Optional[list[dict]] = None) -> dict:
+         tool_calls: Optional[list[dict]] = None, thinking: str = "") -> dict:
     """A line of a streamed reply."""
-    line = {**_line(shape, model, text, tool_calls), "done": False}
+    line = {**_line(shape, model, text, tool_calls, thinking), "done": False}
     if logprobs:
         line["logprobs"] = logprobs
     return line
@@ -54,9 +59,10 @@ def part(shape: str, model: str, text: str, logprobs: Optional[list[dict]] = Non
 
 def done(shape: str, model: str, text: str, finish_reason: str, durations: dict,
          tool_calls: Optional[list[dict]] = None, logprobs: Optional[list[dict]] = None,
-         context: Optional[list[int]] = None) -> dict:
-    """The last line of a streamed reply (empty text), or a whole reply (with its tool calls and logprobs)."""
-    line = {**_line(shape, model, text, tool_calls), "done": True, "done_reason": DONE_REASONS[finish_reason],
+         context: Optional[list[int]] = None, thinking: str = "") -> dict:
+    """The last line of a streamed reply (empty text), or a whole reply (with its reasoning, tool calls and
+    logprobs)."""
+    line = {**_line(shape, model, text, tool_calls, thinking), "done": True, "done_reason": DONE_REASONS[finish_reason],
             **durations}
     if context is not None:
         line["context"] = context
@@ -199,20 +205,20 @@ class OllamaReply:
         [reply] = self.replies.whole()
         content, calls = self.message(reply)
         return done(self.shape, self.model.name, content, reply.ended_by, self.durations(), tool_calls=calls,
-                    logprobs=self.logprobs(reply.logprobs), context=self.context(reply))
+                    logprobs=self.logprobs(reply.logprobs), context=self.context(reply), thinking=reply.reasoning)
 
     def lines(self) -> Iterator[dict]:
         reply = Reply(0)
         for event in self.replies.events():
             if isinstance(event, Piece):
                 logprobs = self.logprobs(event.delta.logprobs)
-                if event.delta.text or logprobs:
-                    yield part(self.shape, self.model.name, event.delta.text, logprobs)
+                if event.text or event.reasoning or logprobs:
+                    yield part(self.shape, self.model.name, event.text, logprobs, thinking=event.reasoning)
             elif isinstance(event, Finished):
                 reply = event.reply
         if self.replies.held:
             content, calls = self.message(reply)
-            yield part(self.shape, self.model.name, content, tool_calls=calls)
+            yield part(self.shape, self.model.name, content, tool_calls=calls, thinking=reply.reasoning)
         yield done(self.shape, self.model.name, "", reply.ended_by, self.durations(), context=self.context(reply))
 
     @staticmethod

@@ -15,6 +15,7 @@ from flask import Blueprint, jsonify, request
 
 from gateway.chat.params import offered_tools, requested_top_logprobs
 from gateway.chat.plan import chat_prompt_ids
+from gateway.chat.reasoning import template_kwargs, template_thinks
 from gateway.engine.encoders import Encoder
 from gateway.engine.generation import Engine
 from gateway.engine.lengths import check_context_length
@@ -28,7 +29,8 @@ from gateway.ollama.schemas import (
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
-from gateway.ollama.translate import chat_messages, generate_prompt_ids, plan_reply, refuse_unsupported
+from gateway.ollama.translate import (chat_messages, generate_prompt_ids, plan_reply, refuse_unsupported,
+                                      requested_think, templated)
 from gateway.web.bodies import load_json, parse
 from gateway.web.current_engine import get_engine
 from gateway.web.limits import check_input_count, check_input_tokens, work_slot
@@ -89,12 +91,13 @@ def chat():
     engine = get_engine()
     stats = engine.stats.begin()  # its clock is the request's: total_duration
     model, load_seconds = load_model(engine, fields.model)
-    refuse_unsupported(fields, model.name)
+    refuse_unsupported(fields, model)
     if not fields.messages:
         return respond_loaded("chat", model, fields)
     # a forced call (tool_choice, this gateway's extension) is one call; a free choice may make several
     tool_choice = offered_tools(fields.tool_choice, fields.tools, parallel=False)
-    prompt_ids = chat_prompt_ids(model, chat_messages(fields.messages), tool_choice.tools)
+    prompt_ids = chat_prompt_ids(model, chat_messages(fields.messages), tool_choice.tools,
+                                 template_kwargs=template_kwargs(requested_think(fields)))
     top = requested_top_logprobs(fields)
     plan = plan_reply(engine, model, fields, prompt_ids, "messages", top, tool_choice)
     return respond(wire.OllamaReply("chat", plan, stats, load_seconds, top=top), fields.stream)
@@ -106,13 +109,14 @@ def generate():
     engine = get_engine()
     stats = engine.stats.begin()
     model, load_seconds = load_model(engine, fields.model)
-    refuse_unsupported(fields, model.name)
+    refuse_unsupported(fields, model)
     if not fields.prompt and not fields.system:
         return respond_loaded("generate", model, fields)
     prompt_ids = generate_prompt_ids(model, fields)
     top = requested_top_logprobs(fields)
     # the generated tokens' ids come with their logprobs: asked for (0 alternatives) even when not shown, for `context`
-    plan = plan_reply(engine, model, fields, prompt_ids, "prompt", 0 if top is None else top)
+    plan = plan_reply(engine, model, fields, prompt_ids, "prompt", 0 if top is None else top,
+                      templated=templated(model, fields))
     reply = wire.OllamaReply("generate", plan, stats, load_seconds, top=top, context=prompt_ids)
     return respond(reply, fields.stream)
 
@@ -250,7 +254,9 @@ def show():
     if encoder is not None:
         return jsonify(wire.embedding_model_show(encoder.name, encoder.family, encoder.dimension, encoder.max_tokens))
     model, _ = load_model(get_engine(), fields.model or fields.name)
-    capabilities = ["completion", "tools"] if model.tokenizer.chat_template else ["completion"]
+    template = model.tokenizer.chat_template
+    capabilities = ["completion", "tools"] if template else ["completion"]
+    capabilities += ["thinking"] if template_thinks(template) else []
     return jsonify(wire.show(model, capabilities))
 
 

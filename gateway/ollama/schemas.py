@@ -86,7 +86,9 @@ class _OllamaGeneration(_OllamaRequest):
     options: Optional[OllamaOptions] = None
     stream: Optional[bool] = None
     keep_alive: Optional[Union[float, str]] = None  # accepted; the swarm keeps its models loaded regardless
-    think: Optional[Union[bool, str]] = None  # refused when asked for: no served model thinks
+    # a thinking model's switch: true (or an effort: "low", "medium", "high") on, false off; refused (as Ollama
+    # does) when asked of a model whose template does not think
+    think: Optional[Union[bool, str]] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
 

@@ -19,6 +19,7 @@ from typing import Optional
 
 from gateway.chat.params import NO_TOOLS, ToolChoice, compiled_constraint, requested_constraint
 from gateway.chat.plan import Plan, chat_prompt_ids, plan_generation
+from gateway.chat.reasoning import NO_THINKING, reply_thinking, template_kwargs, template_thinks
 from gateway.chat.schemas import ChatMessage, FunctionCall, JsonSchemaFormat, ResponseFormat, SamplingFields, ToolCall
 from gateway.engine.generation import Engine
 from gateway.engine.lengths import check_new_tokens
@@ -52,13 +53,20 @@ def response_format(format_) -> Optional[ResponseFormat]:
 
 
 def plan_reply(engine: Engine, model: ServedModel, fields, prompt_ids: list[int], param: str, logprobs: Optional[int],
-               tool_choice: ToolChoice = NO_TOOLS) -> Plan:
+               tool_choice: ToolChoice = NO_TOOLS, templated: bool = True) -> Plan:
     """Check everything and open the session (before any line is sent), as the OpenAI API does; a `format` the
-    grammar engine cannot compile is a 400 that names it (compiled once: the model caches it)."""
+    grammar engine cannot compile is a 400 that names it (compiled once: the model caches it). A prompt in the
+    model's chat template (`templated`) gets a thinking model's reasoning told apart (chat/reasoning.py)."""
     sampling = sampling_fields(fields, engine.limits.max_new_tokens)
     if sampling.response_format is not None and not tool_choice.forced:  # a forced call has its grammar, not format's
         compiled_constraint(model, requested_constraint(sampling), field="format")
-    return plan_generation(engine, model, sampling, prompt_ids, param, tool_choice, logprobs)
+    thinking = reply_thinking(model.tokenizer, prompt_ids, requested_think(fields)) if templated else NO_THINKING
+    return plan_generation(engine, model, sampling, prompt_ids, param, tool_choice, logprobs, thinking)
+
+
+def requested_think(fields) -> Optional[bool]:
+    """`think` as the template's switch: false off, true or an effort on, absent the template's default."""
+    return None if fields.think is None else fields.think is not False
 
 
 def chat_messages(messages: list[OllamaMessage]) -> list[ChatMessage]:
@@ -78,10 +86,11 @@ def refuse_images(images: Optional[list[str]], field: str) -> None:
         raise BadRequest(f"{field}: the served models take text only", field=field)
 
 
-def refuse_unsupported(fields, model_name: str) -> None:
-    """What Ollama refuses of a model that cannot do it: thinking, and /api/generate's suffix (fill in the middle);
-    and what only Ollama's own runtime can do: Go templates."""
-    if fields.think:
+def refuse_unsupported(fields, model: ServedModel) -> None:
+    """What Ollama refuses of a model that cannot do it: thinking (of a template that does not think), and
+    /api/generate's suffix (fill in the middle); and what only Ollama's own runtime can do: Go templates."""
+    model_name = model.name
+    if requested_think(fields) and not template_thinks(model.tokenizer.chat_template):
         raise BadRequest(f"think: {model_name!r} does not support thinking", field="think")
     if getattr(fields, "suffix", None):
         raise BadRequest(f"suffix: {model_name!r} does not support insert", field="suffix")
@@ -96,8 +105,13 @@ def generate_prompt_ids(model: ServedModel, fields) -> list[int]:
     template with `system` (as Ollama does), or as it is with `raw` or when the model has no template."""
     context = list(fields.context or [])
     model.check_token_ids(context, "context")
-    if fields.raw or not model.tokenizer.chat_template:
+    if not templated(model, fields):
         return context + model.encode(fields.prompt, at_start=not context)
     messages = [ChatMessage(role="system", content=fields.system)] if fields.system else []
     messages.append(ChatMessage(role="user", content=fields.prompt))
-    return context + chat_prompt_ids(model, messages, None)
+    return context + chat_prompt_ids(model, messages, None, template_kwargs=template_kwargs(requested_think(fields)))
+
+
+def templated(model: ServedModel, fields) -> bool:
+    """/api/generate's prompt goes into the model's chat template (not with `raw`, nor for a model without one)."""
+    return not fields.raw and bool(model.tokenizer.chat_template)

@@ -62,13 +62,17 @@ def completion_logprobs(tokenizer, logprobs: Sequence[Optional[TokenLogprob]], t
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int, timing: Optional[dict] = None, cached_tokens: int = 0) -> dict:
-    """`cached_tokens`: of the prompt, held by the servers already from an earlier request (engine/warm.py)."""
+def usage(prompt_tokens: int, completion_tokens: int, timing: Optional[dict] = None, cached_tokens: int = 0,
+          reasoning_tokens: Optional[int] = None) -> dict:
+    """`cached_tokens`: of the prompt, held by the servers already from an earlier request (engine/warm.py);
+    `reasoning_tokens`: of the completion, a thinking model's reasoning (None: a model that does not think)."""
+    details = {} if reasoning_tokens is None else {"completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        **details,
         **(timing or {}),
     }
 
@@ -81,8 +85,11 @@ def chat_completion(request_id: str, model: str, choices: list[dict], usage_: di
 
 
 def chat_choice(index: int, content: Optional[str], finish_reason: str, logprobs: Optional[dict] = None,
-                tool_calls: Optional[list[dict]] = None) -> dict:
+                tool_calls: Optional[list[dict]] = None, reasoning: Optional[str] = None) -> dict:
+    """`reasoning`: a thinking model's, as vLLM and DeepSeek send it (None: a model that does not think)."""
     message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning or None
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": FINISH_REASONS[finish_reason]}
@@ -154,8 +161,10 @@ class ChatCompletionReplies:
         choices = []
         for reply in self.replies.whole():
             content, calls = self.message(reply)
-            choices.append(chat_choice(reply.index, content, reply.ended_by, self.logprobs(reply.logprobs), calls))
-        usage_ = usage(self.prompt_tokens, self.replies.tokens, self.stats.timing(), self.cached_tokens)
+            choices.append(chat_choice(reply.index, content, reply.ended_by, self.logprobs(reply.logprobs), calls,
+                                       self.reasoning(reply)))
+        usage_ = usage(self.prompt_tokens, self.replies.tokens, self.stats.timing(), self.cached_tokens,
+                       self.replies.reasoning_tokens)
         return chat_completion(self.request_id, self.model.name, choices, usage_,
                                self.stats.llama_timings(self.cached_tokens))
 
@@ -164,19 +173,28 @@ class ChatCompletionReplies:
             if isinstance(event, Began):
                 yield self.chunk(event.index, {"role": "assistant", "content": ""})
             elif isinstance(event, Piece):
-                delta = event.delta
-                logprobs = self.logprobs(delta.logprobs) if delta.logprobs else None
-                if delta.text or logprobs:
-                    yield self.chunk(event.index, {"content": delta.text}, logprobs=logprobs)
+                yield from self.piece_chunks(event)
             else:
                 yield from self.last_chunks(event)
         if self.include_usage:
-            usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens)
+            usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens,
+                           self.replies.reasoning_tokens)
             yield usage_chunk(self.request_id, self.model.name, "chat.completion.chunk", usage_)
+
+    def piece_chunks(self, piece: Piece) -> Iterator[dict]:
+        """A piece's reasoning as a reasoning_content delta, its answer as a content delta (with its logprobs)."""
+        logprobs = self.logprobs(piece.delta.logprobs) if piece.delta.logprobs else None
+        if piece.reasoning:
+            yield self.chunk(piece.index, {"reasoning_content": piece.reasoning},
+                             logprobs=None if piece.text else logprobs)
+        if piece.text or (logprobs and not piece.reasoning):
+            yield self.chunk(piece.index, {"content": piece.text}, logprobs=logprobs)
 
     def last_chunks(self, finished: Finished) -> Iterator[dict]:
         """A reply's end: the whole reply first when it was held back, then its finish_reason."""
         reply = finished.reply
+        if self.replies.held and reply.reasoning:
+            yield self.chunk(reply.index, {"reasoning_content": reply.reasoning})
         if self.replies.held:
             content, calls = self.message(reply)
             if calls:
@@ -192,6 +210,10 @@ class ChatCompletionReplies:
         if reply.tool_calls:
             return None, [tool_call(name, arguments) for name, arguments in reply.tool_calls]
         return reply.text, None
+
+    def reasoning(self, reply: Reply) -> Optional[str]:
+        """A reply's reasoning_content: None for a model that does not think, as vLLM leaves it out."""
+        return reply.reasoning if self.replies.plan.thinking.split else None
 
     def logprobs(self, items: list) -> Optional[dict]:
         return chat_logprobs(self.model.tokenizer, items) if self.top is not None else None

@@ -20,6 +20,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
     state: Optional[str] = Field(None, max_length=64)  # Ai00's: a saved state's messages come first
+    # a thinking model's switch (chat/reasoning.py): vLLM's template variables, the top-level spelling, OpenAI's effort
+    chat_template_kwargs: Optional[dict] = None
+    enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
 
 
 class CompletionRequest(SamplingFields):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gateway.chat.params import offered_tools
 from gateway.chat.plan import Plan, chat_prompt_ids, plan_generation
+from gateway.chat.reasoning import reply_thinking, requested_thinking, template_kwargs
 from gateway.engine.generation import Engine
 from gateway.engine.served import ServedModel
 from gateway.engine.saved_states import SavedState
@@ -27,8 +28,11 @@ def plan_chat(engine: Engine, fields: ChatCompletionRequest, logprobs=None) -> P
         fields = fields.model_copy(update={"messages": state.messages + list(fields.messages),
                                            "cache_salt": state.key.salt})
     tool_choice = offered_tools(fields.tool_choice, fields.tools, fields.parallel_tool_calls)
-    prompt_ids = chat_prompt_ids(model, fields.messages, tool_choice.tools)
-    return plan_generation(engine, model, fields, prompt_ids, "messages", tool_choice, logprobs)
+    thinking = requested_thinking(fields)
+    prompt_ids = chat_prompt_ids(model, fields.messages, tool_choice.tools,
+                                 template_kwargs=template_kwargs(thinking, fields.chat_template_kwargs))
+    return plan_generation(engine, model, fields, prompt_ids, "messages", tool_choice, logprobs,
+                           reply_thinking(model.tokenizer, prompt_ids, thinking))
 
 
 def saved_state(engine: Engine, model: ServedModel, name: str, chat: bool) -> SavedState:

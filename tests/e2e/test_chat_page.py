@@ -397,6 +397,26 @@ def test_model_output_is_shown_as_text_never_as_html(chat_gateway, page, artifac
     shot(page, artifacts / "hostile-reply-dark.png")
 
 
+def test_a_thinking_models_reasoning_is_folded_above_its_answer(chat_gateway, page, artifacts):
+    """A reply that thinks ("<think>" ... "</think>", the tags cut across frames) shows its answer, and its
+    reasoning folded away, as text (markup in it stays text), to be opened."""
+    pieces = ["<thi", "nk>\nthe user ", EVIL, " greets\n</th", "ink>\n\n**Hello** there"]
+    FakeGateway(page, lambda route, message: FakeGateway.reply(route, pieces))
+    open_chat(page, chat_gateway.url)
+    say(page, "Hello?")
+    page.wait_for_function(IDLE)
+    reply = replies(page).last
+    fold = reply.locator("details.reasoning")
+    expect(fold).not_to_have_attribute("open", "")
+    expect(fold.locator(".reasoning-text")).to_have_text(f"the user {EVIL} greets")
+    expect(reply.locator("strong")).to_have_text("Hello")
+    expect(reply.locator(".body")).not_to_contain_text("think>")
+    fold.locator("summary").click()
+    expect(fold.locator(".reasoning-text")).to_be_visible()
+    assert page.locator("article img").count() == 0
+    shot(page, artifacts / "reasoning-folded.png")
+
+
 TRACEBACK = 'Traceback (most recent call last):\n  File "gateway/engine.py", line 1\nRuntimeError: boom'
 
 

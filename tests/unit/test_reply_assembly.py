@@ -3,6 +3,7 @@ a held reply (tools offered) parsed into tool calls at its end, and the finish r
 
 import json
 
+from gateway.chat.reasoning import NO_THINKING
 from gateway.chat.reply import Began, Finished, Piece, Replies
 from gateway.chat.schemas import Tool
 from gateway.engine.generation import Delta, TokenLogprob
@@ -12,6 +13,8 @@ WEATHER = Tool.model_validate({"type": "function", "function": {"name": "weather
 
 class ScriptedPlan:
     """Stands in for chat.plan.Plan: scripted (choice index, delta) pairs."""
+
+    thinking = NO_THINKING  # a model that does not think: its text all answer
 
     def __init__(self, deltas, n=1, tools=None):
         self.deltas, self.n, self.tools = deltas, n, tools

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from gateway.chat.reasoning import NO_THINKING, Thinking
 from gateway.openai.responses import format as wire
 from gateway.engine.generation import Delta
 from gateway.errors import BadRequest, LengthExceeded, NotFound, Unavailable
@@ -95,8 +96,8 @@ def test_errors_name_this_apis_fields(error, field, message):
 class ScriptedPlan:
     """Stands in for chat.plan.Plan: the deltas of one reply to a 5-token prompt, then perhaps an error."""
 
-    def __init__(self, deltas, tools=None, error=None):
-        self.deltas, self.tools, self.error = deltas, tools, error
+    def __init__(self, deltas, tools=None, error=None, thinking=NO_THINKING):
+        self.deltas, self.tools, self.error, self.thinking = deltas, tools, error, thinking
         self.prompt_ids, self.n, self.cached_tokens = [0] * 5, 1, 0
 
     def run(self, cancelled, stats):
@@ -109,9 +110,9 @@ class ScriptedPlan:
             raise self.error
 
 
-def run_of(deltas, tools=None, error=None, **fields) -> ResponseRun:
+def run_of(deltas, tools=None, error=None, thinking=NO_THINKING, **fields) -> ResponseRun:
     body = wire.response_object("resp_1", "tiny", request(**fields))
-    return ResponseRun(body, ScriptedPlan(deltas, tools, error), None)
+    return ResponseRun(body, ScriptedPlan(deltas, tools, error, thinking), None)
 
 
 def test_a_text_reply_streams_its_events_in_order():
@@ -126,6 +127,32 @@ def test_a_text_reply_streams_its_events_in_order():
     assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "Hello"
     assert final["usage"]["input_tokens"] == 5 and final["usage"]["output_tokens"] == 3
     assert run.conversation[-1] == {"role": "assistant", "content": "Hello"}
+
+
+def test_a_thinking_reply_is_a_reasoning_item_then_the_message():
+    deltas = [Delta("<think>\nthe user", 2), Delta(" greets\n</think>\n\nHel", 3), Delta("lo", 1, "stop")]
+    run = run_of(deltas, thinking=Thinking(split=True, opened=False), reasoning={"effort": "high"})
+    events = list(run.events(lambda: False))
+    assert [(event["type"], event.get("output_index")) for event in events][2:] == [
+        ("response.output_item.added", 0), ("response.content_part.added", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1), ("response.output_text.delta", 1),
+        ("response.output_text.delta", 1), ("response.output_text.done", 1), ("response.content_part.done", 1),
+        ("response.output_item.done", 1), ("response.completed", None)]
+    final = events[-1]["response"]
+    reasoning, message = final["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
+                                                                         "text": "the user greets"}]
+    assert message["content"][0]["text"] == "Hello" and final["reasoning"]["effort"] == "high"
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    assert run.conversation[-1] == {"role": "assistant", "content": "Hello"}  # earlier reasoning is left out
+
+
+def test_a_reasoning_effort_of_none_turns_thinking_off_and_reasoning_items_are_left_out():
+    chat, messages = chat_request(request(input=[{"type": "reasoning", "id": "rs_1", "summary": []},
+                                                 {"role": "user", "content": "Hi"}], reasoning={"effort": "none"}), [])
+    assert chat.reasoning_effort == "none" and messages == [{"role": "user", "content": "Hi"}]
 
 
 def test_a_reply_cut_short_is_incomplete():

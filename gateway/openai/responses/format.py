@@ -4,6 +4,8 @@ message of output_text, function calls), usage, and the typed stream events, num
 A streamed reply is, in order (each event with its sequence_number, from 0):
 
     response.created, response.in_progress
+    reasoning:        response.output_item.added, response.content_part.added, response.reasoning_text.delta ...,
+    (a thinking model) response.reasoning_text.done, response.content_part.done, response.output_item.done
     a message:        response.output_item.added, response.content_part.added, response.output_text.delta ...,
                       response.output_text.done, response.content_part.done, response.output_item.done
     or each call:     response.output_item.added, response.function_call_arguments.delta,
@@ -43,6 +45,8 @@ def response_object(response_id: str, model: str, fields: ResponseCreateRequest)
         "temperature": fields.temperature, "top_p": fields.top_p,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                  else {"type": "text"}},
+        "reasoning": {"effort": fields.reasoning.effort if fields.reasoning else None,
+                      "summary": fields.reasoning.summary if fields.reasoning else None},
         "tools": [tool.model_dump(exclude_none=True) for tool in fields.tools or []],
         "tool_choice": _dumped(fields.tool_choice) or "auto",
         "parallel_tool_calls": fields.parallel_tool_calls is not False, "store": fields.store is not False,
@@ -65,15 +69,26 @@ def message_item(item_id: str, status: str, text: Optional[str] = None) -> dict:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, status: str, text: Optional[str] = None) -> dict:
+    """A thinking model's reasoning, whole as content (no summary is made); without `text`, one just begun."""
+    content = [] if text is None else [reasoning_text(text)]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
 def function_call_item(name: str, arguments: str) -> dict:
     return {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": new_id("call"),
             "name": name, "arguments": arguments}
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
-    """`cached_tokens`: of the input, held by the servers already (a previous_response_id's conversation)."""
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+    """`cached_tokens`: of the input, held by the servers already (a previous_response_id's conversation);
+    `reasoning_tokens`: of the output, a thinking model's reasoning."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 
@@ -117,6 +132,26 @@ def message_end(event: EventCounter, index: int, item: dict) -> list[dict]:
                   logprobs=[]),
             event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                   part=output_text(text)),
+            event("response.output_item.done", output_index=index, item=item)]
+
+
+def reasoning_start(event: EventCounter, index: int, item_id: str) -> list[dict]:
+    return [event("response.output_item.added", output_index=index, item=reasoning_item(item_id, "in_progress")),
+            event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                  part=reasoning_text(""))]
+
+
+def reasoning_delta(event: EventCounter, index: int, item_id: str, text: str) -> dict:
+    return event("response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text)
+
+
+def reasoning_end(event: EventCounter, index: int, item: dict) -> list[dict]:
+    """The events that close a reasoning item, `item` being the whole of it."""
+    text = item["content"][0]["text"]
+    return [event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                  text=text),
+            event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                  part=reasoning_text(text)),
             event("response.output_item.done", output_index=index, item=item)]
 
 

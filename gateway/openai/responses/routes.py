@@ -128,14 +128,18 @@ def previous_conversation(store: ResponseStore, response_id: Optional[str]) -> l
 
 class ResponseRun:
     """One response generated: its events as they come (streamed, or run through whole), its stored record (if
-    any) kept current. With tools offered, the reply is a call or a text, known only at its end: held whole."""
+    any) kept current. With tools offered, the reply is a call or a text, known only at its end: held whole.
+    A thinking model's reasoning is a reasoning item (output 0), before the message or calls."""
 
     def __init__(self, body: dict, plan: Plan, stats):
         self.body, self.prompt_tokens, self.cached_tokens = body, len(plan.prompt_ids), plan.cached_tokens
         self.replies = Replies(plan, stats)
         self.event = wire.EventCounter()
-        self.message_id = wire.new_id("msg")
+        self.message_id, self.reasoning_id = wire.new_id("msg"), wire.new_id("rs")
         self.started = False  # the message item's first events have gone out
+        self.reasoning: Optional[str] = None  # the reasoning told so far; None until the reasoning item begins
+        self.reasoning_done = False
+        self.index = 0  # the message's output index: 1 after a reasoning item
         self.failure: Optional[APIError] = None
         self.cancel = threading.Event()
         self.store, self.record, self.conversation = None, None, []
@@ -176,37 +180,61 @@ class ResponseRun:
         reply = Reply(0)
         for event in self.replies.events(cancelled):
             if isinstance(event, Piece):
-                yield from self.text_events(event.delta.text)
+                yield from self.reasoning_events(event.reasoning)
+                if event.text:
+                    yield from self.text_events(event.text)
             elif isinstance(event, Finished):
                 reply = event.reply
         return reply
 
+    def reasoning_events(self, text: str) -> Iterator[dict]:
+        if not text:
+            return
+        if self.reasoning is None:
+            self.reasoning, self.index = "", 1
+            yield from wire.reasoning_start(self.event, 0, self.reasoning_id)
+        self.reasoning += text
+        yield wire.reasoning_delta(self.event, 0, self.reasoning_id, text)
+
+    def reasoning_end(self) -> Iterator[dict]:
+        """The reasoning item's last events (once, before the first of the message's or calls')."""
+        if self.reasoning is not None and not self.reasoning_done:
+            self.reasoning_done = True
+            yield from wire.reasoning_end(self.event, 0, wire.reasoning_item(self.reasoning_id, "completed",
+                                                                                self.reasoning))
+
     def text_events(self, text: str) -> Iterator[dict]:
+        yield from self.reasoning_end()
         if not self.started:
             self.started = True
-            yield from wire.message_start(self.event, 0, self.message_id)
+            yield from wire.message_start(self.event, self.index, self.message_id)
         if text:
-            yield wire.text_delta(self.event, 0, self.message_id, text)
+            yield wire.text_delta(self.event, self.index, self.message_id, text)
 
     def finished(self, reply: Reply) -> Iterator[dict]:
         """The output items' last events, then the response's: completed, or incomplete (cut short, cancelled)."""
         text, finish_reason, calls = reply.text, reply.finish_reason, reply.tool_calls
+        if self.replies.held:  # nothing of it told yet: its reasoning, whole
+            yield from self.reasoning_events(reply.reasoning)
+        yield from self.reasoning_end()
+        thought = [wire.reasoning_item(self.reasoning_id, "completed", reply.reasoning)] if reply.reasoning else []
         if calls:
             items = [wire.function_call_item(name, arguments) for name, arguments in calls]
-            for index, item in enumerate(items):
+            for index, item in enumerate(items, start=self.index):
                 yield from wire.function_call_events(self.event, index, item)
         else:
             items = [wire.message_item(self.message_id, "completed" if finish_reason == "stop" else "incomplete", text)]
             yield from self.text_events(text if self.replies.held else "")
-            yield from wire.message_end(self.event, 0, items[0])
+            yield from wire.message_end(self.event, self.index, items[0])
         status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[finish_reason]
         self.conversation = self.conversation + [reply_message(text, items if calls else None)]
-        self.update(status=status, output=items, usage=self.usage(), completed_at=wire.now(),
+        self.update(status=status, output=thought + items, usage=self.usage(), completed_at=wire.now(),
                     incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None)
         yield self.event(wire.FINAL_EVENTS[status], response=self.body)
 
     def usage(self) -> dict:
-        return wire.usage(self.prompt_tokens, self.replies.tokens, self.cached_tokens)
+        return wire.usage(self.prompt_tokens, self.replies.tokens, self.cached_tokens,
+                          self.replies.reasoning_tokens or 0)
 
     def update(self, **changes) -> None:
         """A new body (readers of the stored one see either the old or the new, whole)."""

@@ -1,8 +1,9 @@
 """The request shapes of OpenAI's Responses API (POST /v1/responses), as pydantic models.
 
 `input` is a text (one user message) or a list of items: messages (whose content is a text or input_text parts;
-an earlier reply's output_text parts may come back as input), function_call items (the model's earlier calls)
-and function_call_output items (what those calls returned). Tools are function tools in the Responses API's flat
+an earlier reply's output_text parts may come back as input), function_call items (the model's earlier calls),
+function_call_output items (what those calls returned) and reasoning items (an earlier reply's reasoning: accepted,
+and left out of the prompt, as thinking templates leave earlier reasoning out). Tools are function tools in the Responses API's flat
 shape. Unknown fields are accepted and ignored, as on the rest of the OpenAI API; a bad field is a 400 naming it.
 
 A response echoes its request's settings, and a stored one is kept: the fields echoed but not part of the prompt
@@ -63,6 +64,19 @@ class ResponsesFunctionCallOutputItem(ExtensibleRequest):
     output: ResponsesContent
 
 
+class ResponsesReasoningItem(ExtensibleRequest):
+    type: Literal["reasoning"]
+    id: Optional[str] = Field(None, max_length=MAX_ID_CHARS)
+
+
+class ResponsesReasoningConfig(ExtensibleRequest):
+    """`reasoning`: an effort of "none" turns a thinking model's thinking off where its template can (any other
+    effort leaves the template's default); the summary setting is echoed (the reasoning comes whole, as content)."""
+
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
 def _item_kind(item) -> str:
     """The item's type: "message" when a message leaves it out (or when the item is not even an object)."""
     if isinstance(item, dict):
@@ -73,7 +87,8 @@ def _item_kind(item) -> str:
 ResponsesInputItem = Annotated[
     Union[Annotated[ResponsesMessageItem, Tag("message")],
           Annotated[ResponsesFunctionCallItem, Tag("function_call")],
-          Annotated[ResponsesFunctionCallOutputItem, Tag("function_call_output")]],
+          Annotated[ResponsesFunctionCallOutputItem, Tag("function_call_output")],
+          Annotated[ResponsesReasoningItem, Tag("reasoning")]],
     Discriminator(_item_kind),
 ]
 
@@ -129,6 +144,7 @@ class ResponseCreateRequest(ExtensibleRequest):
     seed: Optional[int] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     text: Optional[ResponsesTextConfig] = None
+    reasoning: Optional[ResponsesReasoningConfig] = None
     tools: Optional[list[ResponsesFunctionTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None  # None: true

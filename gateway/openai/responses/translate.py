@@ -35,6 +35,7 @@ def chat_request(fields: ResponseCreateRequest, history: list[dict]) -> tuple[Ch
         "tool_choice": {"type": "function", "function": {"name": fields.tool_choice.name}}
         if isinstance(fields.tool_choice, ResponsesNamedToolChoice) else fields.tool_choice,
         "parallel_tool_calls": fields.parallel_tool_calls,
+        "reasoning_effort": fields.reasoning.effort if fields.reasoning else None,
     }
     return parse(ChatCompletionRequest, {name: value for name, value in body.items() if value is not None}), messages
 
@@ -47,6 +48,8 @@ def input_messages(items) -> list[dict]:
     for index, item in enumerate(items):
         if item.type == "message":
             messages.append({"role": item.role, "content": _text(item.content)})
+        elif item.type == "reasoning":
+            continue  # an earlier reply's reasoning: thinking templates leave it out of the prompt
         elif item.type == "function_call":
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": _arguments(item.arguments, index)}}
