@@ -21,14 +21,8 @@ def client(gateway):
 
 
 @pytest.fixture(scope="module")
-def local(tiny_llama, tiny_adapters):
-    import peft
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    first, second = TINY_ADAPTERS
-    model = peft.PeftModel.from_pretrained(model, tiny_adapters[first], adapter_name=first)
-    model.load_adapter(tiny_adapters[second], adapter_name=second)
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(tiny_llama)
+def local(tiny_llama, tiny_peft_model):
+    return tiny_peft_model, transformers.AutoTokenizer.from_pretrained(tiny_llama)
 
 
 def local_reply(local, adapter: str) -> str:

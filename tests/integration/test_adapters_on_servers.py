@@ -15,15 +15,8 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def peft_model(tiny_llama, tiny_adapters):
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    first, second = TINY_ADAPTERS
-    model = peft.PeftModel.from_pretrained(model, tiny_adapters[first], adapter_name=first)
-    model.load_adapter(tiny_adapters[second], adapter_name=second)
-    return model.eval()
+def peft_model(tiny_peft_model):
+    return tiny_peft_model
 
 
 class Reference:
