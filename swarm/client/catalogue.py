@@ -1,7 +1,7 @@
 """`python -m swarm.client.catalogue --initial-peers MADDR`: the swarm's model catalogue, as the servers announce it.
 
 One line per model: its name, DHT prefix, number of blocks, how many servers serve it, which blocks have
-none, and where the client-side weights come from.
+none, where the client-side weights come from, and the LoRA adapters its servers announce.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ if TYPE_CHECKING:
     from swarm.client.swarm_client import Coverage
 
 
-def catalogue(client) -> list[tuple[ModelRecord, Coverage]]:
-    """Every announced model, and how well the swarm covers it."""
-    return [(record, client.coverage(record.prefix, record.num_blocks)) for record in client.catalogue()]
+def catalogue(client) -> list[tuple[ModelRecord, Coverage, list[str]]]:
+    """Every announced model, how well the swarm covers it, and the LoRA adapters its servers announce."""
+    return [(record, client.coverage(record.prefix, record.num_blocks),
+             sorted(client.adapters(record.prefix, record.num_blocks))) for record in client.catalogue()]
 
 
 def main(argv=None) -> None:
@@ -38,10 +39,11 @@ def main(argv=None) -> None:
             rows = catalogue(client)
         finally:
             client.shutdown()
-        print(f"{'model':32} {'prefix':32} {'blocks':>6} {'servers':>7}  coverage      source")
-        for record, coverage in rows:
+        print(f"{'model':32} {'prefix':32} {'blocks':>6} {'servers':>7}  coverage      source  adapters")
+        for record, coverage, adapters in rows:
             blocks = "complete" if coverage.covered else f"missing {coverage.missing_blocks}"
-            print(f"{record.name:32} {record.prefix:32} {record.num_blocks:>6} {coverage.servers:>7}  {blocks:13} {record.source}")
+            print(f"{record.name:32} {record.prefix:32} {record.num_blocks:>6} {coverage.servers:>7}  {blocks:13} "
+                  f"{record.source}  {' '.join(adapters) or '-'}")
         if not rows:
             print("(no model is announced in this swarm)")
 

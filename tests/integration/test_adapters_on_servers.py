@@ -95,6 +95,13 @@ def test_routing_picks_only_servers_holding_the_adapter(tiny_swarm, tiny_remote,
         client.chain(TINY_PREFIX, tiny_remote.num_blocks, "tiny:nope", adapter="nope")
 
 
+def test_the_catalogue_names_each_models_adapters(client):
+    from swarm.client.catalogue import catalogue
+
+    [(_, _, adapters)] = [row for row in catalogue(client) if row[0].prefix == TINY_PREFIX]
+    assert adapters == sorted(TINY_ADAPTERS)
+
+
 def test_a_server_refuses_an_adapter_it_lacks(tiny_remote, client):
     from swarm.client.stubs import InferenceStream
 
