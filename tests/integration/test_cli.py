@@ -66,6 +66,14 @@ def test_block_range_out_of_bounds(tiny_llama):
     assert_one_line_error(result, "out of range", "blocks 0:4")
 
 
+def test_an_adapter_folder_a_server_cannot_serve_is_a_one_line_error(tiny_llama, tiny_adapters, tmp_path):
+    server = ("-m", "swarm.server", "--model", str(tiny_llama), "--blocks", "0:2", "--initial-peers", BOGUS_PEER)
+    assert_one_line_error(run_tool(*server, "--adapters", str(tmp_path)), "--adapters", "adapter_config.json")
+    (tmp_path / "dora").mkdir()
+    (tmp_path / "dora" / "adapter_config.json").write_text('{"peft_type": "LORA", "use_dora": true}')
+    assert_one_line_error(run_tool(*server, "--adapters", str(tmp_path / "dora")), "only plain LoRA", "use_dora")
+
+
 def test_generate_names_missing_blocks(tiny_swarm, tiny_llama):
     result = run_tool("-m", "swarm.client.generate", "--initial-peers", *tiny_swarm.initial_peers, "--model", str(tiny_llama),
                       "--dht-prefix", "nobody-serves-this", "--prompt", "Hello")
