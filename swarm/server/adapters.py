@@ -4,10 +4,10 @@ span's blocks are loaded beside the base weights, and applied per request in the
 Every adapted linear module of the span (a q_proj, a down_proj, ...) becomes an AdaptedLinear: the base module
 plus each adapter's low-rank pair (A, B, scaling). A round packs sessions of different adapters, and of none,
 side by side (swarm/server/attention.py); the base module runs once over all their tokens, and each adapter
-present in the round adds its delta to its own tokens only: one gather, two small matmuls and one scatter-add
-per adapter and module, however many sessions use it. Which packed tokens belong to which adapter is the
-round's (PackedBatch.adapter_tokens), set for the duration of a forward with `applied`, so that transformers'
-modules keep their own calls (`attention.q_proj(hidden)`) and every family works unchanged.
+present in the round adds its delta to its own tokens only, all adapters at once (see AdaptedLinear). Which
+packed tokens belong to which adapter is the round's (PackedBatch.adapter_tokens), set for the duration of a
+forward with `applied`, so that transformers' modules keep their own calls (`attention.q_proj(hidden)`) and
+every family works unchanged.
 
 An adapter's name is its folder's name; clients ask for it by that name (the record lists the names).
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from swarm.protocol import ADAPTER_NAME_PATTERN, BadRequestError
@@ -31,8 +32,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 PEFT_PREFIX = "base_model.model."  # PEFT saves the adapted model's keys under its wrapper's prefix
 
-# the round being computed: adapter name -> (tokens,) packed token indices of its sessions; None: no adapter
-_ROUND_ADAPTERS: ContextVar[Optional[dict]] = ContextVar("round_adapters", default=None)
+# the round being computed: (tokens,) the adapter id of each packed token (-1: none); None: no adapter in the round
+_ROUND_ADAPTERS: ContextVar[Optional[torch.Tensor]] = ContextVar("round_adapters", default=None)
 
 
 class AdapterError(BadRequestError):
@@ -50,33 +51,58 @@ class LowRank:
 
 class AdaptedLinear(nn.Module):
     """A linear module (nn.Linear, GPT-2's Conv1D, a quantized one) plus the low-rank deltas of the adapters
-    that target it, each applied to its own sessions' tokens of the round."""
+    that target it, each applied to its own sessions' tokens of the round.
+
+    The adapters' A matrices are stacked into one (total rank, in) matrix and their B matrices into one (out,
+    total rank), so that a round computes every token's low-rank projections at once, zeroes (and scales) the
+    columns that are not its own adapter's, and projects back: the same five torch calls per module for one
+    adapter or forty, and for one session or sixty-four (what Punica's and S-LoRA's batched kernels do, in
+    plain matrix products: a rank is small next to the module's own width)."""
 
     def __init__(self, base: nn.Module):
         super().__init__()
         self.base = base
         self.deltas: dict[str, LowRank] = {}
+        self.down = self.up = self.column_adapters = self.column_scaling = None  # the stacks (see stack)
+
+    def stack(self) -> None:
+        """Rebuild the stacked matrices from `deltas` (after an adapter is added or replaced)."""
+        deltas = list(self.deltas.items())
+        self.down = torch.cat([delta.down for _, delta in deltas])
+        self.up = torch.cat([delta.up for _, delta in deltas], dim=1)
+        ranks = [delta.down.shape[0] for _, delta in deltas]
+        self.column_adapters = torch.tensor([adapter_id(name) for (name, _), rank in zip(deltas, ranks)
+                                             for _ in range(rank)], device=self.down.device)
+        self.column_scaling = torch.tensor([delta.scaling for (_, delta), rank in zip(deltas, ranks)
+                                            for _ in range(rank)], device=self.down.device, dtype=self.down.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         output = self.base(hidden)
-        active = _ROUND_ADAPTERS.get()
-        if not active:
+        token_adapters = _ROUND_ADAPTERS.get()  # (tokens,) each packed token's adapter id, -1 for none
+        if token_adapters is None or self.down is None:
             return output
-        rows_in, rows_out = hidden.reshape(-1, hidden.shape[-1]), output.view(-1, output.shape[-1])
-        for name, tokens in active.items():
-            delta = self.deltas.get(name)
-            if delta is None:  # the adapter leaves this module as it is
-                continue
-            picked = rows_in.index_select(0, tokens).to(delta.down.dtype)
-            low = torch.nn.functional.linear(torch.nn.functional.linear(picked, delta.down), delta.up)
-            rows_out.index_add_(0, tokens, (low * delta.scaling).to(rows_out.dtype))
-        return output
+        low = F.linear(hidden.reshape(-1, hidden.shape[-1]).to(self.down.dtype), self.down)  # (tokens, total rank)
+        own = torch.where(token_adapters[:, None] == self.column_adapters, self.column_scaling, 0.0)
+        return output.add_(F.linear(low * own, self.up).view(output.shape).to(output.dtype))
+
+
+_ADAPTER_IDS: dict[str, int] = {}  # adapter name -> its id in this process (rounds and stacks number them alike)
+
+
+def adapter_id(name: str) -> int:
+    return _ADAPTER_IDS.setdefault(name, len(_ADAPTER_IDS))
 
 
 @contextlib.contextmanager
-def applied(adapter_tokens: dict) -> Iterator[None]:
-    """Within the block, adapted modules add each adapter's delta to its packed tokens (name -> indices)."""
-    token = _ROUND_ADAPTERS.set(adapter_tokens or None)
+def applied(adapter_tokens: dict, positions: torch.Tensor) -> Iterator[None]:
+    """Within the block, adapted modules add each adapter's delta to its packed tokens (`adapter_tokens`: name ->
+    indices; `positions`: the round's (tokens,) positions, whose shape and device the ids take)."""
+    token_adapters = None
+    if adapter_tokens:
+        token_adapters = torch.full_like(positions, -1)
+        for name, tokens in adapter_tokens.items():
+            token_adapters.index_fill_(0, tokens, adapter_id(name))
+    token = _ROUND_ADAPTERS.set(token_adapters)
     try:
         yield
     finally:
@@ -139,13 +165,17 @@ def _read_tensors(folder: Path) -> dict:
 def attach_adapters(span, adapters: list[AdapterFolder]) -> None:
     """Give the span's blocks every adapter's deltas for them (replacing those of an adapter of the same name:
     a span moved to other blocks keeps the layers it held, already adapted)."""
+    changed = set()
     for adapter in adapters:
         modules = _deltas_by_module(span, adapter)
         for (layer_index, module_name), delta in modules.items():
             adapted = _adapted(span.layers[layer_index - span.start], module_name)
             _check_fits(adapter.name, f"block {layer_index}'s {module_name}", adapted.base, delta)
             adapted.deltas[adapter.name] = delta
+            changed.add(adapted)
         span.adapters = frozenset({*span.adapters, adapter.name})
+    for adapted in changed:
+        adapted.stack()
 
 
 def _deltas_by_module(span, adapter: AdapterFolder) -> dict:

@@ -143,7 +143,7 @@ class BlockSpan(nn.Module):
         layers = self.layers[start - self.start : end - self.start]
         self.family.batch_inputs(self.position_state, hidden, batch)
         batch.build_masks({layer.attention_window for layer in layers}, self.dtype)
-        with applied(batch.adapter_tokens):
+        with applied(batch.adapter_tokens, batch.positions):
             for index, layer in enumerate(layers):
                 hidden = self.family.layer_forward(layer, hidden, batch, index)
         return hidden

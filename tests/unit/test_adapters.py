@@ -188,3 +188,27 @@ def test_decode_rounds_with_an_adapter_run_eagerly_not_as_graphs(folders):
     step = torch.randn(1, 1, span.config.hidden_size)
     assert span.graphs.replay(step, [Segment(1, 1, 4, cache, "ad-attn")], 0, SPAN_END) is None
     assert span.graphs.replay(step, [Segment(1, 1, 4, cache)], 0, SPAN_END) is not None
+
+
+def test_a_round_issues_as_many_torch_ops_for_two_adapters_as_for_one(span):
+    """Every adapter's delta is computed at once (stacked matrices): an adapted module issues the same operators
+    whatever the number of adapters in the round; only the round's map of tokens to adapters grows, by one
+    operator per adapter (not per module: the span has dozens of adapted modules)."""
+    from op_counts import count_torch_ops
+
+    def decode_round(adapters: list) -> int:
+        caches = [span.new_cache(1, 16) for _ in adapters]
+        for cache in caches:
+            span(torch.randn(1, 3, span.config.hidden_size), 0, cache)
+            cache.prepare(3, 4)
+        hidden = torch.randn(1, len(adapters), span.config.hidden_size)
+        segments = [Segment(1, 1, 3, cache, adapter) for cache, adapter in zip(caches, adapters)]
+        try:
+            return count_torch_ops(lambda: span.forward_packed(hidden, segments))
+        finally:
+            for cache in caches:
+                cache.release()
+
+    adapted_modules = sum(isinstance(module, AdaptedLinear) for module in span.modules())
+    one, two = decode_round(["ad-attn", "ad-attn"]), decode_round(["ad-attn", "ad-mlp"])
+    assert adapted_modules >= 10 and 0 <= two - one <= 3

@@ -14,6 +14,7 @@ from swarm.server.span import load_span
 from swarm.server.cache import PAGE_TOKENS, CacheBudget
 from swarm.protocol import CacheFullError
 from swarm.server.backend import Backend, ServerLimits
+from op_counts import count_torch_ops
 from tiny_model import build_tiny_model
 
 ATOL = 1e-4  # float32 sums in another order when more rows share a matrix product
@@ -214,22 +215,6 @@ def test_sessions_take_pages_as_they_grow_and_give_all_back(llama_span):
 
 
 # ------------------------------------------------------------------------------------------- structure
-
-
-def count_torch_ops(function) -> int:
-    """The number of aten operators `function` runs (every kernel it issues goes through one of them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-            Counter.calls += 1
-            return op(*args, **(kwargs or {}))
-
-    with Counter():
-        function()
-    return Counter.calls
 
 
 @pytest.mark.parametrize("sessions", [8, 64])
