@@ -132,6 +132,8 @@ def read_adapter(folder: Path) -> AdapterFolder:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError) as error:
         raise AdapterError(f"--adapters {folder}: no readable {CONFIG_FILE} ({error})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"--adapters {folder}: {CONFIG_FILE} is not a JSON object")
     _check_config(folder, config)
     return AdapterFolder(name, config, _read_tensors(folder))
 

@@ -146,6 +146,9 @@ def test_an_adapter_of_another_model_is_refused(tmp_path, span):
 def test_a_folder_without_an_adapter_or_with_a_bad_name_is_refused(tmp_path, folders):
     with pytest.raises(AdapterError, match="adapter_config.json"):
         read_adapter(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[]")
+    with pytest.raises(AdapterError, match="not a JSON object"):
+        read_adapter(tmp_path)
     with pytest.raises(AdapterError, match="name"):
         read_adapter(_edited_copy(folders[1], tmp_path / "with space"))
 
