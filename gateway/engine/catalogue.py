@@ -115,8 +115,9 @@ class ServedModels:
         base = self.config(base_name)
         announced = self.adapters(base.name)
         if adapter not in announced:
-            raise NotFound(f"unknown model {base_name}:{adapter!r}: no server of {base.name} announces the adapter "
-                           f"{adapter!r} (adapters announced: {', '.join(sorted(announced)) or 'none'})", field="model")
+            raise NotFound(f"unknown model {base_name + ADAPTER_SEPARATOR + adapter!r}: no server of {base.name} "
+                           f"announces the adapter {adapter!r} (adapters announced: "
+                           f"{', '.join(sorted(announced)) or 'none'})", field="model")
         return replace(base, name=f"{base.name}{ADAPTER_SEPARATOR}{adapter}")
 
     def adapters(self, name: str) -> frozenset:
