@@ -3,6 +3,7 @@ when the block ends, its log then checked (tests/gateway_log.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,3 +82,25 @@ def running_gateway(env: dict, log_dir: Path, expected_errors: Sequence[str] = (
     finally:
         server.stop()
     assert_clean_log(server.log(), expected_errors)
+
+
+def add_other_model(swarm, folder: Path, prefix: str, blocks: str, wait: bool = True):
+    """A block server of another model than the tiny one in the shared tiny swarm, under its own DHT prefix; with
+    `--adapters` alone, none of the tiny model's LoRA adapters that the swarm's server arguments name."""
+    return swarm.add_server(["--model", str(folder), "--blocks", blocks, "--dht-prefix", prefix, "--adapters"],
+                            wait=wait)
+
+
+@contextmanager
+def gateway_of_another_model(swarm, name: str, folder: Path, prefix: str, blocks: str, log_dir: Path,
+                             **model_fields) -> Iterator[Gateway]:
+    """A server of another model in the shared tiny swarm (add_other_model) and a gunicorn gateway serving that
+    model as `name`; the server stops with the gateway."""
+    server = add_other_model(swarm, folder, prefix, blocks)
+    models = [{"name": name, "path": str(folder), "dht_prefix": prefix, **model_fields}]
+    try:
+        with running_gateway({"INITIAL_PEERS": " ".join(swarm.initial_peers), "MODELS": json.dumps(models)},
+                             log_dir) as gateway:
+            yield gateway
+    finally:
+        server.stop()

@@ -6,12 +6,11 @@ The tiny model here is the suite's tiny Llama with max_position_embeddings = 819
 the tiny swarm. That the prefill of such a prompt never makes a decoding session wait more than a chunk is
 tested round by round in tests/unit/test_batching.py, with a prompt of the same length."""
 
-import json
 
 import openai
 import pytest
 import requests
-from gunicorn_gateway import running_gateway
+from gunicorn_gateway import gateway_of_another_model
 from shared_swarm import TINY_BLOCKS
 from exact_match import assert_chat_reply_is_the_local_greedy_token
 from tiny_model import build_tiny_model
@@ -28,14 +27,9 @@ def long_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def long_gateway(tiny_swarm, long_model, tmp_path_factory):
-    server = tiny_swarm.add_server(["--model", str(long_model), "--blocks", f"0:{TINY_BLOCKS}", "--dht-prefix", PREFIX])
-    models = [{"name": "long", "path": str(long_model), "dht_prefix": PREFIX}]  # no max_session_length
-    try:
-        with running_gateway({"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models)},
-                             tmp_path_factory.mktemp("long-gateway")) as gateway:
-            yield gateway
-    finally:
-        server.stop()
+    with gateway_of_another_model(tiny_swarm, "long", long_model, PREFIX, f"0:{TINY_BLOCKS}",
+                                  tmp_path_factory.mktemp("long-gateway")) as gateway:  # no max_session_length
+        yield gateway
 
 
 def workspace_tools(count: int) -> list[dict]:

@@ -6,7 +6,6 @@ The model is a tiny Llama with a Qwen3-style template (tests/thinking_model.py),
 known reply, on one server of its own in the tiny swarm, behind real gunicorn. Its greedy reply, generated locally
 by transformers, is what every API must split: "<think>\\nREASONING\\n</think>\\n\\nANSWER"."""
 
-import json
 
 import anthropic
 import ollama
@@ -14,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from gunicorn_gateway import running_gateway
+from gunicorn_gateway import gateway_of_another_model
 from thinking_model import ANSWER, PROMPT, REASONING, build_thinking_model, greedy_reply
 
 PREFIX = "thinker"
@@ -28,16 +27,9 @@ def thinking_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def thinking_gateway(tiny_swarm, thinking_model, tmp_path_factory):
-    # "--adapters" alone: none (the tiny swarm's LoRA adapters are not this model's)
-    server = tiny_swarm.add_server(["--model", str(thinking_model), "--blocks", "0:2", "--dht-prefix", PREFIX,
-                                    "--adapters"])
-    models = [{"name": PREFIX, "path": str(thinking_model), "dht_prefix": PREFIX}]
-    try:
-        with running_gateway({"INITIAL_PEERS": " ".join(tiny_swarm.initial_peers), "MODELS": json.dumps(models)},
-                             tmp_path_factory.mktemp("thinking-gateway")) as gateway:
-            yield gateway
-    finally:
-        server.stop()
+    with gateway_of_another_model(tiny_swarm, PREFIX, thinking_model, PREFIX, "0:2",
+                                  tmp_path_factory.mktemp("thinking-gateway")) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from exact_match import ATOL
+from gunicorn_gateway import add_other_model
 from swarm.client import SwarmClient
 from swarm.client.remote_model import RemoteModel
 from tiny_model import build_tiny_model
@@ -28,9 +29,7 @@ def wide_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wide_servers(tiny_swarm, wide_model):
-    # "--adapters" alone: none (the tiny swarm's are not this model's)
-    arguments = ["--model", str(wide_model), "--blocks", f"0:{BLOCKS}", "--dht-prefix", PREFIX, "--adapters"]
-    started = [tiny_swarm.add_server(arguments, wait=False) for _ in range(2)]
+    started = [add_other_model(tiny_swarm, wide_model, PREFIX, f"0:{BLOCKS}", wait=False) for _ in range(2)]
     for server in started:
         server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 120)
     return started
