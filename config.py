@@ -227,6 +227,9 @@ class Limits:
     # speculative decoding (gateway/engine/speculation.py): the most tokens drafted per step, each verified by the
     # swarm in the same step; fewer when measured steps and acceptance say more would not pay; 0: one token per step
     speculative_tokens: int = 8
+    # drafting is the engine loop's policy: only while at most this many sessions of a model decode together, since
+    # each guess costs a position of every server's round (gateway/engine/loop.py); 0: never draft
+    speculative_max_sessions: int = 4
 
     def __post_init__(self):
         if self.max_loaded_models < 1:
@@ -234,6 +237,8 @@ class Limits:
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"SPECULATIVE_TOKENS must be between 0 and {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.speculative_tokens}")
+        if self.speculative_max_sessions < 0:
+            raise ValueError(f"SPECULATIVE_MAX_SESSIONS must be 0 or more, got {self.speculative_max_sessions}")
 
     @property
     def worker_threads(self) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -18,22 +17,25 @@ from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
 from gateway.engine.metrics import CACHED_PROMPT_TOKENS, observe_token
-from gateway.engine.sampling import Sampler, SamplingParams
+from gateway.engine.loop import EngineLoop
+from gateway.engine.outputs import DETOKENIZER_CONTEXT, Delta, ReplyReader, TokenLogprob
+from gateway.engine.sampler import Sampler
+from gateway.engine.sampling import SamplingParams
+from gateway.engine.sequences import Sequence, _logprob
+from gateway.engine.sequences import rewind as rewind_tokens
 from gateway.engine.catalogue import ServedModels
 from gateway.engine.served import GatewaySession, ServedModel
 from gateway.engine.stats import EngineStats, RequestStats
 from gateway.engine.sessions import SessionRegistry
 from gateway.engine.drafts import DraftModels, ReplyDrafts
 from gateway.engine.encoders import EmbeddingModels
-from gateway.engine.speculation import Decoder, Emitted, Pacing
+from gateway.engine.speculation import Pacing
 from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
 from gateway.engine.saved_states import SavedState, SavedStates
 from gateway.engine.warm import WarmConversations, WarmKey
 
 logger = logging.getLogger(__name__)
-
-DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
 
 
 @dataclass(frozen=True)
@@ -48,22 +50,6 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # besides the model's own end-of-sequence tokens
     logprobs: Optional[int] = None  # None: off; k: each token's log-probability and the k likeliest
     constraint: Optional[Callable[[], object]] = None  # a fresh grammar.Constraint: structured output
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # the likeliest tokens at this step, best first
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    token_count: int  # tokens generated for this piece of text
-    finish_reason: Optional[str] = None  # "stop" (end of sequence or a stop sequence), "length", "cancelled"
-    logprobs: tuple[TokenLogprob, ...] = ()
-    stop_sequence: Optional[str] = None  # which of the request's stop sequences ended the reply (Anthropic says)
 
 
 class Engine:
@@ -85,6 +71,7 @@ class Engine:
         self.draft_models = DraftModels(settings.swarm.cache_dir)
         # EMBEDDING_MODELS, run in this process: their folders are checked now, and each loads on first use
         self.encoders = EmbeddingModels(settings.gateway.embedding_models, settings.gateway.device)
+        self._loops: dict[ServedModel, EngineLoop] = {}  # one engine loop per served model, started on first use
 
     # ----------------------------------------------------------------------------------- models
 
@@ -211,7 +198,7 @@ class Engine:
         with self.sessions.reserve(owner):
             session = self._warm_session(model, key)
         try:
-            self._step(session, prompt_ids)  # every token into the servers' caches: what forks of it share
+            self._prefill(session, prompt_ids)  # every token into the servers' caches: what forks of it share
             # parked: a server short of room may evict it while no fork shares its pages (forks then recompute it)
             session.inference.park()
             state = SavedState(name, key, session, messages)
@@ -236,48 +223,60 @@ class Engine:
                  cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None) -> Iterator[Delta]:
         """Append the request's inputs to the session and stream the reply. The caller holds session.lock.
 
-        `cancelled` is asked between tokens (a stop message, a client gone); `stats` collects the timings of
-        one API request across its choices (default: a record of its own in engine.stats)."""
+        The reply is computed by the model's engine loop, beside every other session's; this thread only reads its
+        tokens and makes text of them. `cancelled` is asked between tokens (a stop message, a client gone); `stats`
+        collects the timings of one API request across its choices (default: a record of its own in engine.stats)."""
         if session.closed:
             raise NotFound(f"inference session {session.id} is closed", field="session_id")
         model = session.model
         feed, used, budget = self._feed_and_budget(session, request)
-        detokenizer = _detokenizer(model, session.history + feed)
-        stopper = StopMatcher(request.stop_sequences, request.include_stop)
-        sampler = Sampler(request.sampling, model.vocab_size, context=session.history + feed)
-        constraint = request.constraint() if request.constraint else None
-        stop_ids = model.stop_ids | set(request.stop_token_ids)
+        sequence = self._sequence(session, request, feed, budget)
+        stopper = StopMatcher(request.stop_sequences, request.include_stop)  # before any work: it checks the stops
         stats = stats or self.stats.begin()
         stats.prompt(len(feed))
         session.reply_start = used
-
+        loop = self.loop_of(model)
+        loop.submit(sequence)
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
-            self._step(session, feed)
-            session.pending = []
+            self._settled(sequence)
             yield Delta("", 0, "length")
             return
-        decoder = Decoder(session, sampler, constraint, stop_ids, self._step, *self._speculation(model))
-        count = 0
-        while True:
-            if cancelled():
-                yield Delta(_remaining_text(detokenizer, stopper), 0, "cancelled")
-                return
-            emitted = decoder.step(feed, budget - count)
-            session.pending = feed = [emitted[-1].token]
-            for index, chosen in enumerate(emitted):
-                count += 1
-                # one clock for /stats, usage timings and the time-to-first-token / inter-token metrics
-                observe_token(model.name, stats.step_done(first=count == 1), first=count == 1)
-                delta = self._delta(chosen, request, stop_ids, detokenizer, stopper, count == budget)
-                if delta.finish_reason is not None:
-                    _keep_through(session, emitted, index)  # the servers rewind past the rest at the next step
-                    yield delta
-                    return
-                try:
-                    yield delta
-                except GeneratorExit:  # the caller stops reading: the session ends at the last token it got
-                    _keep_through(session, emitted, index)
-                    raise
+
+        def on_token(first: bool) -> None:  # one clock for /stats, usage timings and the latency metrics
+            observe_token(model.name, stats.step_done(first=first), first=first)
+
+        reader = ReplyReader(sequence.stream, _detokenizer(model, sequence.start), stopper,
+                             lambda kept: loop.abort(sequence, kept), cancelled, on_token)
+        yield from reader.deltas()
+
+    def loop_of(self, model: ServedModel) -> EngineLoop:
+        """The model's engine loop (started on first use)."""
+        with self._client_lock:
+            if model not in self._loops:
+                self._loops[model] = EngineLoop(model, self.limits.speculative_max_sessions)
+            return self._loops[model]
+
+    def _sequence(self, session: GatewaySession, request: GenerationRequest, feed: list[int], budget: int) -> Sequence:
+        model = session.model
+        sampler = Sampler(request.sampling, model.vocab_size, context=session.history + feed,
+                          device=model.remote.head_device)
+        constraint = request.constraint() if request.constraint else None
+        stop_ids = model.stop_ids | set(request.stop_token_ids)
+        return Sequence(session, feed, budget, sampler, constraint, stop_ids, request.logprobs,
+                        *self._speculation(model))
+
+    def _prefill(self, session: GatewaySession, ids: list[int]) -> None:
+        """Take `ids` into the session's servers' caches through the engine loop, and wait until they are."""
+        sequence = Sequence(session, session.pending + ids, 0, Sampler(SamplingParams(), session.model.vocab_size),
+                            None, set(), None)
+        self.loop_of(session.model).submit(sequence)
+        self._settled(sequence)
+
+    @staticmethod
+    def _settled(sequence: Sequence) -> None:
+        sequence.settled.wait()
+        if sequence.stream.error is not None:
+            raise sequence.stream.error
 
     def _speculation(self, model: ServedModel) -> tuple[Optional[Pacing], Optional[ReplyDrafts]]:
         """How one reply drafts tokens (see speculation.py): its pacing (None: one token per step), and its draft
@@ -287,22 +286,6 @@ class Engine:
             return None, None
         draft_model = self.draft_models.of(model)
         return Pacing(model.step_costs, most), draft_model.reply() if draft_model is not None else None
-
-    @staticmethod
-    def _delta(chosen: Emitted, request: GenerationRequest, stop_ids: set[int], detokenizer, stopper: StopMatcher,
-               last: bool) -> Delta:
-        """One generated token as a piece of the reply, with its finish reason if it ends the reply."""
-        token = chosen.token
-        logprobs = (_logprob(chosen.logits, token, request.logprobs),) if request.logprobs is not None else ()
-        if token in stop_ids:
-            return Delta(_remaining_text(detokenizer, stopper), 1, "stop", logprobs)
-        text, matched = stopper.push(detokenizer.push(token))
-        if matched or chosen.completes_grammar:
-            return Delta(text if matched else text + _remaining_text(detokenizer, stopper), 1, "stop", logprobs,
-                         stop_sequence=matched)
-        if last:
-            return Delta(text + _remaining_text(detokenizer, stopper), 1, "length", logprobs)
-        return Delta(text, 1, None, logprobs)
 
     @staticmethod
     def _feed_and_budget(session: GatewaySession, request: GenerationRequest) -> tuple[list[int], int, int]:
@@ -323,29 +306,11 @@ class Engine:
         budget = limit - used if request.max_new_tokens is None else min(request.max_new_tokens, limit - used)
         return feed, used, budget
 
-    def rewind(self, session: GatewaySession, length: int) -> None:
+    @staticmethod
+    def rewind(session: GatewaySession, length: int) -> None:
         """Forget everything after the first `length` tokens (another choice for the same prompt, a regenerate):
         the servers overwrite their caches from there, so the prompt is not computed again."""
-        tokens = session.history + session.pending
-        if length <= 0:
-            session.history, session.pending = [], []
-        else:
-            session.history, session.pending = tokens[: length - 1], tokens[length - 1 : length]
-
-    @staticmethod
-    def _step(session: GatewaySession, feed: list[int], every_position: bool = False):
-        """Logits after the last token of `feed` (vocab,), or after each ((len(feed), vocab)); the tokens join
-        session.history."""
-        if session.closed:
-            raise NotFound(f"inference session {session.id} was closed", field="session_id")
-        try:
-            logits = session.inference.step([feed], position=len(session.history), every_position=every_position)[0]
-        except BaseException:
-            session.broken = True  # the servers may hold some of `feed` or none of it: never reuse it
-            raise
-        session.history.extend(feed)
-        session.last_used = time.monotonic()
-        return logits
+        rewind_tokens(session, length)
 
     # ----------------------------------------------------------------------------------- scoring
 
@@ -362,30 +327,7 @@ class Engine:
         return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
 
 
-def _keep_through(session: GatewaySession, emitted: list[Emitted], index: int) -> None:
-    """The reply ends at emitted[index]: the tokens a step yielded after it are forgotten (that one is pending)."""
-    surplus = len(emitted) - 1 - index
-    if surplus:
-        del session.history[-surplus:]
-        session.pending = [emitted[index].token]
-
-
-def _logprob(logits, token: int, top: int) -> TokenLogprob:
-    import torch
-
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
-    best = torch.topk(logprobs, top) if top else None
-    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
-    return TokenLogprob(token, float(logprobs[token]), pairs)
-
-
 def _detokenizer(model: ServedModel, context: list[int]):
     from swarm.client import IncrementalDetokenizer
 
     return IncrementalDetokenizer(model.tokenizer, context=context[-DETOKENIZER_CONTEXT:])
-
-
-def _remaining_text(detokenizer, stopper: StopMatcher) -> str:
-    """At the end of a reply, the text held back for an incomplete character or a possible stop sequence."""
-    text, matched = stopper.push(detokenizer.flush())
-    return text if matched else text + stopper.flush()

@@ -1,7 +1,8 @@
 """SamplingParams, the one internal form every API's parameters converge to, and the choice of each token.
 
-Sampling runs at the gateway on the LM head's logits, a (vocab,) vector per step, with one Sampler per
-generated sequence (it remembers what penalties and Mirostat need). Each step, in this order:
+Sampling runs at the gateway on the LM head's logits, on the head's device, every row of an engine tick in one
+batched call (sampler.py: one Sampler per generated sequence remembers what penalties and Mirostat need). Each
+step, in this order:
 
     1. repetition_penalty    CTRL, as transformers applies it, over the whole context (prompt + output)
     2. presence, frequency   OpenAI's formula over the output's token counts (decayed each step, as Ai00 does)
@@ -12,7 +13,7 @@ generated sequence (it remembers what penalties and Mirostat need). Each step, i
     7. Mirostat v1 or v2     llama.cpp's; it does its own truncation, so it replaces step 8
     8. top_k, typical_p, top_p, min_p, then one draw with the sequence's generator
 
-Everything except Sampler is a pure function of tensors, so each stage is tested against its definition.
+Everything here is a pure function of tensors, so each stage is tested against its definition.
 Filters mark removed tokens with -inf, never remove every token, and accept any (..., vocab) shape.
 """
 
@@ -69,10 +70,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
 
-    def generator(self) -> Optional[torch.Generator]:
+    def generator(self, device="cpu") -> Optional[torch.Generator]:
         """A seeded generator makes a sampled reply reproducible; None draws from torch's global state.
-        Any integer is a seed: torch takes 64 bits, so larger ones (and negative ones) wrap around."""
-        return torch.Generator().manual_seed(self.seed & 0xFFFF_FFFF_FFFF_FFFF) if self.seed is not None else None
+        Any integer is a seed: torch takes 64 bits, so larger ones (and negative ones) wrap around. It lives on the
+        device the logits are sampled on (the LM head's): a draw never sends a vocabulary's probabilities across."""
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed & 0xFFFF_FFFF_FFFF_FFFF)
 
 
 # ---- logit processors: (..., vocab) -> (..., vocab), new tensors; these may move the argmax -----------------
@@ -229,81 +233,3 @@ def mirostat_v1_step(
     index = int(torch.multinomial(kept, 1, generator=generator))
     surprise = -math.log2(float(kept[index]))
     return int(order[index]), mu - eta * (surprise - tau)
-
-
-# ---- the per-sequence sampler ------------------------------------------------------------------------------
-
-
-class Sampler:
-    """Per-sequence sampling state: penalty counts (with Ai00's decay) and Mirostat's mu. One per generated
-    sequence; it takes each token it returns into its state, so call it once per step."""
-
-    def __init__(self, params: SamplingParams, vocab_size: int, context: Sequence[int] = ()):
-        """`vocab_size`: the logits' length (the state grows if logits turn out longer); `context`: token ids
-        already in the sequence (prompt, earlier turns), seen by the repetition penalty only."""
-        context = [int(token) for token in context]
-        self.params, self.vocab_size = params, vocab_size
-        self.generator = params.generator()
-        size = max([vocab_size, *(token + 1 for token in context)])
-        self.seen = torch.zeros(size, dtype=torch.bool)  # (vocab,) in context or output: repetition penalty
-        self.seen[context] = True
-        self.counts = torch.zeros(size)  # (vocab,) decayed output counts: presence and frequency penalties
-        self.mu = 2.0 * params.mirostat_tau  # Mirostat's surprise ceiling, in bits
-
-    def processed_logits(self, logits: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(vocab,) logits after penalties, logit_bias and the allowed mask, before temperature; no state change.
-        Works on a float32 CPU copy: the vector is small, and the generator and the state live on the CPU."""
-        if logits.dim() != 1:
-            raise ValueError(f"Sampler takes one sequence's logits, shape (vocab,), got {tuple(logits.shape)}")
-        p = self.params
-        logits = logits.detach().to("cpu", torch.float32)
-        self._grow(logits.shape[-1])
-        vocab = logits.shape[-1]
-        if p.repetition_penalty != 1.0:
-            logits = _penalize_seen(logits, self.seen[:vocab], p.repetition_penalty)
-        logits = apply_presence_frequency(logits, self.counts[:vocab], p.presence_penalty, p.frequency_penalty)
-        return apply_allowed(apply_logit_bias(logits, p.logit_bias), allowed)
-
-    def __call__(self, logits: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> int:
-        """The next token after `logits` (vocab,); never one outside `allowed` (a bool mask (vocab,))."""
-        p = self.params
-        logits = self.processed_logits(logits, allowed)
-        if bool(torch.isneginf(logits).all()):
-            raise ValueError("no token can be chosen: the allowed mask and logit_bias exclude every token")
-        if p.greedy:
-            token = int(logits.argmax())
-        else:
-            logits = apply_temperature(logits, p.temperature)
-            if p.mirostat == 2:
-                token, self.mu = mirostat_v2_step(logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.generator)
-            elif p.mirostat == 1:
-                token, self.mu = mirostat_v1_step(
-                    logits, self.mu, p.mirostat_tau, p.mirostat_eta, self.vocab_size, self.generator
-                )
-            else:
-                logits = filter_typical(filter_top_k(logits, p.top_k), p.typical_p)
-                token = draw(filter_min_p(filter_top_p(logits, p.top_p), p.min_p), self.generator)
-        self.record(token)
-        return token
-
-    def verify(self, logits: torch.Tensor, draft: int, allowed: Optional[torch.Tensor] = None) -> tuple[int, bool]:
-        """The next token after `logits`, chosen exactly as __call__ chooses it, and whether a drafter's guess
-        `draft` was that token. Keeping a guess only when it is the token drawn keeps it with probability p(draft):
-        speculative sampling's rule for a drafter sure of its guess (prompt lookup). Each token takes one draw
-        from the generator whether or not it was guessed, so a seeded reply is the same with or without drafts."""
-        token = self(logits, allowed)
-        return token, token == draft
-
-    def record(self, token: int) -> None:
-        """Take `token` into the state as the sequence's next output token. __call__ does this itself; call it
-        only for a token chosen elsewhere (one forced by a grammar, say). Mirostat's mu is left as it is."""
-        self._grow(token + 1)
-        self.counts.mul_(self.params.penalty_decay)  # Ai00: old occurrences fade; 1.0 keeps OpenAI's counts
-        self.counts[token] += 1
-        self.seen[token] = True
-
-    def _grow(self, size: int) -> None:
-        if size > len(self.seen):
-            extra = size - len(self.seen)
-            self.seen = torch.cat([self.seen, self.seen.new_zeros(extra)])
-            self.counts = torch.cat([self.counts, self.counts.new_zeros(extra)])

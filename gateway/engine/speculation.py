@@ -12,7 +12,7 @@ The gateway keeps the draft up to its first wrong token, plus the token the mode
                      quotes, summaries)
     a draft model    where prompt lookup finds nothing, a small model of the same tokenizer guesses, if the
                      served model has one (drafts.py)
-    verification     Sampler.verify: each token is chosen exactly as plain decoding chooses it (the argmax, or
+    verification     Sampler.verify (sequences.py): each token is chosen exactly as plain decoding chooses it (the argmax, or
                      one seeded draw), and a guess stands when it is that token: replies, greedy or seeded,
                      are the ones plain decoding gives, and a guess stands with probability p(guess)
     pacing           how long a draft pays to be: steps cost base + per_position * positions (measured per
@@ -25,16 +25,11 @@ draft is cut where the grammar would refuse it, before it is sent.
 
 from __future__ import annotations
 
-import itertools
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
-
-from gateway.engine.metrics import ACCEPTED_DRAFT_TOKENS, DRAFT_TOKENS
 
 LOOKUP_NGRAM = 3  # the longest suffix of the context looked up; shorter ones are tried when it is not found
 STEP_SAMPLES = 64  # recent decode steps the per-model cost is fitted on
@@ -126,89 +121,3 @@ class Pacing:
         # what the line leaves out (verifying each row, other sessions' steps a longer one delays) is small but
         # not nothing: a draft must promise a clear gain
         return best if tokens_per_second(best) >= MIN_GAIN * tokens_per_second(0) else 0
-
-
-@dataclass(frozen=True)
-class Emitted:
-    token: int
-    logits: object  # torch.Tensor (vocab,): the raw logits it was chosen from (for logprobs)
-    completes_grammar: bool = False  # the structured output's grammar is finished with this token
-
-
-class Decoder:
-    """One reply's tokens, a step through the swarm at a time: each `step` sends the pending tokens (and a draft,
-    when pacing says one pays) and returns the tokens it yields, keeping session.history to what the servers
-    hold of them (the last token yielded is pending: sent with the next step)."""
-
-    def __init__(self, session, sampler, constraint, stop_ids: set[int], run_step: Callable, pacing: Optional[Pacing],
-                 guesses=None):
-        """`run_step(session, tokens, every_position)`: logits after the last token, or after each; it appends the
-        tokens to session.history. `pacing` None: no drafts (speculation off). `guesses`: a draft model's
-        (drafts.ReplyDrafts), asked where prompt lookup finds nothing."""
-        self.session, self.sampler, self.constraint, self.stop_ids = session, sampler, constraint, stop_ids
-        self.run_step, self.pacing, self.guesses = run_step, pacing, guesses
-        self.vocab_size = session.model.vocab_size
-
-    def step(self, feed: list[int], room: int) -> list[Emitted]:
-        """The tokens one step yields, at most `room` (the reply's remaining budget): they end at a stop token
-        or where the grammar finishes, too."""
-        draft = self._draft(feed, room)
-        sent_at = len(self.session.history)
-        began = time.perf_counter()
-        logits = self.run_step(self.session, feed + draft, every_position=bool(draft))
-        if self.pacing is not None and len(feed) == 1:
-            self.pacing.costs.observed(1 + len(draft), time.perf_counter() - began)
-        if not draft:
-            if self.pacing is not None:
-                self.pacing.undrafted()
-            return [self._emit(logits, None)[0]]
-        emitted, kept = self._verify(logits[len(feed) - 1 :], draft, room)
-        self.pacing.drafted(len(draft), kept)
-        DRAFT_TOKENS.labels(self.session.model.name).inc(len(draft))
-        ACCEPTED_DRAFT_TOKENS.labels(self.session.model.name).inc(kept)
-        # the servers hold feed + draft; what they keep is feed and the draft tokens yielded before the last one
-        del self.session.history[sent_at + len(feed) + len(emitted) - 1 :]
-        return emitted
-
-    def _draft(self, feed: list[int], room: int) -> list[int]:
-        if self.pacing is None or len(feed) != 1:  # a prompt's step goes alone: its cost would skew the pacing
-            return []
-        session = self.session
-        space = session.max_length - len(session.history) - len(feed)  # positions the servers may still take
-        most = min(self.pacing.length(), room - 1, space)
-        context = session.history + feed
-        draft = prompt_lookup(context, most)
-        if not draft and self.guesses is not None:
-            draft = self.guesses.propose(context, most)
-        draft = list(itertools.takewhile(lambda token: token < self.vocab_size, draft))  # ids past the LM head end it
-        if draft and self.constraint is not None:
-            draft = draft[: self.constraint.valid_prefix(draft)]
-        return draft
-
-    def _verify(self, rows, draft: list[int], room: int) -> tuple[list[Emitted], int]:
-        """The tokens yielded, and how many of them are the draft's: rows[i] are the logits after the draft's
-        first i tokens (i = 0..len(draft))."""
-        emitted: list[Emitted] = []
-        for index, guess in enumerate(draft):
-            last, kept = self._emit(rows[index], guess)
-            emitted.append(last)
-            if not kept or self._ends(last) or len(emitted) == room:
-                return emitted, index + kept
-        emitted.append(self._emit(rows[len(draft)], None)[0])
-        return emitted, len(draft)
-
-    def _emit(self, logits, guess: Optional[int]) -> tuple[Emitted, bool]:
-        """The token chosen after `logits` (checked against the guess, if any), taken into the grammar's state."""
-        allowed = self.constraint.allowed() if self.constraint is not None else None
-        if guess is None:
-            token, kept = self.sampler(logits, allowed), False
-        else:
-            token, kept = self.sampler.verify(logits, guess, allowed)
-        finished = False
-        if self.constraint is not None and token not in self.stop_ids:
-            self.constraint.accept(token)
-            finished = self.constraint.is_finished()
-        return Emitted(token, logits, finished), kept
-
-    def _ends(self, chosen: Emitted) -> bool:
-        return chosen.token in self.stop_ids or chosen.completes_grammar

@@ -58,16 +58,24 @@ class ClientModules(nn.Module):
     def embed(self, token_ids: torch.Tensor, position: int = 0) -> torch.Tensor:
         """Token ids (batch, length) at absolute positions position.. -> hidden states (batch, length, hidden)
         as the first block expects them (transformers' hidden_states[0]), float32 on the CPU."""
+        batch, length = token_ids.shape
+        positions = torch.arange(position, position + length).repeat(batch)
+        return self.embed_rows(token_ids.reshape(-1), positions).reshape(batch, length, -1)
+
+    @torch.inference_mode()
+    def embed_rows(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens of many sequences at once, each at its own absolute position: ids (tokens,) and positions
+        (tokens,) -> hidden states (tokens, hidden), float32 on the CPU. Every step is row-wise, so each row is
+        what embedding its sequence alone gives."""
         hidden = self.embed_tokens(token_ids.to(self.device))
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         if self.embed_positions is not None:
-            end = position + token_ids.shape[1]
-            if end > self.embed_positions.num_embeddings:
+            if len(positions) and int(positions.max()) >= self.embed_positions.num_embeddings:
                 raise SessionLengthError(
-                    f"position {end - 1} is past this model's {self.embed_positions.num_embeddings} positions"
-                )
-            hidden = hidden + self.embed_positions(torch.arange(position, end, device=hidden.device))
+                    f"position {int(positions.max())} is past this model's {self.embed_positions.num_embeddings} "
+                    "positions")
+            hidden = hidden + self.embed_positions(positions.to(hidden.device))
         if self.embed_norm is not None:
             hidden = self.embed_norm(hidden)
         return hidden.to(HOST, torch.float32)
@@ -79,12 +87,17 @@ class ClientModules(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last block's output -> final norm -> LM head, float32 on the CPU: the gateway's sampler (penalties,
-        grammar masks, seeded generators) works on CPU tensors, and a row of logits is only vocab * 4 bytes."""
+        """The last block's output -> final norm -> LM head, float32 on the CPU (see logits_on_device)."""
+        return self.logits_on_device(hidden).to(HOST)
+
+    @torch.inference_mode()
+    def logits_on_device(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last block's output (rows, hidden) -> final norm -> LM head -> (rows, vocab), float32 where the head
+        runs: the gateway's engine samples there, and only the chosen token ids cross to the host."""
         logits = self.lm_head(self.norm(hidden.to(self.device, self.dtype)))
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits.to(HOST, torch.float32)
+        return logits.float()
 
 
 def _load_norm(family: Family, config, prefix: str, tensors: dict) -> nn.Module:

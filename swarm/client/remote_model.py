@@ -12,6 +12,7 @@ the CPU either way.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -78,6 +79,36 @@ class RemoteModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last block's output (rows, hidden) -> final norm -> LM head -> (rows, vocab), float32 on the CPU."""
         return self._head(hidden)
+
+    # ---- what an engine loop stepping many sessions at once uses (gateway/engine/loop.py) ----
+
+    def embed_rows(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens of many sessions in one call: ids (tokens,) at their positions (tokens,) -> (tokens, hidden)."""
+        return self.client_modules.embed_rows(token_ids, positions)
+
+    @property
+    def head_device(self) -> torch.device:
+        """Where the LM head runs, and the engine samples."""
+        return self.client_modules.device
+
+    def logits_on_device(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, hidden) -> (rows, vocab) float32 on the head's device, with no merging across threads."""
+        return self.client_modules.logits_on_device(hidden)
+
+    def start_steps(self, steps: Sequence[tuple[object, "InferenceSession", torch.Tensor, int]],
+                    on_done: Callable[[object, Optional[torch.Tensor], Optional[BaseException]], None]) -> None:
+        """Start each (key, session, hidden (1, length, hidden), position) through its chain without waiting;
+        `on_done(key, outputs, error)` is called on the client's event loop as each ends. They all start in one
+        turn of the loop, so that the steps bound for one server leave in one message (see stubs.StepChannel);
+        a failover runs inside its own session's step, never holding the others."""
+
+        async def start_all():
+            for key, session, hidden, position in steps:
+                task = asyncio.ensure_future(session.blocks.step_async(hidden, position))
+                _RUNNING.add(task)
+                task.add_done_callback(lambda task, key=key: _step_ended(task, key, on_done))
+
+        asyncio.run_coroutine_threadsafe(start_all(), self.client.loop.loop)
 
     @property
     def tokenizer(self):
@@ -185,6 +216,15 @@ class InferenceSession:
 
     def __exit__(self, *exc_info):
         self.close()
+
+
+_RUNNING: set[asyncio.Task] = set()  # steps under way (asyncio keeps only weak references to tasks)
+
+
+def _step_ended(task: asyncio.Task, key, on_done: Callable) -> None:
+    _RUNNING.discard(task)
+    error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+    on_done(key, None if error is not None else task.result(), error)
 
 
 def _as_batch(token_ids) -> torch.Tensor:

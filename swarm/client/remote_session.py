@@ -68,17 +68,38 @@ class ClientServices:
     block_wait: float  # how long routing waits for missing blocks (0: it fails at once)
 
 
-@dataclass
 class Hop:
-    """One server of a session's chain, and every input it has been sent (to replay onto a replacement)."""
+    """One server of a session's chain, and every input it has been sent (to replay onto a replacement).
 
-    link: ChainLink
-    stream: InferenceStream
-    inputs: Optional[torch.Tensor] = None  # (batch, positions so far, hidden)
+    Inputs are kept as the chunks they were sent in: a step appends one (never copying what came before, so a
+    reply's record costs its own size), a rewind drops chunks from the end, and reading them joins them once."""
+
+    def __init__(self, link: ChainLink, stream: InferenceStream, inputs: Optional[torch.Tensor] = None):
+        self.link, self.stream = link, stream
+        self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
+        self._length = 0  # positions recorded
+        if inputs is not None:
+            self.record(inputs, 0)
+
+    @property
+    def inputs(self) -> Optional[torch.Tensor]:
+        """(batch, positions so far, hidden), or None before any step."""
+        if not self._chunks:
+            return None
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks, dim=1)]
+        return self._chunks[0]
 
     def record(self, hidden: torch.Tensor, position: int) -> None:
-        kept = self.inputs[:, :position] if self.inputs is not None else hidden[:, :0]
-        self.inputs = torch.cat([kept, hidden], dim=1)
+        """Inputs sent for positions position..; a position below what was sent rewinds the record there."""
+        while self._chunks and self._length - self._chunks[-1].shape[1] >= position:
+            self._length -= self._chunks.pop().shape[1]
+        if self._length > position:  # the last chunk straddles the rewind
+            last = self._chunks[-1]
+            self._chunks[-1] = last[:, : last.shape[1] - (self._length - position)]
+            self._length = position
+        self._chunks.append(hidden)
+        self._length += hidden.shape[1]
 
 
 class RemoteSession:
@@ -168,7 +189,14 @@ class RemoteSession:
         self.position = length
 
     def step(self, hidden: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
-        """Run new positions (batch, length, hidden) through every server; `position` < current rewinds."""
+        """Run new positions (batch, length, hidden) through every server; `position` < current rewinds.
+        Call it from any thread but the client's event loop (see step_async)."""
+        return self.services.loop.run(self.step_async(hidden, position))
+
+    async def step_async(self, hidden: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
+        """`step` on the client's event loop: the gateway's engine loop starts the steps of all its sessions
+        this way without a thread each. The steady path never leaves the loop; a failover (routing, waiting,
+        backoff, replay) and a spot check run on a worker thread, so that they hold up no other session."""
         position = self.position if position is None else position
         end = position + hidden.shape[1]
         if end > self.max_length:
@@ -177,31 +205,35 @@ class RemoteSession:
             )
         output, index = hidden.to(self.services.wire_dtype), 0
         self._steps += 1
-        check = self.services.spot_checks.plan(self.route, self.chain)
+        spot_checks = self.services.spot_checks
+        check = await asyncio.to_thread(spot_checks.plan, self.route, self.chain) if spot_checks.rate > 0 else None
         while index < len(self.hops):
             hop = self.hops[index]
             hop.record(output, position)
             following = self.hops[index + 1] if index + 1 < len(self.hops) else None
             try:
-                hop_output = self._step_hop(hop, output, position, following)
-                if check is not None and check.link == hop.link:
-                    self.services.spot_checks.verify(check, hop.inputs, hop_output)  # raises if the hop lied
+                hop_output = await self._step_hop_async(hop, output, position, following)
+                if check is not None and check.link == hop.link:  # raises if the hop lied
+                    await asyncio.to_thread(spot_checks.verify, check, hop.inputs, hop_output)
                 output = hop_output
                 index += 1
             # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
             except (*SERVER_FAULTS, CacheFullError) as error:
-                output, index = self._fail_over(index, error, output.shape[1])
+                output, index = await asyncio.to_thread(self._fail_over, index, error, output.shape[1])
         self.position = end
         return output.to(hidden.dtype)
 
-    def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int, following: Optional[Hop] = None) -> torch.Tensor:
+    def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        return self.services.loop.run(self._step_hop_async(hop, hidden, position))
+
+    async def _step_hop_async(self, hop: Hop, hidden: torch.Tensor, position: int,
+                              following: Optional[Hop] = None) -> torch.Tensor:
         """One server's step; it pushes its outputs on to `following`'s server (which then starts at once), and
         they come back here too: to be sent on anyway, and kept for a replay should `following` fail."""
         timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
         began = time.perf_counter()
         push_to = following.stream if following is not None else None
-        output = self.services.loop.run(hop.stream.step(hidden, position, timeout, self._steps, push_to))
-        # checked here, on the session's thread: the event loop serves every session of the client
+        output = await hop.stream.step(hidden, position, timeout, self._steps, push_to)
         output = checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
         if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
             self.services.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)

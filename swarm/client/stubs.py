@@ -4,7 +4,7 @@ and the step channels that carry the steps of all of a client's sessions on one 
 A session opens and closes on each server through its own inference stream (InferenceStream), but its steps
 go through the client's StepChannel to that server (one per server, shared by every session): a step handed
 to an idle channel is sent at once; steps handed to it while a message is in flight wait, and leave together
-as the next message when its reply comes. So N sessions stepping at once cost about one message per server,
+as the next message when its reply comes; steps handed to it in the same turn of the event loop leave together. So N sessions stepping at once cost about one message per server,
 not N, and a lone step waits for nothing. A step of many positions (a prompt, a replay) travels alone, at
 once, so that it never holds up the short steps queued behind it.
 """
@@ -241,6 +241,7 @@ class StepChannel:
         self._queue: list[_Step] = []  # short steps waiting for the batched message's reply
         self._messages: dict[int, _Message] = {}  # in flight, by message id
         self._batching = False  # the message of short steps is in flight
+        self._flush_due = False  # a send of the queued steps is scheduled on the loop
         self._ids = itertools.count()
 
     async def step(self, hidden: torch.Tensor, entry: dict, timeout: float, blocks: str) -> torch.Tensor:
@@ -254,8 +255,11 @@ class StepChannel:
             self._send([step], batched=False, message_id=message_id, message=message)
         else:
             self._queue.append(step)
-            if not self._batching:
-                self._send_queued()
+            if not self._batching and not self._flush_due:
+                # sent once the loop has run what is ready now: the steps that sessions hand over in the same
+                # turn of the loop (all the steps an engine tick starts, or that one reply resumes) leave together
+                self._flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush)
         try:
             return await asyncio.wait_for(step.result, timeout)  # on a timeout, a queued step is dropped
         except asyncio.TimeoutError:
@@ -300,6 +304,11 @@ class StepChannel:
         for step in self._queue:
             _fail(step, ServerUnavailableError("the client closed"))
         self._queue = []
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        if not self._batching:
+            self._send_queued()
 
     def _send_queued(self) -> None:
         waiting = [step for step in self._queue if not step.result.done()]

@@ -295,7 +295,7 @@ def sampled(client, count=12, **fields) -> str:
 
 def local_sample(local, params, count=12) -> str:
     """The reply the gateway's sampler draws from the local model's logits: the same generator, seeded alike."""
-    from gateway.engine.sampling import Sampler
+    from gateway.engine.sampler import Sampler
 
     model, tokenizer = local
     ids = chat_prompt_ids(local)

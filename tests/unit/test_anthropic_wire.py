@@ -5,8 +5,6 @@ test client over the tiny model run in process."""
 import json
 
 import pytest
-import torch
-import transformers
 
 from config import AccessSettings, GatewaySettings, ModelConfig, Settings, SwarmSettings
 from gateway.anthropic import format as wire
@@ -19,6 +17,7 @@ from gateway.chat.schemas import NamedToolChoice
 from gateway.web.bodies import parse
 from gateway.anthropic.schemas import AnthropicCountTokensRequest
 from swarm.protocol import ServerUnavailableError
+from local_remote import LocalRemote, LocalSession
 
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
@@ -124,31 +123,21 @@ def test_every_refusal_takes_anthropics_envelope(keyed_client):
     assert "code" in keyed_client.post("/v1/chat/completions", json={}, headers=key).json["error"]
 
 
-class BreakingSession:
+class BreakingSession(LocalSession):
     """Stands in for a swarm session: the tiny model in process, until its servers go away at step `fail_at`."""
 
     def __init__(self, model, fail_at: int):
-        self.model, self.fail_at, self.ids = model, fail_at, []
+        super().__init__(model, max_length=64)
+        self.fail_at = fail_at
 
-    def step(self, ids, position=None, every_position=False):
+    def step(self, *args, **kwargs):
         self.fail_at -= 1
         if self.fail_at == 0:
             raise ServerUnavailableError("every server of block 2 went away")
-        self.ids = self.ids[:position] + list(ids[0])
-        with torch.no_grad():
-            logits = self.model(torch.tensor([self.ids])).logits
-        return logits[:, -len(ids[0]):] if every_position else logits[:, -1]
-
-    def close(self):
-        pass
+        return super().step(*args, **kwargs)
 
 
-class BreakingRemote:
-    def __init__(self, folder):
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        self.config, self.tokenizer = self.model.config, transformers.AutoTokenizer.from_pretrained(folder)
-        self.stop_token_ids = frozenset({self.tokenizer.eos_token_id})
-
+class BreakingRemote(LocalRemote):
     def session(self, max_length):
         return BreakingSession(self.model, fail_at=4)
 

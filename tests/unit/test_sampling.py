@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TypicalLogitsWarper
 
+from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import (
-    Sampler,
     SamplingParams,
     apply_logit_bias,
     apply_presence_frequency,

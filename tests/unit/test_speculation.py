@@ -8,7 +8,8 @@ import torch
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway.engine.generation import Engine, GenerationRequest
 from gateway.engine.grammar import GrammarSpec
-from gateway.engine.sampling import Sampler, SamplingParams, apply_temperature
+from gateway.engine.sampler import Sampler
+from gateway.engine.sampling import SamplingParams, apply_temperature
 from gateway.engine.speculation import Pacing, StepCosts, prompt_lookup
 from local_remote import LocalRemote
 

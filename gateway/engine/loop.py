@@ -1,0 +1,230 @@
+"""One served model's engine loop: every session's tokens computed together, a tick at a time, on one thread.
+
+    request threads --submit(Sequence)--> EngineLoop --tick--> each Sequence's OutputStream --> ReplyReader
+                                             |   ^
+                       start_steps (no wait) v   | steps' outputs, as each chain answers (on the swarm's event loop)
+                                          the swarm
+
+Each tick (vLLM's EngineCore is the model; the block servers have the same shape):
+  1. takes new sequences and aborts;
+  2. takes the sequences whose steps came back: their rows go through the LM head in one call, and every plain row
+     is sampled in one batched call on the head's device (sampler.py); only the chosen ids cross to the host;
+  3. embeds the next tokens of every sequence with a step to send, in one call;
+  4. starts all those steps at once without waiting (swarm.client: the steps bound for one server leave in one
+     message), and goes back to waiting.
+A session on a slow chain is simply not among the arrivals of a tick: it never holds the others, and a failover
+happens inside its own step. The thread runs torch calls only: detokenizing, stop sequences and framing happen in
+each request's thread (outputs.py).
+
+Speculation is the loop's policy: sequences draft only while few decode together (vLLM and Arctic turn drafting
+off under load too: verifying k guesses costs k positions of every server's round for each session).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from gateway.engine.sampler import sample_rows
+from gateway.engine.sequences import Sequence
+from gateway.errors import NotFound
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TickCounts:
+    """What the loop has done, for tests and the benchmark: calls per tick are what predict its speed."""
+
+    ticks: int = 0  # ticks that computed something
+    embeds: int = 0  # embedding calls
+    heads: int = 0  # LM-head calls
+    samplings: int = 0  # batched sampling calls (a verified draft's tokens are sampled one by one on top)
+    rows: int = 0  # logits rows sampled
+    steps: int = 0  # chain steps started
+
+
+class EngineLoop:
+    def __init__(self, model, max_drafting_sessions: int):
+        """`model`: a ServedModel; sequences draft only while at most `max_drafting_sessions` are decoding."""
+        self.model, self.remote = model, model.remote
+        self.max_drafting_sessions = max_drafting_sessions
+        self.counts = TickCounts()
+        self._inbox: deque = deque()  # ("start", sequence) or ("abort", sequence, kept)
+        self._arrivals: deque = deque()  # (sequence, outputs, error)
+        self._wake = threading.Event()
+        self._running: set[Sequence] = set()
+        self._thread = threading.Thread(target=self._run, name=f"engine-loop-{model.name}", daemon=True)
+        self._thread.start()
+
+    # ---- the face the engine's request threads use
+
+    def submit(self, sequence: Sequence) -> None:
+        self._inbox.append(("start", sequence))
+        self._wake.set()
+
+    def abort(self, sequence: Sequence, kept: int) -> None:
+        """End the reply after its first `kept` tokens, and wait until the session holds exactly that."""
+        self._inbox.append(("abort", sequence, kept))
+        self._wake.set()
+        sequence.settled.wait()
+
+    # ---- the loop
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self._tick()
+            except Exception:  # a bug: logged, and the loop goes on serving (the sequences at fault were failed)
+                logger.exception("the engine loop of %s failed a tick", self.model.name)
+
+    def _tick(self) -> None:
+        ready, arrived = [], []
+        try:
+            ready = self._take_inbox()
+            arrived = self._take_arrivals()
+            if arrived:
+                ready += self._sample(arrived)
+            if ready:
+                self._send(ready)
+        except Exception as error:  # a bug: this tick's sequences fail (never hang), the others go on
+            for sequence in [*ready, *(sequence for sequence, _ in arrived)]:
+                if not sequence.done and not sequence.in_flight:
+                    self._fail(sequence, error)
+            raise
+        if arrived or ready:
+            self.counts.ticks += 1
+
+    def _take_inbox(self) -> list[Sequence]:
+        ready = []
+        while self._inbox:
+            kind, sequence, *kept = self._inbox.popleft()
+            if kind == "start":
+                self._running.add(sequence)
+                ready.append(sequence)
+            elif sequence.done:  # ended already (by its own finish, or a failure): only the kept tokens change
+                if sequence.stream.error is None:
+                    sequence.settle(min(kept[0], len(sequence.generated)))
+            elif sequence.in_flight:
+                sequence.abort_at = kept[0]  # settled when its step comes back
+            else:
+                self._end(sequence, kept[0])
+                if sequence in ready:
+                    ready.remove(sequence)
+        return ready
+
+    def _take_arrivals(self) -> list[tuple[Sequence, torch.Tensor]]:
+        arrived = []
+        while self._arrivals:
+            sequence, outputs, error = self._arrivals.popleft()
+            sequence.in_flight = False
+            if error is not None:
+                sequence.session.broken = True  # the servers may hold some of the step or none of it
+                self._fail(sequence, error)
+                continue
+            sequence.landed()
+            if sequence.abort_at is not None:
+                self._end(sequence, sequence.abort_at)
+            elif sequence.head_rows() == 0:  # a feed alone (a saved prefix, a reply of no tokens)
+                self._end(sequence, 0)
+                sequence.stream.end()
+            else:
+                arrived.append((sequence, outputs))
+        return arrived
+
+    def _sample(self, arrived: list[tuple[Sequence, torch.Tensor]]) -> list[Sequence]:
+        """The LM head over every arrived row in one call, every plain row sampled in one call; the sequences
+        that go on."""
+        hidden = torch.cat([outputs[0, -sequence.head_rows():] for sequence, outputs in arrived])  # (rows, hidden)
+        logits = self.remote.logits_on_device(hidden)  # (rows, vocab), on the head's device
+        self.counts.heads += 1
+        per_sequence = logits.split([sequence.head_rows() for sequence, _ in arrived])
+        plain = [(sequence, rows, allowed) for (sequence, _), rows in zip(arrived, per_sequence)
+                 if not sequence.draft and (allowed := self._allowed(sequence)) is not False]
+        if plain:
+            rows = torch.cat([rows for _, rows, _ in plain])
+            tokens = sample_rows(rows, [sequence.sampler for sequence, _, _ in plain],
+                                 [allowed for _, _, allowed in plain]).tolist()  # the tick's one host transfer
+            self.counts.samplings += 1
+            self.counts.rows += len(plain)
+            for (sequence, _, _), token, row in zip(plain, tokens, rows):
+                self._guarded(sequence, sequence.take_plain, token, row)
+        for (sequence, _), rows in zip(arrived, per_sequence):
+            if sequence.draft:
+                self.counts.rows += len(rows)
+                self._guarded(sequence, sequence.take_verified, rows)
+        return [sequence for sequence, _ in arrived if not sequence.done]
+
+    def _send(self, ready: list[Sequence]) -> None:
+        """Embed every ready sequence's next tokens in one call and start all their steps."""
+        ready = [sequence for sequence in ready if self._open(sequence)]
+        if not ready:
+            return
+        may_draft = len(self._running) <= self.max_drafting_sessions
+        sends = [sequence.tokens_to_send(may_draft) for sequence in ready]
+        ids = torch.tensor([token for tokens in sends for token in tokens])
+        positions = torch.tensor([sequence.position + index for sequence, tokens in zip(ready, sends)
+                                  for index in range(len(tokens))])
+        try:
+            hidden = self.remote.embed_rows(ids, positions)  # (tokens, hidden)
+            self.counts.embeds += 1
+        except Exception as error:  # one sequence's input the embeddings refuse (past learned positions, say)
+            return self._send_each(ready, error)
+        steps = []
+        for sequence, rows in zip(ready, hidden.split([len(tokens) for tokens in sends])):
+            sequence.sent()
+            steps.append((sequence, sequence.session.inference, rows[None], sequence.position))
+        self.counts.steps += len(steps)
+        self.remote.start_steps(steps, self._arrived)
+
+    def _send_each(self, ready: list[Sequence], error: Exception) -> None:
+        if len(ready) == 1:
+            return self._fail(ready[0], error)
+        for sequence in ready:
+            sequence.draft = []
+            self._send([sequence])
+
+    def _arrived(self, sequence: Sequence, outputs, error) -> None:
+        """A step came back (on the swarm's event loop): the next tick takes it."""
+        self._arrivals.append((sequence, outputs, error))
+        self._wake.set()
+
+    # ---- ending sequences
+
+    def _open(self, sequence: Sequence) -> bool:
+        if sequence.session.closed or sequence.session.inference is None:
+            self._fail(sequence, NotFound(f"inference session {sequence.session.id} was closed", field="session_id"))
+            return False
+        return True
+
+    def _allowed(self, sequence: Sequence):
+        """The grammar's mask for the sequence's next token (None: no grammar); False if its grammar failed."""
+        try:
+            return sequence.allowed()
+        except Exception as error:
+            self._fail(sequence, error)
+            return False
+
+    def _guarded(self, sequence: Sequence, take, *args) -> None:
+        try:
+            take(*args)
+        except Exception as error:  # this sequence's own failure (a grammar's, a refused mask): the others go on
+            self._fail(sequence, error)
+        if sequence.done:
+            self._running.discard(sequence)
+
+    def _end(self, sequence: Sequence, kept: int) -> None:
+        sequence.settle(kept)
+        self._running.discard(sequence)
+
+    def _fail(self, sequence: Sequence, error: BaseException) -> None:
+        sequence.done = True
+        sequence.stream.fail(error)
+        sequence.settled.set()
+        self._running.discard(sequence)
