@@ -39,6 +39,7 @@ class Gateway:
             "INITIAL_PEERS": " ".join(initial_peers),
             "MAX_SESSIONS": str(max_sessions),
             "MAX_SESSIONS_PER_CLIENT": str(max_sessions),  # every session of the benchmark comes from 127.0.0.1
+            "MAX_WEBSOCKETS_PER_CLIENT": str(max_sessions),  # and over a WebSocket of its own
             "REQUESTS_PER_MINUTE": "0",
             "TORCH_THREADS": str(torch_threads),
             "MODEL": model,

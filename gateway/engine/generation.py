@@ -247,7 +247,11 @@ class Engine:
 
         reader = ReplyReader(sequence.stream, _detokenizer(model, sequence.start), stopper,
                              lambda kept: loop.abort(sequence, kept), cancelled, on_token)
-        yield from reader.deltas()
+        session.abort_reply = lambda: loop.abort(sequence, reader.count)
+        try:
+            yield from reader.deltas()
+        finally:
+            session.abort_reply = None
 
     def loop_of(self, model: ServedModel) -> EngineLoop:
         """The model's engine loop (started on first use)."""

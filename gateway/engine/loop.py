@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.engine.metrics import ABORTED_REPLIES, ENGINE_ROWS, ENGINE_STEPS, ENGINE_TICKS
 from gateway.engine.sampler import sample_rows
 from gateway.engine.sequences import Sequence
 from gateway.errors import NotFound
@@ -63,12 +64,18 @@ class EngineLoop:
 
     # ---- the face the engine's request threads use
 
-    def submit(self, sequence: Sequence) -> None:
-        self._inbox.append(("start", sequence))
+    def submit(self, *sequences: Sequence) -> None:
+        """Start these replies (in the same tick: n choices, or a test's sessions)."""
+        self._inbox.extend(("start", sequence) for sequence in sequences)
         self._wake.set()
 
     def abort(self, sequence: Sequence, kept: int) -> None:
-        """End the reply after its first `kept` tokens, and wait until the session holds exactly that."""
+        """End the reply after its first `kept` tokens (its reader stopped there: a stop sequence, a client gone, a
+        stop message), and wait until the session holds exactly that. Only the first abort of a reply counts."""
+        if sequence.aborted:
+            return
+        sequence.aborted = True
+        ABORTED_REPLIES.labels(self.model.name).inc()
         self._inbox.append(("abort", sequence, kept))
         self._wake.set()
         sequence.settled.wait()
@@ -89,6 +96,9 @@ class EngineLoop:
         try:
             ready = self._take_inbox()
             arrived = self._take_arrivals()
+            if arrived or ready:
+                self.counts.ticks += 1
+                ENGINE_TICKS.labels(self.model.name).inc()
             if arrived:
                 ready += self._sample(arrived)
             if ready:
@@ -98,8 +108,6 @@ class EngineLoop:
                 if not sequence.done and not sequence.in_flight:
                     self._fail(sequence, error)
             raise
-        if arrived or ready:
-            self.counts.ticks += 1
 
     def _take_inbox(self) -> list[Sequence]:
         ready = []
@@ -152,12 +160,12 @@ class EngineLoop:
             tokens = sample_rows(rows, [sequence.sampler for sequence, _, _ in plain],
                                  [allowed for _, _, allowed in plain]).tolist()  # the tick's one host transfer
             self.counts.samplings += 1
-            self.counts.rows += len(plain)
+            self._count_rows(len(plain))
             for (sequence, _, _), token, row in zip(plain, tokens, rows):
                 self._guarded(sequence, sequence.take_plain, token, row)
         for (sequence, _), rows in zip(arrived, per_sequence):
             if sequence.draft:
-                self.counts.rows += len(rows)
+                self._count_rows(len(rows))
                 self._guarded(sequence, sequence.take_verified, rows)
         return [sequence for sequence, _ in arrived if not sequence.done]
 
@@ -181,7 +189,12 @@ class EngineLoop:
             sequence.sent()
             steps.append((sequence, sequence.session.inference, rows[None], sequence.position))
         self.counts.steps += len(steps)
+        ENGINE_STEPS.labels(self.model.name).inc(len(steps))
         self.remote.start_steps(steps, self._arrived)
+
+    def _count_rows(self, rows: int) -> None:
+        self.counts.rows += rows
+        ENGINE_ROWS.labels(self.model.name).inc(rows)
 
     def _send_each(self, ready: list[Sequence], error: Exception) -> None:
         if len(ready) == 1:

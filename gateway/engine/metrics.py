@@ -6,6 +6,10 @@
     gateway_cached_prompt_tokens_total{model}   counter    prompt tokens the servers held already (engine/warm.py)
     gateway_draft_tokens_total{model}           counter    tokens drafted and sent for verification (speculation.py)
     gateway_draft_tokens_accepted_total{model}  counter    of those, the ones kept: their ratio is the acceptance rate
+    gateway_engine_ticks_total{model}           counter    engine loop ticks that computed something (loop.py)
+    gateway_engine_rows_total{model}            counter    logits rows sampled: rows / ticks is the loop's batch
+    gateway_engine_steps_total{model}           counter    chain steps started: steps / ticks, sessions sent together
+    gateway_aborted_replies_total{model}        counter    replies their reader ended (stop sequence, client gone, stop)
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ CACHED_PROMPT_TOKENS = Counter("gateway_cached_prompt_tokens_total",
 DRAFT_TOKENS = Counter("gateway_draft_tokens", "Tokens drafted (speculative decoding) and verified by the swarm", ["model"])
 ACCEPTED_DRAFT_TOKENS = Counter("gateway_draft_tokens_accepted",
                                 "Drafted tokens that were the model's choice: kept without a step of their own", ["model"])
+
+ENGINE_TICKS = Counter("gateway_engine_ticks", "Engine loop ticks that computed something", ["model"])
+ENGINE_ROWS = Counter("gateway_engine_rows", "Logits rows the engine loop sampled (rows per tick: its batch)", ["model"])
+ABORTED_REPLIES = Counter("gateway_aborted_replies",
+                          "Replies their reader ended: a stop sequence, a client gone, a stop message", ["model"])
+ENGINE_STEPS = Counter("gateway_engine_steps", "Chain steps the engine loop started", ["model"])
 
 
 def observe_token(model: str, seconds: float, first: bool) -> None:

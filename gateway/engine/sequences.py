@@ -39,6 +39,7 @@ class Sequence:
         self.draft: list[int] = []
         self.in_flight = False
         self.done = False
+        self.aborted = False  # its reader (or the session's close) has ended it
         self.abort_at: Optional[int] = None  # the reader ended the reply after this many tokens
         self.settled = threading.Event()  # set once the session's history is final (the reply is over)
         self._sent_at, self._began = 0, 0.0

@@ -112,6 +112,8 @@ class GatewaySession:
     # who may continue it once its request is done (engine/warm.py): None for sessions of their own (HTTP, WebSocket)
     warm_key: Optional[object] = None
     broken: bool = False  # a step failed: the servers' caches may not hold `history`, so it is never reused
+    # ends the reply the engine loop is computing for it, if any, and waits until no step of it is in flight
+    abort_reply: Optional[Callable[[], None]] = None
 
     def forked(self, length: int) -> "GatewaySession":
         """A new session whose servers share this one's first `length` positions (copy-on-write) rather than
@@ -132,8 +134,11 @@ class GatewaySession:
                 inference.on_wait = None
 
     def close(self) -> None:
-        """Free the servers' caches; safe to call twice and from any thread."""
+        """Free the servers' caches; safe to call twice and from any thread. A reply still running (its reader
+        not closed yet: an exception on its way up) is ended first: no step of it reaches a closed server session."""
         self.closed = True
+        if self.abort_reply is not None:
+            self.abort_reply()
         inference, self.inference = self.inference, None
         if inference is not None:
             try:

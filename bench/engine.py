@@ -1,0 +1,155 @@
+"""`python -m bench.engine`: what the gateway's engine loop costs and gives, at 1, 16 and 64 sessions.
+
+    python -m bench.engine [--shape tiny] [--device cpu] [--sessions 1,16,64] [--tokens 64] [--out bench/results]
+                           [--env NAME=VALUE ...]
+
+Two block servers and a real gunicorn gateway, as in production; for each count of sessions, that many WebSocket
+sessions generate `--tokens` tokens at once (the first prompt of bench/workload.py, greedy). It prints, per count:
+aggregate tok/s, each session's time per token, the CPU the gateway's worker (and its whole process tree: the
+gunicorn master, the worker and its libp2p daemon) spent per generated token, and the engine loop's rows per tick
+and chain steps per tick (from its /metrics counters). `--shape tiny` is the tests' tiny model: its compute is
+close to nothing, so what is left is the overhead a GPU box would see. Without --shape: the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import requests
+
+from bench.gateway import Gateway
+from bench.load import concurrent_replies
+from bench.stats import summarize_concurrent
+from bench.workload import chat_prompt, session_length
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+COUNTERS = ("ticks", "rows", "steps")  # gateway_engine_*_total
+
+
+def main(argv=None) -> None:
+    options = parse(argv)
+    results = run(options)
+    print(table(results))
+    options.out.mkdir(parents=True, exist_ok=True)
+    path = options.out / time.strftime("engine-%Y%m%d-%H%M%S.json")
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="tiny", help="a shape of bench/shapes.py; 'default' for the default model")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
+    parser.add_argument("--sessions", default="1,16,64", type=lambda text: [int(n) for n in text.split(",")])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--env", action="append", default=[], help="a gateway setting, NAME=VALUE (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    options = parser.parse_args(argv)
+    options.dtype = options.dtype or ("float32" if options.device == "cpu" else "bfloat16")
+    return options
+
+
+def run(options: argparse.Namespace) -> dict:
+    import torch
+
+    from bench.shapes import model_folder
+    from swarm.local import LocalSwarm, halves
+    from swarm.weights import load_config, load_tokenizer
+
+    cache_dir = Path(os.environ.get("SWARM_CACHE_DIR", Path.home() / ".cache" / "swarm-gateway"))
+    shape = None if options.shape == "default" else options.shape
+    name, folder = model_folder(shape, options.dtype, cache_dir, options.device)
+    source = str(folder) if shape is not None else name
+    prompt = chat_prompt(load_tokenizer(folder))
+    most = max(options.sessions)
+    cache_tokens = (most + 2) * session_length(prompt, options.tokens) * 2
+    server_args = ["--threads", str(options.threads), "--device", options.device, "--dtype", options.dtype,
+                   "--cache-tokens", str(cache_tokens)]
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    env = dict(item.split("=", 1) for item in options.env)
+    results = {"model": name, "device": options.device, "dtype": options.dtype, "tokens": options.tokens,
+               "env": env, "torch": torch.__version__, "cpus": os.cpu_count(), "runs": {}}
+    with ExitStack() as running:
+        spans = halves(load_config(folder).num_hidden_layers)
+        swarm = running.enter_context(LocalSwarm(source, spans, server_args=server_args, log_dir=log_dir))
+        gateway = running.enter_context(Gateway(swarm.initial_peers, most + 4, options.threads, log_dir, source,
+                                                options.device, options.dtype, env=env))
+        concurrent_replies(gateway.ws_url, prompt, options.tokens, 1, options.timeout)  # warm-up: loads the model
+        for sessions in options.sessions:
+            results["runs"][str(sessions)] = measure(gateway, prompt, options, sessions)
+            print(f"{sessions:3d} sessions: {results['runs'][str(sessions)]}", flush=True)
+    return results
+
+
+def measure(gateway: Gateway, prompt, options: argparse.Namespace, sessions: int) -> dict:
+    gateway.wait_idle()
+    master = gateway.process.process.pid
+    worker = _children(master)[0]
+    cpu_before, worker_before, counters_before = _tree_cpu(master), _cpu(worker), _counters(gateway)
+    summary = summarize_concurrent(concurrent_replies(gateway.ws_url, prompt, options.tokens, sessions,
+                                                      options.timeout))
+    cpu_after, worker_after, counters_after = _tree_cpu(master), _cpu(worker), _counters(gateway)
+    tokens = max(summary["tokens"], 1)
+    ticks = max(counters_after["ticks"] - counters_before["ticks"], 1)
+    return {
+        "aggregate_tok_s": round(summary["aggregate_tok_s"], 1),
+        "ms_per_token_per_session": round(1000 / summary["per_session_decode_tok_s_p50"], 2),
+        "worker_cpu_ms_per_token": round((worker_after - worker_before) * 1000 / tokens, 3),
+        "gateway_tree_cpu_ms_per_token": round((cpu_after - cpu_before) * 1000 / tokens, 3),
+        "rows_per_tick": round((counters_after["rows"] - counters_before["rows"]) / ticks, 2),
+        "steps_per_tick": round((counters_after["steps"] - counters_before["steps"]) / ticks, 2),
+        "tokens": summary["tokens"],
+        "errors": summary["errors"][:3],
+    }
+
+
+def table(results: dict) -> str:
+    lines = [f"{results['model']} on {results['device']} ({results['dtype']}), {results['tokens']} tokens per session"
+             f"{', ' + str(results['env']) if results['env'] else ''}",
+             f"{'sessions':>8} {'tok/s':>9} {'ms/tok/session':>15} {'worker CPU ms/tok':>18} "
+             f"{'tree CPU ms/tok':>16} {'rows/tick':>10} {'steps/tick':>11}"]
+    for sessions, run in results["runs"].items():
+        lines.append(f"{sessions:>8} {run['aggregate_tok_s']:>9} {run['ms_per_token_per_session']:>15} "
+                     f"{run['worker_cpu_ms_per_token']:>18} {run['gateway_tree_cpu_ms_per_token']:>16} "
+                     f"{run['rows_per_tick']:>10} {run['steps_per_tick']:>11}")
+    return "\n".join(lines)
+
+
+def _counters(gateway: Gateway) -> dict[str, float]:
+    text = requests.get(gateway.url + "/metrics", timeout=10).text
+    return {name: sum(float(value) for value in re.findall(rf"^gateway_engine_{name}_total{{[^}}]*}} (\S+)$", text,
+                                                            re.MULTILINE)) for name in COUNTERS}
+
+
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def _tree_cpu(pid: int) -> float:
+    try:
+        return _cpu(pid) + sum(_tree_cpu(child) for child in _children(pid))
+    except FileNotFoundError:  # a process that ended meanwhile
+        return 0.0
+
+
+if __name__ == "__main__":
+    main()

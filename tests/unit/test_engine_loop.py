@@ -1,0 +1,159 @@
+"""The engine loop's shape: per tick one embedding call, one LM-head call and one sampling call whatever the number of
+sessions; only token ids cross from the head's logits to the host; slow chains hold nobody; an abort settles a
+session exactly where its reader stopped."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
+from gateway.engine.generation import Engine, GenerationRequest
+from gateway.engine.loop import EngineLoop
+from gateway.engine.sampler import Sampler
+from gateway.engine.sampling import SamplingParams
+from gateway.engine.sequences import Sequence
+from local_remote import LocalRemote
+
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_llama):
+    return LocalRemote(tiny_llama)
+
+
+@pytest.fixture
+def engine(tiny_llama, remote, tmp_path):
+    gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), max_session_length=64),),
+                              limits=Limits(max_sessions=80, max_sessions_per_client=80, speculative_tokens=0))
+    return Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
+
+
+def sequences(engine, count: int, params=SamplingParams(), tokens: int = TOKENS) -> list[Sequence]:
+    model = engine.model("tiny")
+    made = []
+    for index in range(count):
+        session = engine.open_session("tiny", 64, expires=False)
+        feed = model.encode(f"prompt number {index}", at_start=True)
+        # no stop token: every reply has all its tokens
+        made.append(Sequence(session, feed, tokens, Sampler(params, model.vocab_size), None, set(), None))
+    return made
+
+
+def run_together(loop: EngineLoop, batch: list[Sequence]) -> None:
+    loop.submit(*batch)
+    for sequence in batch:
+        assert sequence.settled.wait(60) and sequence.stream.error is None, sequence.stream.error
+
+
+@pytest.mark.parametrize("count", [1, 8, 64])
+def test_a_tick_embeds_runs_the_head_and_samples_once_whatever_the_sessions(engine, remote, count):
+    loop = EngineLoop(engine.model("tiny"), max_drafting_sessions=0)
+    batch = sequences(engine, count)
+    calls_before = dict(remote.calls)
+    run_together(loop, batch)
+    calls = {name: remote.calls[name] - calls_before[name] for name in calls_before}
+    counts = loop.counts
+    # a tick sends every prompt; then each tick takes every session's row and sends every next token
+    assert counts.ticks == TOKENS + 1
+    assert calls["embed"] == counts.embeds == TOKENS  # the last token of each reply is never sent
+    assert calls["start_steps"] == TOKENS  # all sessions' steps started together: one message per server
+    assert calls["head"] == counts.heads == TOKENS and counts.samplings == TOKENS
+    assert counts.rows == count * TOKENS and counts.steps == count * TOKENS
+    assert all(len(sequence.generated) == TOKENS for sequence in batch)
+
+
+def test_the_batched_loop_gives_each_session_what_it_gives_alone(engine):
+    alone = []
+    for sequence in sequences(engine, 4, SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=7)):
+        run_together(EngineLoop(engine.model("tiny"), 0), [sequence])
+        alone.append(sequence.generated)
+    together = sequences(engine, 4, SamplingParams(do_sample=True, temperature=0.8, top_k=20, seed=7))
+    run_together(EngineLoop(engine.model("tiny"), 0), together)
+    assert [sequence.generated for sequence in together] == alone
+
+
+class HostReads(torch.Tensor):
+    """Logits as the head's device would hold them: every read of their values by the host is recorded."""
+
+    reads: list = []
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__bool__, torch.Tensor.__index__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.READS or (func is torch.Tensor.to and "cpu" in map(str, args[1:])):
+            cls.reads.append((func.__name__, args[0].numel()))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class HeadOnADevice(LocalRemote):
+    def logits_on_device(self, hidden):
+        return super().logits_on_device(hidden).as_subclass(HostReads)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(do_sample=True, top_k=40, top_p=0.9)])
+def test_only_token_ids_cross_from_the_logits_to_the_host(tiny_llama, tmp_path, params):
+    remote = HeadOnADevice(tiny_llama)
+    gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), max_session_length=64),),
+                              limits=Limits(max_sessions=16, max_sessions_per_client=16, speculative_tokens=0))
+    engine = Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
+    HostReads.reads = []
+    run_together(EngineLoop(engine.model("tiny"), 0), sequences(engine, 8, params))
+    assert HostReads.reads  # the token ids, once per tick
+    assert all(name == "tolist" and size == 8 for name, size in HostReads.reads), HostReads.reads
+
+
+class SlowChains(LocalRemote):
+    """Steps of the sessions listed in `slow` come back `delay` seconds later, from another thread."""
+
+    def __init__(self, folder, delay):
+        super().__init__(folder)
+        self.delay, self.slow = delay, set()
+
+    def start_steps(self, steps, on_done):
+        fast = [step for step in steps if step[1] not in self.slow]
+        super().start_steps(fast, on_done)
+        for step in steps:
+            if step[1] in self.slow:
+                threading.Timer(self.delay, super().start_steps, ([step], on_done)).start()
+
+
+def test_a_session_on_a_slow_chain_never_holds_the_others(tiny_llama, tmp_path):
+    remote = SlowChains(tiny_llama, delay=0.3)
+    gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), max_session_length=64),),
+                              limits=Limits(speculative_tokens=0))
+    engine = Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway), connect=lambda config: remote)
+    slow, fast = sequences(engine, 2, tokens=12)
+    remote.slow.add(slow.session.inference)
+    loop = EngineLoop(engine.model("tiny"), 0)
+    loop.submit(slow)
+    began = time.monotonic()
+    run_together(loop, [fast])
+    assert time.monotonic() - began < 0.3 * 4  # 12 tokens at its own pace, not 13 x 0.3 s
+    assert not slow.done
+    assert slow.settled.wait(30) and len(slow.generated) == 12
+
+
+def test_an_abort_settles_the_session_at_the_last_token_read_once(engine):
+    from gateway.engine.metrics import ABORTED_REPLIES
+
+    model = engine.model("tiny")
+    request = GenerationRequest(inputs="Hello there", sampling=SamplingParams(), max_new_tokens=20)
+    whole = engine.open_session("tiny", 64, expires=False)
+    with engine.sessions.use(whole.id):
+        list(engine.generate(whole, request))
+    prompt = model.encode("Hello there", at_start=True)
+    reply = (whole.history + whole.pending)[len(prompt):]
+
+    aborts = ABORTED_REPLIES.labels("tiny")._value.get()
+    session = engine.open_session("tiny", 64, expires=False)
+    with engine.sessions.use(session.id):
+        deltas = engine.generate(session, request)
+        assert sum(next(deltas).token_count for _ in range(3)) == 3
+        deltas.close()  # the client went away after three tokens
+    assert session.history + session.pending == prompt + reply[:3]
+    assert ABORTED_REPLIES.labels("tiny")._value.get() == aborts + 1
+    assert not engine.loop_of(model)._running  # nothing of it is left in the loop
