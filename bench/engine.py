@@ -63,10 +63,11 @@ def run(options: argparse.Namespace) -> dict:
     import torch
 
     from bench.shapes import model_folder
+    from config import SwarmSettings
     from swarm.local import LocalSwarm, halves
     from swarm.weights import load_config, load_tokenizer
 
-    cache_dir = Path(os.environ.get("SWARM_CACHE_DIR", Path.home() / ".cache" / "swarm-gateway"))
+    cache_dir = SwarmSettings.from_env().cache_dir
     shape = None if options.shape == "default" else options.shape
     name, folder = model_folder(shape, options.dtype, cache_dir, options.device)
     source = str(folder) if shape is not None else name

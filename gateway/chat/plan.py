@@ -104,7 +104,7 @@ class Plan:
         """(choice index, delta) of every choice in turn; the session is given back at the end, however it comes."""
         engine, session = self.engine, self.session
         try:
-            with engine.sessions.use(session.id):
+            with engine.use_session(session.id):
                 for index in range(self.n):
                     if index:
                         engine.rewind(session, len(self.prompt_ids))

@@ -8,6 +8,7 @@ only the new tokens through the swarm: the servers' caches hold the rest of the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -160,6 +161,38 @@ class Engine:
             self.sessions.add(session)
         return session
 
+    def use_session(self, session_id: str, client: Optional[str] = None):
+        """`with engine.use_session(id[, client]) as session:` one request at a time on a session (sessions.use)."""
+        return self.sessions.use(session_id, client)
+
+    def resume_session(self, session_id: str, client: str) -> GatewaySession:
+        """A session named by a new connection (a WebSocket's resume), reopened from the store if need be."""
+        return self.sessions.resume(session_id, client)
+
+    def keep_session(self, session: GatewaySession) -> None:
+        """Clients name it by id from now on: it is kept in the session store and outlives a restart."""
+        self.sessions.keep(session)
+
+    def detach_session(self, session: GatewaySession) -> None:
+        """Its connection ended: it leaves this process, the store keeps it for a resume."""
+        self.sessions.detach(session)
+
+    def session_slot(self, client: str):
+        """`with engine.session_slot(client):` a slot among the client's sessions, for work that opens none."""
+        return self.sessions.reserve(client)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def max_sessions_per_client(self) -> int:
+        return self.sessions.max_per_client
+
+    def saved_state(self, client: str, name: str) -> SavedState:
+        """A prefix the client saved by name (POST /v1/states), or a 404 naming it."""
+        return self.states.get(client, name)
+
     def close_session(self, session: GatewaySession) -> None:
         self.sessions.remove(session)
         session.close()
@@ -211,6 +244,7 @@ class Engine:
     def finish_session(self, session: GatewaySession) -> None:
         """A request is done with its session: kept warm for the client's next request if it can be (see
         open_for_prompt), else closed."""
+        session.settle()
         self.sessions.remove(session)
         if session.warm_key is None or session.broken or session.closed:
             session.close()
@@ -226,6 +260,7 @@ class Engine:
         The reply is computed by the model's engine loop, beside every other session's; this thread only reads its
         tokens and makes text of them. `cancelled` is asked between tokens (a stop message, a client gone); `stats`
         collects the timings of one API request across its choices (default: a record of its own in engine.stats)."""
+        session.settle()  # a reply before this one left unclosed ends first
         if session.closed:
             raise NotFound(f"inference session {session.id} is closed", field="session_id")
         model = session.model
@@ -246,12 +281,13 @@ class Engine:
             observe_token(model.name, stats.step_done(first=first), first=first)
 
         reader = ReplyReader(sequence.stream, _detokenizer(model, sequence.start), stopper,
-                             lambda kept: loop.abort(sequence, kept), cancelled, on_token)
+                             functools.partial(loop.abort, sequence), cancelled, on_token)
         session.abort_reply = lambda: loop.abort(sequence, reader.count)
         try:
             yield from reader.deltas()
         finally:
-            session.abort_reply = None
+            if sequence.settled.is_set():  # else the next use of the session waits for it (settle)
+                session.abort_reply = None
 
     def loop_of(self, model: ServedModel) -> EngineLoop:
         """The model's engine loop (started on first use)."""
@@ -314,6 +350,7 @@ class Engine:
     def rewind(session: GatewaySession, length: int) -> None:
         """Forget everything after the first `length` tokens (another choice for the same prompt, a regenerate):
         the servers overwrite their caches from there, so the prompt is not computed again."""
+        session.settle()
         rewind_tokens(session, length)
 
     # ----------------------------------------------------------------------------------- scoring

@@ -69,16 +69,17 @@ class EngineLoop:
         self._inbox.extend(("start", sequence) for sequence in sequences)
         self._wake.set()
 
-    def abort(self, sequence: Sequence, kept: int) -> None:
+    def abort(self, sequence: Sequence, kept: int, wait: bool = True) -> None:
         """End the reply after its first `kept` tokens (its reader stopped there: a stop sequence, a client gone, a
-        stop message), and wait until the session holds exactly that. Only the first abort of a reply counts."""
-        if sequence.aborted:
-            return
-        sequence.aborted = True
-        ABORTED_REPLIES.labels(self.model.name).inc()
-        self._inbox.append(("abort", sequence, kept))
-        self._wake.set()
-        sequence.settled.wait()
+        stop message), and wait until the session holds exactly that (`wait`: a reader closed by the garbage
+        collector, on whatever thread, never waits). Only the first abort of a reply counts; any abort waits."""
+        if not sequence.aborted:
+            sequence.aborted = True
+            ABORTED_REPLIES.labels(self.model.name).inc()
+            self._inbox.append(("abort", sequence, kept))
+            self._wake.set()
+        if wait and threading.current_thread() is not self._thread:
+            sequence.settled.wait()
 
     # ---- the loop
 
@@ -141,7 +142,6 @@ class EngineLoop:
                 self._end(sequence, sequence.abort_at)
             elif sequence.head_rows() == 0:  # a feed alone (a saved prefix, a reply of no tokens)
                 self._end(sequence, 0)
-                sequence.stream.end()
             else:
                 arrived.append((sequence, outputs))
         return arrived
@@ -234,6 +234,7 @@ class EngineLoop:
 
     def _end(self, sequence: Sequence, kept: int) -> None:
         sequence.settle(kept)
+        sequence.stream.end()  # a reader still waiting (its session closed under it) stops waiting
         self._running.discard(sequence)
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:

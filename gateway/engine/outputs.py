@@ -88,7 +88,7 @@ class ReplyReader:
     `abort(kept)` tells the engine loop where the reply ends when the reader ends it (a stop sequence, a client
     gone, a stop message): it is called exactly once in that case, and the loop settles the session there."""
 
-    def __init__(self, stream: OutputStream, detokenizer, stopper: StopMatcher, abort: Callable[[int], None],
+    def __init__(self, stream: OutputStream, detokenizer, stopper: StopMatcher, abort: Callable[..., None],
                  cancelled: Callable[[], bool], on_token: Callable[[bool], None]):
         self.stream, self.detokenizer, self.stopper = stream, detokenizer, stopper
         self.abort, self.cancelled, self.on_token = abort, cancelled, on_token
@@ -115,8 +115,8 @@ class ReplyReader:
                 try:
                     yield delta
                 except GeneratorExit:  # the caller stops reading: the session ends at the last token it got
-                    if delta.finish_reason is None:
-                        self.abort(self.count)
+                    if delta.finish_reason is None:  # (settled in the loop: the session's next use waits for it)
+                        self.abort(self.count, wait=False)
                     raise
                 if delta.finish_reason is not None:
                     return

@@ -133,12 +133,18 @@ class GatewaySession:
             if inference is not None:
                 inference.on_wait = None
 
+    def settle(self) -> None:
+        """End the reply the engine loop is still computing for it, if any (its reader was dropped unclosed: an
+        exception on its way up), and wait until the session's token history is final."""
+        abort = self.abort_reply
+        if abort is not None:
+            abort()
+
     def close(self) -> None:
         """Free the servers' caches; safe to call twice and from any thread. A reply still running (its reader
         not closed yet: an exception on its way up) is ended first: no step of it reaches a closed server session."""
         self.closed = True
-        if self.abort_reply is not None:
-            self.abort_reply()
+        self.settle()
         inference, self.inference = self.inference, None
         if inference is not None:
             try:

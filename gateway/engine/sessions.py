@@ -184,6 +184,7 @@ class SessionRegistry:
         try:
             yield session
         finally:
+            session.settle()  # a reply left unclosed (an exception on its way up) ends before the session is saved
             session.last_used = time.monotonic()
             try:
                 self.save(session)  # what the request left, for a restart to continue from

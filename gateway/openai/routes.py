@@ -88,8 +88,8 @@ def completions():
         state = saved_state(engine, model, fields.state, chat=False)
         prompts = [state.tokens + ids for ids in prompts]
         fields = fields.model_copy(update={"cache_salt": state.key.salt})
-    if len(prompts) > engine.sessions.max_per_client:  # each prompt holds a session of its own while it runs
-        raise BadRequest(f"prompt: at most {engine.sessions.max_per_client} prompts in one request "
+    if len(prompts) > engine.max_sessions_per_client:  # each prompt holds a session of its own while it runs
+        raise BadRequest(f"prompt: at most {engine.max_sessions_per_client} prompts in one request "
                          "(MAX_SESSIONS_PER_CLIENT)", field="prompt")
     plans = [plan_generation(engine, model, fields, ids, "prompt", logprobs=fields.logprobs) for ids in prompts]
     include_usage = bool(fields.stream_options and fields.stream_options.include_usage)

@@ -37,7 +37,7 @@ def plan_chat(engine: Engine, fields: ChatCompletionRequest, logprobs=None) -> P
 
 def saved_state(engine: Engine, model: ServedModel, name: str, chat: bool) -> SavedState:
     """The client's saved state named by a request's `state` field, for this model and this kind of request."""
-    state = engine.states.get(client_id(), name)
+    state = engine.saved_state(client_id(), name)
     if state.key.model != model.name:
         raise BadRequest(f"state: {name!r} was saved for model {state.key.model}, not {model.name}", field="state")
     if chat and state.messages is None:

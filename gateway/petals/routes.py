@@ -53,7 +53,7 @@ def generate():
     fields = parse(HttpGenerate, request_fields())
     engine = get_engine()
     if fields.session_id:
-        with engine.sessions.use(fields.session_id, client_id()) as session:
+        with engine.use_session(fields.session_id, client_id()) as session:
             if fields.model and engine.model_config(fields.model).name != session.model.name:
                 raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
             return _generate(engine, session, fields)
@@ -67,7 +67,7 @@ def generate():
     max_length = fields.max_length or min(prompt_length + request_.max_new_tokens, config.max_session_length)
     session = engine.open_session(config.name, max(max_length, 1), expires=True, owner=client_id())
     try:
-        with engine.sessions.use(session.id):
+        with engine.use_session(session.id):
             return _generate(engine, session, fields, request_)
     finally:
         engine.close_session(session)
@@ -87,7 +87,7 @@ def open_inference_session():
     fields = parse(OpenSession, request_fields())
     engine = get_engine()
     session = engine.open_session(fields.model, fields.max_length, expires=True, owner=client_id())
-    engine.sessions.keep(session)  # its id continues it after a restart too (SESSION_STORE)
+    engine.keep_session(session)  # its id continues it after a restart too (SESSION_STORE)
     return jsonify(ok=True, session_id=session.id)
 
 
@@ -95,7 +95,7 @@ def open_inference_session():
 def close_inference_session():
     fields = parse(CloseSession, request_fields())
     engine = get_engine()
-    with engine.sessions.use(fields.session_id, client_id()) as session:
+    with engine.use_session(fields.session_id, client_id()) as session:
         engine.close_session(session)
     return jsonify(ok=True)
 

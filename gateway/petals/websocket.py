@@ -152,12 +152,11 @@ class Connection:
     def open_session(self, message: WsOpenSession) -> None:
         if message.session_id is None:
             self.session = self.engine.open_session(message.model, message.max_length, expires=False, owner=self.client)
-            self.engine.sessions.keep(self.session)  # its id resumes it on another connection, after a restart too
+            self.engine.keep_session(self.session)  # its id resumes it on another connection, after a restart too
             return
-        sessions = self.engine.sessions
-        session = sessions.resume(message.session_id, self.client)
+        session = self.engine.resume_session(message.session_id, self.client)
         if message.model and self.engine.model_config(message.model).name != session.model.name:
-            sessions.detach(session)
+            self.engine.detach_session(session)
             session.close()
             raise BadRequest(f"model: session {session.id} serves {session.model.name}", field="model")
         session.expires = False  # it lives with this connection now
@@ -173,7 +172,7 @@ class Connection:
         chunk_size = (message.max_new_tokens or 1) if streaming else None
         # a streamed reply's client reads any number of frames: it may be told of a wait (see waiting_frame)
         waits = self.waiting_frame if streaming else None
-        with self.engine.sessions.use(self.session.id) as session, session.waits_told_to(waits):
+        with self.engine.use_session(self.session.id) as session, session.waits_told_to(waits):
             if message.regenerate:
                 self.rewind_last_reply(session)
             length, reply_start = len(session.history) + len(session.pending), session.reply_start
@@ -182,6 +181,7 @@ class Connection:
                     request = replace(request, inputs=self.chat.turns(session, message.messages))
                 reply = self.send_reply(session, request, chunk_size)
             except BaseException:  # the turn failed (too long, the swarm gone, the client gone): it never happened
+                session.settle()  # its reply, if one was still running, ends first
                 self.chat.forget_turn()
                 if len(session.history) + len(session.pending) != length:
                     self.engine.rewind(session, length)
@@ -242,7 +242,7 @@ class Connection:
         """The connection ends: the servers free the session's caches, the store keeps it for a resume."""
         if self.session is not None:
             session, self.session = self.session, None
-            self.engine.sessions.detach(session)
+            self.engine.detach_session(session)
             session.close()
 
 

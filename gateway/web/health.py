@@ -28,7 +28,7 @@ def health():
     coverage = current_app.extensions["health_coverage"].get(lambda: engine.coverage(name))
     if not coverage["covered"]:
         raise Unavailable(f"no server holds blocks {coverage['missing_blocks']} of {name}")
-    return jsonify(ok=True, model=name, **coverage, open_sessions=len(engine.sessions))
+    return jsonify(ok=True, model=name, **coverage, open_sessions=engine.open_sessions)
 
 
 @blueprint.record_once

@@ -79,10 +79,10 @@ def check_input_tokens(limits: Limits, field: str, tokens: int) -> None:
 
 @contextmanager
 def work_slot(engine) -> Iterator[None]:
-    """A slot among the client's sessions (engine.sessions, MAX_SESSIONS_PER_CLIENT and MAX_SESSIONS), held while
+    """A slot among the client's sessions (MAX_SESSIONS_PER_CLIENT and MAX_SESSIONS), held while
     the request runs forwards that need no session: without it, a few such requests hold every gateway thread for
     as long as their inputs take, and no cap sees them (over a cap: 429 too_many_sessions)."""
-    with engine.sessions.reserve(client_id()):
+    with engine.session_slot(client_id()):
         yield
 
 

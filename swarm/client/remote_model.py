@@ -102,13 +102,17 @@ class RemoteModel:
         turn of the loop, so that the steps bound for one server leave in one message (see stubs.StepChannel);
         a failover runs inside its own session's step, never holding the others."""
 
-        async def start_all():
+        def start_all():
             for key, session, hidden, position in steps:
-                task = asyncio.ensure_future(session.blocks.step_async(hidden, position))
+                try:
+                    task = asyncio.ensure_future(session.blocks.step_async(hidden, position))
+                except Exception as error:  # a session closed meanwhile: its step ends here, the others go
+                    on_done(key, None, error)
+                    continue
                 _RUNNING.add(task)
                 task.add_done_callback(lambda task, key=key: _step_ended(task, key, on_done))
 
-        asyncio.run_coroutine_threadsafe(start_all(), self.client.loop.loop)
+        self.client.loop.loop.call_soon_threadsafe(start_all)
 
     @property
     def tokenizer(self):

@@ -111,3 +111,34 @@ def test_a_websocket_dropped_mid_reply_leaves_nothing_open(leak_gateway, holding
         assert json.loads(ws.recv(timeout=30))["ok"]
         ws.socket.close()  # no close frame: the connection just ends
         holdings.assert_back("a WebSocket dropped mid-reply")
+
+
+ONE_REPLY = {name: STREAMS[name] for name in ("anthropic", "responses", "ollama chat", "ollama generate")}
+
+
+def aborted_replies(gateway) -> float:
+    text = requests.get(gateway.url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("gateway_aborted_replies_total{"))
+
+
+@pytest.mark.parametrize("route, body", ONE_REPLY.values(), ids=ONE_REPLY.keys())
+def test_a_client_leaving_mid_stream_aborts_its_reply_exactly_once(leak_gateway, holdings, route, body):
+    before = aborted_replies(leak_gateway)
+    with requests.post(leak_gateway.url + route, json={"model": "tiny", "stream": True, **body}, stream=True,
+                       timeout=60) as reply:
+        next(line for line in reply.iter_lines() if line)
+    holdings.assert_back(f"a stream of {route} cut short")
+    assert aborted_replies(leak_gateway) == before + 1
+
+
+def test_a_websocket_dropped_mid_reply_aborts_it_exactly_once(leak_gateway, holdings):
+    before = aborted_replies(leak_gateway)
+    ws = connect(leak_gateway.ws_url, open_timeout=30)
+    ws.send(json.dumps({"type": "open_inference_session", "max_length": CONTEXT}))
+    assert json.loads(ws.recv(timeout=30))["ok"]
+    ws.send(json.dumps({"type": "generate", "inputs": "hi", "stream": True, "max_new_tokens": 1}))
+    assert json.loads(ws.recv(timeout=30))["ok"]
+    ws.socket.close()
+    holdings.assert_back("a WebSocket dropped mid-reply")
+    assert aborted_replies(leak_gateway) == before + 1

@@ -157,3 +157,36 @@ def test_an_abort_settles_the_session_at_the_last_token_read_once(engine):
     assert session.history + session.pending == prompt + reply[:3]
     assert ABORTED_REPLIES.labels("tiny")._value.get() == aborts + 1
     assert not engine.loop_of(model)._running  # nothing of it is left in the loop
+
+
+class WideAreaCosts:
+    """Steps priced as over a wide-area swarm: drafts pay."""
+
+    def line(self):
+        return 0.100, 0.001
+
+    def observed(self, positions, seconds):
+        pass
+
+
+def drafting_sequences(engine, count):
+    from gateway.engine.speculation import Pacing
+
+    model = engine.model("tiny")
+    batch = sequences(engine, count, tokens=16)
+    for sequence in batch:  # a prompt that repeats itself: prompt lookup always has a guess
+        sequence.feed = model.encode(" one two three" * 3, at_start=True)
+
+        sequence.start = list(sequence.feed)
+        sequence.pacing = Pacing(WideAreaCosts(), 8)
+    return batch
+
+
+@pytest.mark.parametrize("count, drafts", [(2, True), (6, False)])
+def test_sessions_draft_only_while_few_decode_together(engine, remote, count, drafts):
+    batch = drafting_sequences(engine, count)
+    run_together(EngineLoop(engine.model("tiny"), max_drafting_sessions=2), batch)
+    steps = [step for sequence in batch for step in sequence.session.inference.sent[1:]]
+    assert any(len(step) > 1 for step in steps) == drafts
+    if not drafts:
+        assert all(len(step) == 1 for step in steps)

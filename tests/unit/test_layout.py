@@ -310,3 +310,32 @@ def test_the_gateway_checks_can_fail(tmp_path):
     (base / "gateway/engine/loop.py").write_text("import torch\n")
     (base / "gateway/ollama/routes.py").write_text("from gateway.web import bodies\n")
     assert dialects_importing_dialects(base) == [] and engine_modules_reaching_flask(base) == []
+
+
+# what the engine keeps to itself: the rest of the gateway uses its methods (use_session, saved_state, generate, ...)
+ENGINE_INTERNALS = {"sessions", "states", "warm", "models", "draft_models", "_loops", "_client"}
+
+
+def engine_internals_reached(base: Path = ROOT) -> list[str]:
+    """`engine.<internal>` (or `self.engine.<internal>`) read anywhere in the gateway outside gateway/engine."""
+    found = []
+    for path in python_files("gateway", base=base):
+        if within(module_name(path, base), "gateway.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+                if name == "engine":
+                    found.append(f"{path.relative_to(base)}:{node.lineno} engine.{node.attr}")
+    return found
+
+
+def test_dialects_use_the_engines_narrow_face_only():
+    assert engine_internals_reached() == []
+
+
+def test_the_narrow_face_check_can_fail(tmp_path):
+    (tmp_path / "gateway" / "petals").mkdir(parents=True)
+    (tmp_path / "gateway" / "petals" / "routes.py").write_text("def f(engine):\n    return engine.sessions.use(1)\n")
+    assert engine_internals_reached(tmp_path) == ["gateway/petals/routes.py:2 engine.sessions"]
