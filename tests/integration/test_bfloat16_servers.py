@@ -8,7 +8,7 @@ median of 4%; 11% at most over 16 tokens) and at most 2% from those of the local
 Greedy tokens can legitimately differ from float32's: bfloat16 keeps 8 bits of mantissa, so a near tie between
 the two best tokens may break the other way (in 9 of 40 prompts, at a gap of at most 0.7% of the largest logit).
 So the greedy tokens are compared with the local model run in bfloat16 (the same sequence, every position at
-once), where every one of those 320 tokens was its best."""
+once): each is its best or a near tie with it (its own ties break either way on another CPU's kernels)."""
 
 import pytest
 import torch
@@ -24,6 +24,9 @@ PROMPT_LENGTHS = (4, 9, 17, 29)
 BFLOAT16_SERVER_RELATIVE_ERROR = 0.15  # of float32's logits, relative L2: the bound the README states
 BFLOAT16_LOCAL_RELATIVE_ERROR = 0.05  # of the local model's logits when it runs in bfloat16 too
 NEAR_TIE = 0.02  # a token other than float32's best must be this close to it, times the largest |logit|
+# the local bfloat16 model's own near ties break either way too, depending on the CPU's bfloat16 kernels (one machine
+# chose every token as the local model did; on another, some runs broke one tie of the 32 the other way)
+BFLOAT16_NEAR_TIE = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +92,11 @@ def test_bfloat16_servers_greedy_tokens_are_the_bfloat16_models(generations, tin
     float32, bfloat16 = local_model(tiny_llama, torch.float32), local_model(tiny_llama, torch.bfloat16)
     for prompt, tokens, _ in generations:
         sequence = prompt + tokens
-        in_bfloat16 = local_logits(bfloat16, sequence)[len(prompt) - 1 : -1]
-        assert in_bfloat16.argmax(dim=-1).tolist() == tokens
+        in_bfloat16 = local_logits(bfloat16, sequence)[len(prompt) - 1 : -1].float()
         expected = local_logits(float32, sequence)[len(prompt) - 1 : -1]
-        for step, token in enumerate(tokens):  # float32's best, or a near tie with it
-            best = expected[step].max()
-            assert float(best - expected[step, token]) <= NEAR_TIE * float(expected[step].abs().max())
+        for step, token in enumerate(tokens):  # the best of both, or a near tie with it
+            for reference, tie in ((in_bfloat16, BFLOAT16_NEAR_TIE), (expected, NEAR_TIE)):
+                best = reference[step].max()
+                assert float(best - reference[step, token]) <= tie * float(reference[step].abs().max())
+        matches = (in_bfloat16.argmax(dim=-1) == torch.tensor(tokens)).float().mean()
+        assert float(matches) >= 0.75  # near ties are rare: most tokens are the bfloat16 model's own best
