@@ -6,7 +6,8 @@
 Two block servers and a real gunicorn gateway, as in production; for each count of sessions, that many WebSocket
 sessions generate `--tokens` tokens at once (the first prompt of bench/workload.py, greedy). It prints, per count:
 aggregate tok/s, each session's time per token, the CPU the gateway's worker (and its whole process tree: the
-gunicorn master, the worker and its libp2p daemon) spent per generated token, and the engine loop's rows per tick
+gunicorn master, the worker and its libp2p daemon) and the block servers (with their daemons) spent per generated
+token, and the engine loop's rows per tick
 and chain steps per tick (from its /metrics counters). `--shape tiny` is the tests' tiny model: its compute is
 close to nothing, so what is left is the overhead a GPU box would see. Without --shape: the default model.
 """
@@ -87,19 +88,22 @@ def run(options: argparse.Namespace) -> dict:
                                                 options.device, options.dtype, env=env))
         concurrent_replies(gateway.ws_url, prompt, options.tokens, 1, options.timeout)  # warm-up: loads the model
         for sessions in options.sessions:
-            results["runs"][str(sessions)] = measure(gateway, prompt, options, sessions)
+            servers = [server.process.pid for server in swarm.servers]
+            results["runs"][str(sessions)] = measure(gateway, servers, prompt, options, sessions)
             print(f"{sessions:3d} sessions: {results['runs'][str(sessions)]}", flush=True)
     return results
 
 
-def measure(gateway: Gateway, prompt, options: argparse.Namespace, sessions: int) -> dict:
+def measure(gateway: Gateway, servers: list[int], prompt, options: argparse.Namespace, sessions: int) -> dict:
     gateway.wait_idle()
     master = gateway.process.process.pid
     worker = _children(master)[0]
     cpu_before, worker_before, counters_before = _tree_cpu(master), _cpu(worker), _counters(gateway)
+    servers_before = sum(_tree_cpu(pid) for pid in servers)
     summary = summarize_concurrent(concurrent_replies(gateway.ws_url, prompt, options.tokens, sessions,
                                                       options.timeout))
     cpu_after, worker_after, counters_after = _tree_cpu(master), _cpu(worker), _counters(gateway)
+    servers_after = sum(_tree_cpu(pid) for pid in servers)
     tokens = max(summary["tokens"], 1)
     ticks = max(counters_after["ticks"] - counters_before["ticks"], 1)
     return {
@@ -107,6 +111,7 @@ def measure(gateway: Gateway, prompt, options: argparse.Namespace, sessions: int
         "ms_per_token_per_session": round(1000 / summary["per_session_decode_tok_s_p50"], 2),
         "worker_cpu_ms_per_token": round((worker_after - worker_before) * 1000 / tokens, 3),
         "gateway_tree_cpu_ms_per_token": round((cpu_after - cpu_before) * 1000 / tokens, 3),
+        "servers_cpu_ms_per_token": round((servers_after - servers_before) * 1000 / tokens, 3),
         "rows_per_tick": round((counters_after["rows"] - counters_before["rows"]) / ticks, 2),
         "steps_per_tick": round((counters_after["steps"] - counters_before["steps"]) / ticks, 2),
         "tokens": summary["tokens"],
@@ -118,10 +123,11 @@ def table(results: dict) -> str:
     lines = [f"{results['model']} on {results['device']} ({results['dtype']}), {results['tokens']} tokens per session"
              f"{', ' + str(results['env']) if results['env'] else ''}",
              f"{'sessions':>8} {'tok/s':>9} {'ms/tok/session':>15} {'worker CPU ms/tok':>18} "
-             f"{'tree CPU ms/tok':>16} {'rows/tick':>10} {'steps/tick':>11}"]
+             f"{'tree CPU ms/tok':>16} {'servers CPU ms/tok':>19} {'rows/tick':>10} {'steps/tick':>11}"]
     for sessions, run in results["runs"].items():
         lines.append(f"{sessions:>8} {run['aggregate_tok_s']:>9} {run['ms_per_token_per_session']:>15} "
                      f"{run['worker_cpu_ms_per_token']:>18} {run['gateway_tree_cpu_ms_per_token']:>16} "
+                     f"{run['servers_cpu_ms_per_token']:>19} "
                      f"{run['rows_per_tick']:>10} {run['steps_per_tick']:>11}")
     return "\n".join(lines)
 

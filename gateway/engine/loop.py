@@ -104,6 +104,8 @@ class EngineLoop:
                 ready += self._sample(arrived)
             if ready:
                 self._send(ready)
+            for sequence, _ in arrived:  # the tokens go to their readers once the next steps are on their way
+                sequence.publish()
         except Exception as error:  # a bug: this tick's sequences fail (never hang), the others go on
             for sequence in [*ready, *(sequence for sequence, _ in arrived)]:
                 if not sequence.done and not sequence.in_flight:
@@ -239,6 +241,7 @@ class EngineLoop:
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         sequence.done = True
-        sequence.stream.fail(error)
+        sequence.publish()
         sequence.settled.set()
+        sequence.stream.fail(error)
         self._running.discard(sequence)

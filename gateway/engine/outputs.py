@@ -56,9 +56,9 @@ class OutputStream:
         self.error: Optional[BaseException] = None
         self.ended = False
 
-    def put(self, token: Token) -> None:
+    def put(self, *tokens: Token) -> None:
         with self._ready:
-            self._items.append(token)
+            self._items.extend(tokens)
             self._ready.notify()
 
     def fail(self, error: BaseException) -> None:

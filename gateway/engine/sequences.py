@@ -35,6 +35,7 @@ class Sequence:
         self.pacing, self.guesses = pacing, guesses
         self.start = session.history + self.feed  # the reply's first token follows these
         self.generated: list[int] = []
+        self.outbox: list[Token] = []  # tokens taken this tick, not yet handed to the reader (publish)
         self.stream = OutputStream()
         self.draft: list[int] = []
         self.in_flight = False
@@ -118,11 +119,18 @@ class Sequence:
             finish = "stop" if stop_token or completes_grammar else (
                 "length" if len(self.generated) == self.budget else None)
             logprob = _logprob(logits, token, self.logprobs) if self.logprobs is not None else None
-            self.stream.put(Token(token, logprob, finish, stop_token))
+            self.outbox.append(Token(token, logprob, finish, stop_token))
             if finish is not None:
                 self.settle(len(self.generated))
                 return
         self.feed = [self.generated[-1]]
+
+    def publish(self) -> None:
+        """Hand the tokens taken this tick to the reader: the loop does it once the next steps are on their way,
+        so that readers waking up (to detokenize and write) never hold up a step."""
+        if self.outbox:
+            self.stream.put(*self.outbox)
+            self.outbox = []
 
     # ---- ending
 
