@@ -3,8 +3,17 @@ It never imports Flask: the dialects (and tools, and tests) drive it the same wa
 
 In data-flow order:
 
-    generation.py  Engine: the served models (configured, or discovered in the swarm), sessions opened and closed,
-                   and the loop itself: GenerationRequest -> Delta, Delta, ... (text, finish reason, logprobs)
+    generation.py  Engine, the face the dialects use: served models (configured, or discovered in the swarm),
+                   sessions opened, used and closed, and generate: GenerationRequest -> Delta, Delta, ... (text,
+                   finish reason, logprobs), read from the request's output stream
+    loop.py        EngineLoop, one per served model on a thread of its own: each tick embeds every ready session's
+                   tokens in one call, starts their chain steps without waiting, runs the LM head once over every
+                   row that came back and samples them in one batched call on the head's device
+    sequences.py   Sequence: one request's reply inside the loop (feed, drafts, verification, its end), and the one
+                   writer of a session's token history
+    outputs.py     a request's output stream (token ids from the loop) and its reader: detokenizing, stop sequences,
+                   merged deltas for a reader that lags, one abort when the reader ends the reply
+    sampler.py     Sampler per sequence, and sample_rows: a tick's rows sampled together, where the logits are
     catalogue.py   ServedModels: which models are served (configured; discovered ones as DISCOVERED_MODELS says, from
                    the gateway's own cache), their coverage without loading them, at most MAX_LOADED_MODELS loaded
     served.py      ServedModel (a model's client half: embeddings, LM head, tokenizer) and GatewaySession
@@ -12,7 +21,7 @@ In data-flow order:
     sessions.py    the open sessions: caps overall and per client, idle expiry, one request at a time
     session_store.py  sessions that outlive the process: an SQLite file (SESSION_STORE), reopened by id with a replay
     lengths.py     a request's token budget and context length checked, each a 400 naming its field
-    sampling.py    SamplingParams, the one form every dialect's fields converge to, and the Sampler per sequence
+    sampling.py    SamplingParams, the one form every dialect's fields converge to, and each stage of sampling
     grammar.py     structured output: a token mask per step from a JSON schema, grammar or regex (llguidance)
     stops.py       stop sequences matched across token boundaries, never shown half
     stats.py       prefill and decode speeds of recent requests (MLC's /stats, mistral.rs's usage extras)

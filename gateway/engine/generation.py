@@ -231,7 +231,7 @@ class Engine:
         with self.sessions.reserve(owner):
             session = self._warm_session(model, key)
         try:
-            self._prefill(session, prompt_ids)  # every token into the servers' caches: what forks of it share
+            self.prefill(session, prompt_ids)  # every token into the servers' caches: what forks of it share
             # parked: a server short of room may evict it while no fork shares its pages (forks then recompute it)
             session.inference.park()
             state = SavedState(name, key, session, messages)
@@ -305,8 +305,9 @@ class Engine:
         return Sequence(session, feed, budget, sampler, constraint, stop_ids, request.logprobs,
                         *self._speculation(model))
 
-    def _prefill(self, session: GatewaySession, ids: list[int]) -> None:
-        """Take `ids` into the session's servers' caches through the engine loop, and wait until they are."""
+    def prefill(self, session: GatewaySession, ids: list[int]) -> None:
+        """Take `ids` into the session's servers' caches through the engine loop (a saved prefix, a stored session's
+        replay), and wait until they are."""
         sequence = Sequence(session, session.pending + ids, 0, Sampler(SamplingParams(), session.model.vocab_size),
                             None, set(), None)
         self.loop_of(session.model).submit(sequence)

@@ -28,6 +28,7 @@ from typing import Optional
 
 import psutil
 
+from gateway.engine.sequences import restore
 from gateway.engine.served import GatewaySession
 
 logger = logging.getLogger(__name__)
@@ -248,9 +249,8 @@ def reopen_session(engine, stored: StoredSession) -> GatewaySession:
                              stored=True)
     try:
         if stored.history:
-            session.inference.step([list(stored.history)], position=0)
-            session.history = list(stored.history)
-        session.pending = list(stored.pending)
+            engine.prefill(session, list(stored.history))  # through the engine loop, like every step
+        restore(session, stored.history, stored.pending)
     except BaseException:
         session.close()
         raise

@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
+from gateway.engine.sequences import forget_after
 from swarm.protocol import PAGE_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class WarmConversations:
             short_tail = len(session.history) - cached <= SHORT_TAIL_TOKENS
             if short_tail and not self._forking[id(session)] and id(session) not in self._pinned:
                 del self._parked[id(session)]  # it continues the conversation (near enough) whole: the request takes it
-                session.history, session.pending = session.history[:cached], []
+                forget_after(session, cached)
                 return Reuse(session, cached)
             self._forking[id(session)] += 1  # nobody takes it whole (and rewinds it) while its pages are shared
         try:

@@ -339,3 +339,41 @@ def test_the_narrow_face_check_can_fail(tmp_path):
     (tmp_path / "gateway" / "petals").mkdir(parents=True)
     (tmp_path / "gateway" / "petals" / "routes.py").write_text("def f(engine):\n    return engine.sessions.use(1)\n")
     assert engine_internals_reached(tmp_path) == ["gateway/petals/routes.py:2 engine.sessions"]
+
+
+HISTORY_WRITER = "gateway.engine.sequences"  # the one module that changes a session's token history
+
+
+def history_writes(base: Path = ROOT) -> list[str]:
+    """Assignments to `<x>.history` / `<x>.pending` (also through a subscript or a tuple, del and augmented), and
+    calls of their mutating methods, anywhere in the gateway but the history's one writer."""
+    found = []
+    for path in python_files("gateway", base=base):
+        if module_name(path, base) == HISTORY_WRITER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.Delete)):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                    "append", "extend", "insert", "pop", "clear"):
+                targets = [node.func.value]
+            for target in targets:
+                for part in ast.walk(target):
+                    if isinstance(part, ast.Attribute) and part.attr in ("history", "pending"):
+                        found.append(f"{path.relative_to(base)}:{node.lineno} {part.attr}")
+    return found
+
+
+def test_one_module_writes_a_sessions_token_history():
+    assert history_writes() == []
+
+
+def test_the_history_check_can_fail(tmp_path):
+    (tmp_path / "gateway" / "engine").mkdir(parents=True)
+    (tmp_path / "gateway" / "engine" / "warm.py").write_text(
+        "def f(session):\n    session.history, session.pending = [], []\n    session.history.extend([1])\n")
+    assert history_writes(tmp_path) == ["gateway/engine/warm.py:2 history", "gateway/engine/warm.py:2 pending",
+                                        "gateway/engine/warm.py:3 history"]
