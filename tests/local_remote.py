@@ -4,6 +4,8 @@ It has the face of swarm.client.RemoteModel that the engine loop uses: embedding
 steps started without waiting (here computed at once, each session on its own cache), and the LM head. It counts
 those calls, so that tests can count them per tick."""
 
+import copy
+
 import torch
 import transformers
 
@@ -35,6 +37,14 @@ class LocalSession:
             self.cache.crop(position - self.cache.get_seq_length())  # (a negative count: tokens to remove)
         with torch.no_grad():
             return self.model.model(inputs_embeds=hidden, past_key_values=self.cache, use_cache=True).last_hidden_state
+
+    def fork(self, length, max_length=None):
+        """A session that starts with this one's first `length` positions (the servers would share their pages)."""
+        forked = LocalSession(self.model, max_length or self.max_length)
+        forked.ids, forked.cache = self.ids[:length], copy.deepcopy(self.cache)
+        if length < forked.cache.get_seq_length():
+            forked.cache.crop(length - forked.cache.get_seq_length())  # (a negative count: tokens to remove)
+        return forked
 
     def close(self):
         self.closed = True

@@ -64,7 +64,7 @@ def plan_generation(engine: Engine, model: ServedModel, fields: SamplingFields, 
 
 @dataclass(eq=False)
 class Plan:
-    """n choices for one prompt on one swarm session: the prompt runs once, each next choice rewinds to it.
+    """n choices for one prompt: the prompt runs once, and the choices decode together on forks of its session.
 
     The session opens here, before the reply starts, and is the request's until `run` has closed it: whatever
     ends the request first (a later prompt refused, an error, a client gone) closes it (see web/held_sessions.py)."""
@@ -105,10 +105,11 @@ class Plan:
         engine, session = self.engine, self.session
         try:
             with engine.use_session(session.id):
-                for index in range(self.n):
-                    if index:
-                        engine.rewind(session, len(self.prompt_ids))
-                    for delta in engine.generate(session, self.request_for(index), cancelled, stats):
-                        yield index, delta
+                if self.n == 1:
+                    for delta in engine.generate(session, self.request_for(0), cancelled, stats):
+                        yield 0, delta
+                else:  # forks of one prefill, decoded together
+                    yield from engine.generate_choices(session, [self.request_for(index) for index in range(self.n)],
+                                                       cancelled, stats)
         finally:
             self.close()

@@ -260,6 +260,20 @@ class Engine:
         The reply is computed by the model's engine loop, beside every other session's; this thread only reads its
         tokens and makes text of them. `cancelled` is asked between tokens (a stop message, a client gone); `stats`
         collects the timings of one API request across its choices (default: a record of its own in engine.stats)."""
+        yield from self.start_reply(session, request, cancelled, stats)
+
+    def generate_choices(self, session: GatewaySession, requests: list[GenerationRequest],
+                         cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None):
+        """(index, delta) of n replies to one prompt, forks of one prefill decoded together (see choices.py)."""
+        from gateway.engine.choices import generate_choices
+
+        yield from generate_choices(self, session, requests, cancelled, stats)
+
+    def start_reply(self, session: GatewaySession, request: GenerationRequest,
+                    cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None
+                    ) -> Iterator[Delta]:
+        """generate's work up to its reply's start (checked, and submitted to the loop); the deltas then come from
+        the iterator it returns. Several replies started before any is read run in the same ticks."""
         session.settle()  # a reply before this one left unclosed ends first
         if session.closed:
             raise NotFound(f"inference session {session.id} is closed", field="session_id")
@@ -274,8 +288,7 @@ class Engine:
         loop.submit(sequence)
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
             self._settled(sequence)
-            yield Delta("", 0, "length")
-            return
+            return iter([Delta("", 0, "length")])
 
         def on_token(first: bool) -> None:  # one clock for /stats, usage timings and the latency metrics
             observe_token(model.name, stats.step_done(first=first), first=first)
@@ -283,11 +296,7 @@ class Engine:
         reader = ReplyReader(sequence.stream, _detokenizer(model, sequence.start), stopper,
                              functools.partial(loop.abort, sequence), cancelled, on_token)
         session.abort_reply = lambda: loop.abort(sequence, reader.count)
-        try:
-            yield from reader.deltas()
-        finally:
-            if sequence.settled.is_set():  # else the next use of the session waits for it (settle)
-                session.abort_reply = None
+        return _read(session, sequence, reader)
 
     def loop_of(self, model: ServedModel) -> EngineLoop:
         """The model's engine loop (started on first use)."""
@@ -367,6 +376,14 @@ class Engine:
         if layer is not None and layer > remote.num_blocks:
             raise BadRequest(f"layer: at most {remote.num_blocks} for this model, got {layer}", field="layer")
         return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
+
+
+def _read(session: GatewaySession, sequence: Sequence, reader: ReplyReader) -> Iterator[Delta]:
+    try:
+        yield from reader.deltas()
+    finally:
+        if sequence.settled.is_set():  # else the next use of the session waits for it (settle)
+            session.abort_reply = None
 
 
 def _detokenizer(model: ServedModel, context: list[int]):

@@ -3,6 +3,7 @@ sessions; only token ids cross from the head's logits to the host; slow chains h
 session exactly where its reader stopped."""
 
 import threading
+from dataclasses import replace
 import time
 
 import pytest
@@ -190,3 +191,26 @@ def test_sessions_draft_only_while_few_decode_together(engine, remote, count, dr
     assert any(len(step) > 1 for step in steps) == drafts
     if not drafts:
         assert all(len(step) == 1 for step in steps)
+
+
+def test_n_choices_are_forks_of_one_prefill_decoded_together(engine, remote):
+    model = engine.model("tiny")
+    prompt = model.encode("choices for one prompt", at_start=True)
+    requests = [GenerationRequest(inputs=None, sampling=SamplingParams(do_sample=True, seed=seed), max_new_tokens=8,
+                                  input_ids=tuple(prompt) if seed == 1 else ()) for seed in (1, 2, 3)]
+    alone = []
+    for request in requests:  # each choice on a session of its own
+        session = engine.open_session("tiny", 64, expires=False)
+        with engine.sessions.use(session.id):
+            list(engine.generate(session, replace(request, input_ids=tuple(prompt))))
+        alone.append((session.history + session.pending)[len(prompt):])
+    session = engine.open_session("tiny", 64, expires=False)
+    counts = engine.loop_of(model).counts
+    ticks, rows = counts.ticks, counts.rows
+    with engine.sessions.use(session.id):
+        deltas = list(engine.generate_choices(session, requests))
+    assert remote.sessions[-1].sent[0] == prompt[:-1]  # the prompt went through once, but its last token
+    assert sorted({index for index, _ in deltas}) == [0, 1, 2]
+    assert sum(delta.token_count for _, delta in deltas) == 24
+    assert (session.history + session.pending)[len(prompt):] == alone[0]
+    assert (counts.rows - rows) / (counts.ticks - ticks) > 2  # the three choices stepped in the same ticks

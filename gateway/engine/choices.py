@@ -1,0 +1,44 @@
+"""n choices for one prompt: forks of one prefill, decoded together.
+
+The prompt goes through the swarm once, up to its last token; each choice then runs on a fork of the session (its
+servers share the prompt's cache, copy-on-write: swarm.client's fork) from that last token, and all the choices are
+started before any is read, so the engine loop steps them in the same ticks. Their deltas come choice after choice
+(the later ones wait in their output streams meanwhile). The first choice continues the request's own session; the
+forks are closed once the replies are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterator, Optional
+
+from gateway.engine.sequences import restore
+
+
+def generate_choices(engine, session, requests: list, cancelled: Callable[[], bool], stats) -> Iterator[tuple]:
+    """(choice index, delta) of every choice in turn. requests[0] carries the prompt's tokens past what the session
+    holds (input_ids); the others only their own sampling (seeds)."""
+    prompt = session.history + session.pending + list(requests[0].input_ids)
+    if len(prompt) - 1 > len(session.history):  # the prompt but its last token, into the servers' caches once
+        engine.prefill(session, prompt[len(session.history) + len(session.pending) : -1])
+    restore(session, prompt[:-1], prompt[-1:])
+    if stats is not None:
+        stats.prompt(len(prompt) - 1)
+    forks = []
+    replies: list[Optional[Iterator]] = []
+    try:
+        for _ in requests[1:]:
+            forks.append(session.forked(len(prompt) - 1))
+            restore(forks[-1], prompt[:-1], prompt[-1:])
+        for choice_session, request in zip([session, *forks], requests):
+            replies.append(engine.start_reply(choice_session, replace(request, input_ids=()), cancelled, stats))
+        for index, reply in enumerate(replies):
+            for delta in reply:
+                yield index, delta
+    finally:
+        for reply in replies:
+            close = getattr(reply, "close", None)  # a reply of no tokens is a plain iterator
+            if close is not None:
+                close()
+        for fork in forks:
+            fork.close()
