@@ -214,3 +214,22 @@ def test_n_choices_are_forks_of_one_prefill_decoded_together(engine, remote):
     assert sum(delta.token_count for _, delta in deltas) == 24
     assert (session.history + session.pending)[len(prompt):] == alone[0]
     assert (counts.rows - rows) / (counts.ticks - ticks) > 2  # the three choices stepped in the same ticks
+
+
+@pytest.mark.parametrize("waiting, deltas", [(3, 3), (20, 1)])
+def test_a_reader_that_lags_gets_the_waiting_tokens_as_one_delta(remote, waiting, deltas):
+    from gateway.engine.outputs import MERGE_BACKLOG, OutputStream, ReplyReader, Token
+    from gateway.engine.stops import StopMatcher
+    from swarm.client import IncrementalDetokenizer
+
+    assert (waiting <= MERGE_BACKLOG) == (deltas == waiting)
+    ids = remote.tokenizer("one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+                           "fifteen sixteen seventeen eighteen nineteen twenty")["input_ids"][:waiting]
+    stream = OutputStream()
+    stream.put(*[Token(token, finish_reason="length" if index == waiting - 1 else None)
+                 for index, token in enumerate(ids)])
+    reader = ReplyReader(stream, IncrementalDetokenizer(remote.tokenizer), StopMatcher((), True),
+                         abort=lambda *args, **kwargs: None, cancelled=lambda: False, on_token=lambda first: None)
+    got = list(reader.deltas())
+    assert len(got) == deltas and sum(delta.token_count for delta in got) == waiting
+    assert "".join(delta.text for delta in got) == remote.tokenizer.decode(ids)
