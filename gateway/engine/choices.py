@@ -10,7 +10,7 @@ forks are closed once the replies are read.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 from gateway.engine.sequences import restore
 
@@ -25,20 +25,20 @@ def generate_choices(engine, session, requests: list, cancelled: Callable[[], bo
     if stats is not None:
         stats.prompt(len(prompt) - 1)
     forks = []
-    replies: list[Optional[Iterator]] = []
+    replies: list = []
     try:
         for _ in requests[1:]:
             forks.append(session.forked(len(prompt) - 1))
             restore(forks[-1], prompt[:-1], prompt[-1:])
-        for choice_session, request in zip([session, *forks], requests):
-            replies.append(engine.start_reply(choice_session, replace(request, input_ids=()), cancelled, stats))
+        prepared = [engine.prepare_reply(choice_session, replace(request, input_ids=()), cancelled, stats)
+                    for choice_session, request in zip([session, *forks], requests)]
+        replies = [deltas for _, deltas in prepared]
+        engine.loop_of(session.model).submit(*(sequence for sequence, _ in prepared))  # in the same tick
         for index, reply in enumerate(replies):
             for delta in reply:
                 yield index, delta
     finally:
         for reply in replies:
-            close = getattr(reply, "close", None)  # a reply of no tokens is a plain iterator
-            if close is not None:
-                close()
+            reply.close()
         for fork in forks:
             fork.close()

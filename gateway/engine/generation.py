@@ -273,7 +273,16 @@ class Engine:
                     cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None
                     ) -> Iterator[Delta]:
         """generate's work up to its reply's start (checked, and submitted to the loop); the deltas then come from
-        the iterator it returns. Several replies started before any is read run in the same ticks."""
+        the iterator it returns."""
+        sequence, deltas = self.prepare_reply(session, request, cancelled, stats)
+        self.loop_of(session.model).submit(sequence)
+        return deltas
+
+    def prepare_reply(self, session: GatewaySession, request: GenerationRequest,
+                      cancelled: Callable[[], bool] = lambda: False, stats: Optional[RequestStats] = None
+                      ) -> tuple[Sequence, Iterator[Delta]]:
+        """A reply checked and ready, and the iterator of its deltas, for the caller to submit to the model's loop
+        (several at once: n choices start in the same tick)."""
         session.settle()  # a reply before this one left unclosed ends first
         if session.closed:
             raise NotFound(f"inference session {session.id} is closed", field="session_id")
@@ -285,10 +294,8 @@ class Engine:
         stats.prompt(len(feed))
         session.reply_start = used
         loop = self.loop_of(model)
-        loop.submit(sequence)
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
-            self._settled(sequence)
-            return iter([Delta("", 0, "length")])
+            return sequence, _inputs_taken(sequence)
 
         def on_token(first: bool) -> None:  # one clock for /stats, usage timings and the latency metrics
             observe_token(model.name, stats.step_done(first=first), first=first)
@@ -296,7 +303,7 @@ class Engine:
         reader = ReplyReader(sequence.stream, _detokenizer(model, sequence.start), stopper,
                              functools.partial(loop.abort, sequence), cancelled, on_token)
         session.abort_reply = lambda: loop.abort(sequence, reader.count)
-        return _read(session, sequence, reader)
+        return sequence, _read(session, sequence, reader)
 
     def loop_of(self, model: ServedModel) -> EngineLoop:
         """The model's engine loop (started on first use)."""
@@ -376,6 +383,11 @@ class Engine:
         if layer is not None and layer > remote.num_blocks:
             raise BadRequest(f"layer: at most {remote.num_blocks} for this model, got {layer}", field="layer")
         return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
+
+
+def _inputs_taken(sequence: Sequence) -> Iterator[Delta]:
+    Engine._settled(sequence)
+    yield Delta("", 0, "length")
 
 
 def _read(session: GatewaySession, sequence: Sequence, reader: ReplyReader) -> Iterator[Delta]:

@@ -206,14 +206,14 @@ def test_n_choices_are_forks_of_one_prefill_decoded_together(engine, remote):
         alone.append((session.history + session.pending)[len(prompt):])
     session = engine.open_session("tiny", 64, expires=False)
     counts = engine.loop_of(model).counts
-    ticks, rows = counts.ticks, counts.rows
+    heads, rows = counts.heads, counts.rows
     with engine.sessions.use(session.id):
         deltas = list(engine.generate_choices(session, requests))
     assert remote.sessions[-1].sent[0] == prompt[:-1]  # the prompt went through once, but its last token
     assert sorted({index for index, _ in deltas}) == [0, 1, 2]
     assert sum(delta.token_count for _, delta in deltas) == 24
     assert (session.history + session.pending)[len(prompt):] == alone[0]
-    assert (counts.rows - rows) / (counts.ticks - ticks) > 2  # the three choices stepped in the same ticks
+    assert counts.rows - rows == 24 and counts.heads - heads == 8  # the three choices stepped in the same ticks
 
 
 @pytest.mark.parametrize("waiting, deltas", [(3, 3), (20, 1)])
