@@ -19,7 +19,7 @@ from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
 from gateway.engine.metrics import CACHED_PROMPT_TOKENS, observe_token
 from gateway.engine.loop import EngineLoop
-from gateway.engine.outputs import DETOKENIZER_CONTEXT, Delta, ReplyReader, TokenLogprob
+from gateway.engine.outputs import Delta, ReplyReader, TokenLogprob, detokenizer, inputs_taken
 from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.sequences import Sequence, _logprob
@@ -295,15 +295,15 @@ class Engine:
         session.reply_start = used
         loop = self.loop_of(model)
         if budget == 0:  # nothing to generate: just take the inputs into the servers' caches
-            return sequence, _inputs_taken(sequence)
+            return sequence, inputs_taken(sequence)
 
         def on_token(first: bool) -> None:  # one clock for /stats, usage timings and the latency metrics
             observe_token(model.name, stats.step_done(first=first), first=first)
 
-        reader = ReplyReader(sequence.stream, _detokenizer(model, sequence.start), stopper,
+        reader = ReplyReader(sequence.stream, detokenizer(model.tokenizer, sequence.start), stopper,
                              functools.partial(loop.abort, sequence), cancelled, on_token)
         session.abort_reply = lambda: loop.abort(sequence, reader.count)
-        return sequence, _read(session, sequence, reader)
+        return sequence, reader.deltas_of(session, sequence)
 
     def loop_of(self, model: ServedModel) -> EngineLoop:
         """The model's engine loop (started on first use)."""
@@ -383,22 +383,3 @@ class Engine:
         if layer is not None and layer > remote.num_blocks:
             raise BadRequest(f"layer: at most {remote.num_blocks} for this model, got {layer}", field="layer")
         return remote.hidden_states([ids], layer)[0].mean(dim=0).tolist()
-
-
-def _inputs_taken(sequence: Sequence) -> Iterator[Delta]:
-    Engine._settled(sequence)
-    yield Delta("", 0, "length")
-
-
-def _read(session: GatewaySession, sequence: Sequence, reader: ReplyReader) -> Iterator[Delta]:
-    try:
-        yield from reader.deltas()
-    finally:
-        if sequence.settled.is_set():  # else the next use of the session waits for it (settle)
-            session.abort_reply = None
-
-
-def _detokenizer(model: ServedModel, context: list[int]):
-    from swarm.client import IncrementalDetokenizer
-
-    return IncrementalDetokenizer(model.tokenizer, context=context[-DETOKENIZER_CONTEXT:])

@@ -95,6 +95,14 @@ class ReplyReader:
         self.count = 0  # tokens read
         self._cancelled = False
 
+    def deltas_of(self, session, sequence) -> Iterator[Delta]:
+        """deltas(), then the session forgets the reply (unless it is still settling: its next use waits)."""
+        try:
+            yield from self.deltas()
+        finally:
+            if sequence.settled.is_set():
+                session.abort_reply = None
+
     def deltas(self) -> Iterator[Delta]:
         """A delta per token while the reader keeps up; one delta of all of them once it lags by more than
         MERGE_BACKLOG tokens (a slow client: fewer, larger frames)."""
@@ -163,3 +171,18 @@ class ReplyReader:
         """At the end of a reply, the text held back for an incomplete character or a possible stop sequence."""
         text, matched = self.stopper.push(self.detokenizer.flush())
         return text if matched else text + self.stopper.flush()
+
+
+def inputs_taken(sequence) -> Iterator[Delta]:
+    """A reply of no tokens: its inputs taken into the servers' caches, then one delta that says so."""
+    sequence.settled.wait()
+    if sequence.stream.error is not None:
+        raise sequence.stream.error
+    yield Delta("", 0, "length")
+
+
+def detokenizer(tokenizer, context: list[int]):
+    """Text of new tokens, as it reads after `context` (its last few tokens)."""
+    from swarm.client import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(tokenizer, context=context[-DETOKENIZER_CONTEXT:])
