@@ -22,7 +22,7 @@ from gateway.engine.loop import EngineLoop
 from gateway.engine.outputs import Delta, ReplyReader, TokenLogprob, detokenizer, inputs_taken
 from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import SamplingParams
-from gateway.engine.sequences import Sequence, _logprob
+from gateway.engine.sequences import Sequence, token_logprob
 from gateway.engine.sequences import rewind as rewind_tokens
 from gateway.engine.catalogue import ServedModels
 from gateway.engine.served import GatewaySession, ServedModel
@@ -327,13 +327,7 @@ class Engine:
         sequence = Sequence(session, session.pending + ids, 0, Sampler(SamplingParams(), session.model.vocab_size),
                             None, set(), None)
         self.loop_of(session.model).submit(sequence)
-        self._settled(sequence)
-
-    @staticmethod
-    def _settled(sequence: Sequence) -> None:
-        sequence.settled.wait()
-        if sequence.stream.error is not None:
-            raise sequence.stream.error
+        sequence.wait()
 
     def _speculation(self, model: ServedModel) -> tuple[Optional[Pacing], Optional[ReplyDrafts]]:
         """How one reply drafts tokens (see speculation.py): its pacing (None: one token per step), and its draft
@@ -375,7 +369,7 @@ class Engine:
     def token_logprobs(self, model_name: Optional[str], ids: list[int], top: int = 0) -> list[Optional[TokenLogprob]]:
         """Each token's log-probability given the ones before it (None for the first), in one cache-less pass."""
         logits = self.model(model_name).remote.forward([ids])[0]  # (length, vocab)
-        return [None] + [_logprob(logits[index - 1], ids[index], top) for index in range(1, len(ids))]
+        return [None] + [token_logprob(logits[index - 1], ids[index], top) for index in range(1, len(ids))]
 
     def embed(self, model_name: Optional[str], ids: list[int], layer: Optional[int]) -> list[float]:
         """Mean-pooled hidden states after `layer` blocks (default: the last, after the final norm)."""

@@ -118,7 +118,7 @@ class Sequence:
             stop_token = token in self.stop_ids
             finish = "stop" if stop_token or completes_grammar else (
                 "length" if len(self.generated) == self.budget else None)
-            logprob = _logprob(logits, token, self.logprobs) if self.logprobs is not None else None
+            logprob = token_logprob(logits, token, self.logprobs) if self.logprobs is not None else None
             self.outbox.append(Token(token, logprob, finish, stop_token))
             if finish is not None:
                 self.settle(len(self.generated))
@@ -138,11 +138,17 @@ class Sequence:
         """The reply ends after its first `kept` tokens: the session holds the prompt and them (the last one
         pending, sent with the next step: the servers drop whatever they hold past it then)."""
         if self.budget == 0:
-            self.session.history, self.session.pending = list(self.start), []
+            restore(self.session, self.start, [])
         else:
             set_tokens(self.session, self.start + self.generated[:kept])
         self.done = True
         self.settled.set()
+
+    def wait(self) -> None:
+        """Until the reply is over; then its failure, if it failed, is raised here."""
+        self.settled.wait()
+        if self.stream.error is not None:
+            raise self.stream.error
 
     def _draft(self) -> list[int]:
         if self.pacing is None or len(self.feed) != 1 or self.budget == 0:
@@ -161,7 +167,7 @@ class Sequence:
         return draft
 
 
-def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The token's log-probability and the `top` likeliest: a few numbers to the host, never the vocabulary."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
     best = torch.topk(logprobs, top) if top else None
