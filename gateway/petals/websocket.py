@@ -179,7 +179,7 @@ class Connection:
             try:
                 if message.messages is not None:
                     request = replace(request, inputs=self.chat.turns(session, message.messages))
-                reply = self.send_reply(session, request, chunk_size)
+                reply, last_frame = self.send_reply(session, request, chunk_size)
             except BaseException:  # the turn failed (too long, the swarm gone, the client gone): it never happened
                 session.settle()  # its reply, if one was still running, ends first
                 self.chat.forget_turn()
@@ -189,20 +189,24 @@ class Connection:
                 raise
             self.chat.replied(reply)
             self.chat.keep_in(session)  # saved with the session as the request ends (sessions.use)
+        # the reply's last frame once the session is saved: a client that has read a whole reply finds it stored
+        # if the gateway dies the next moment
+        self.send(last_frame)
 
-    def send_reply(self, session, request, chunk_size) -> str:
-        """Generate the reply in frames of `chunk_size` tokens (None: one frame); return its whole text."""
-        text, tokens, reply = "", 0, []
+    def send_reply(self, session, request, chunk_size) -> tuple[str, dict]:
+        """Generate the reply in frames of `chunk_size` tokens (None: one frame); return its whole text and its
+        last frame, which the caller sends."""
+        text, tokens, reply, finish_reason = "", 0, [], None
         for delta in self.engine.generate(session, request, cancelled=self.stop_requested):
-            text, tokens = text + delta.text, tokens + delta.token_count
+            text, tokens, finish_reason = text + delta.text, tokens + delta.token_count, delta.finish_reason
             reply.append(delta.text)
-            if delta.finish_reason or (chunk_size and tokens >= chunk_size):
-                frame = {"ok": True, "outputs": text, "stop": delta.finish_reason is not None, "token_count": tokens}
-                if delta.finish_reason:
-                    frame["finish_reason"] = delta.finish_reason
-                self.send(frame)
+            if chunk_size and tokens >= chunk_size and not finish_reason:
+                self.send({"ok": True, "outputs": text, "stop": False, "token_count": tokens})
                 text, tokens = "", 0
-        return "".join(reply)
+        last_frame = {"ok": True, "outputs": text, "stop": True, "token_count": tokens}
+        if finish_reason:
+            last_frame["finish_reason"] = finish_reason
+        return "".join(reply), last_frame
 
     def waiting_frame(self, message: str) -> None:
         """The swarm has no server for some blocks now; the reply goes on once one serves them. An empty output

@@ -1,6 +1,7 @@
 """The session store (gateway/engine/session_store.py): a real SQLite file, a real child process killed mid-write,
 and engines over the tiny model in process (test_engine's stand-in for the swarm) that restart on one store."""
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
+from gateway import create_app
 from gateway.engine.generation import Engine, GenerationRequest
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.session_store import SessionStore, SessionStoreError, holder_alive, open_store, this_process
@@ -286,3 +288,32 @@ def test_a_session_whose_connection_ended_is_resumed_in_the_same_process(tmp_pat
     engine.close_session(resumed)  # close_inference_session: gone for good
     with pytest.raises(NotFound):
         engine.sessions.resume(session.id, "key:a")
+
+
+def test_a_websocket_replys_last_frame_leaves_once_the_reply_is_stored(tmp_path, tiny_llama, remote):
+    """A client that has read a whole reply and sees the gateway die the next moment resumes after that reply."""
+    from test_no_tracebacks import FakeSocket, serve
+
+    store = tmp_path / "sessions.sqlite3"
+    engine = engine_on(store, tiny_llama, remote)
+    opened = json.dumps({"type": "open_inference_session", "max_length": 64})
+    turn = json.dumps({"type": "generate", "inputs": "Hello", "max_new_tokens": 2, "stream": True,
+                       "max_reply_tokens": 6})
+    stored_at_each_frame = []
+
+    class StoreReadingSocket(FakeSocket):
+        def send(self, data):
+            super().send(data)
+            if "session_id" not in self.frames[-1]:
+                stored = SessionStore(store).load(self.frames[0]["session_id"])
+                stored_at_each_frame.append(len(stored.history + stored.pending))
+
+    ws = StoreReadingSocket(opened, turn)
+    app = create_app(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=GatewaySettings(models=())))
+    serve(app, ws, engine)
+    replies = [frame for frame in ws.frames if "outputs" in frame]
+    assert [frame["token_count"] for frame in replies] == [2, 2, 2] and replies[-1]["stop"]
+    session = SessionStore(store).load(ws.frames[0]["session_id"])
+    replied = len(session.history + session.pending)
+    # frames before the last go out as they come; the last only once the session holds the whole reply on disk
+    assert stored_at_each_frame[2] == replied and stored_at_each_frame[0] < replied
