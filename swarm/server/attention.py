@@ -8,8 +8,9 @@ attention runs per *group* of sequences, never per session:
     prefill    sequences with a chunk of queries, keys gathered from the pool    (n, heads, chunk, keys)
     cacheless  sequences with no cache, keys from the round's own new tokens     (n, heads, length, length)
 
-A round of decode steps only (one group, sequence i is packed token i: `decode_only`) needs no reordering of
-queries or outputs at all, and is what CUDA graphs capture (swarm/server/graphs.py).
+A round of decode steps only (one group, sequence i is packed token i) needs no reordering of queries or outputs
+at all; nor does a captured round of CUDA graphs (swarm/server/graphs.py), whose n sequences have q query slots
+each, sequence i's being packed tokens i*q .. i*q + q - 1 (padding slots included): such a group is `uniform`.
 
 Everything a group needs (which packed token each query is, which pool slot each key is, the masks) is
 computed once per round, as tensors, and shared by every layer. Per layer and group: a gather of the
@@ -64,7 +65,7 @@ class Group:
     real_queries: Optional[torch.Tensor]  # (real queries,) flat indices of the unpadded ones; None: all real
     destination: torch.Tensor  # (real queries,) the packed tokens they answer for
     write_slots: Optional[torch.Tensor]  # (real queries,) pool slots their keys/values go to (pool groups)
-    decode_only: bool = False  # the round's only group, of decode steps: sequence i's one query is packed token i
+    uniform: bool = False  # the round's only group, its (n, q) queries are packed tokens 0 .. n*q - 1 in order
     masks: dict = field(default_factory=dict)  # window -> what scaled_dot_product_attention gets as attn_mask
 
 
@@ -99,7 +100,7 @@ class PackedBatch:
         pool_keys, pool_values = self.pool.layer(self.first_layer + index) if self.pool is not None else (None, None)
         attend = (lambda group: self._attend_group(group, queries, keys, values, pool_keys, pool_values, window,
                                                    scale, softcap))
-        if len(self.groups) == 1 and self.groups[0].decode_only:  # no reordering to do
+        if len(self.groups) == 1 and self.groups[0].uniform:  # no reordering to do
             return attend(self.groups[0])[None]
         output = queries.new_empty(queries.shape[0], queries.shape[1] * queries.shape[2])  # (tokens, heads*dim)
         for group in self.groups:
@@ -111,7 +112,7 @@ class PackedBatch:
                       softcap) -> torch.Tensor:
         """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination."""
         if group.from_pool:
-            new_keys, new_values = (keys, values) if group.decode_only else \
+            new_keys, new_values = (keys, values) if group.uniform else \
                 (keys.index_select(0, group.destination), values.index_select(0, group.destination))
             pool_keys.index_copy_(0, group.write_slots, new_keys)
             pool_values.index_copy_(0, group.write_slots, new_values)
@@ -119,7 +120,8 @@ class PackedBatch:
         attention = F.scaled_dot_product_attention if softcap is None else partial(softcapped_attention,
                                                                                   softcap=softcap)
         attended = attention(
-            queries[:, None].transpose(1, 2) if group.decode_only else _gather(queries, group.query_tokens),
+            queries.unflatten(0, group.query_tokens.shape).transpose(1, 2) if group.uniform else
+            _gather(queries, group.query_tokens),
             _gather(key_source, group.key_index, group.from_pool),  # (n, kv_heads, keys, head_dim)
             _gather(value_source, group.key_index, group.from_pool),  # queries: (n, heads, queries, head_dim)
             attn_mask=group.masks[window],
@@ -193,7 +195,7 @@ def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> 
         kinds[kind].append(sequence)
     groups = [_group(sequences, kind != "cacheless", pool, device) for kind, sequences in kinds.items() if sequences]
     if len(groups) == 1 and kinds["decode"]:  # sequence i is packed token i
-        groups[0].decode_only = True
+        groups[0].uniform = True
     return groups
 
 

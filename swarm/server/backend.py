@@ -37,7 +37,7 @@ class Backend:
         self.span, self.budget, self.limits = span, budget, limits
         span.new_pool(budget.total)  # the pages the budget's slots stand for
         self.hidden_size = span.config.hidden_size
-        self.max_positions = getattr(span.config, "max_position_embeddings", None) or 1 << 20
+        self.max_positions = span.max_positions
         self.scheduler = Scheduler(lambda: self.span, **batching)
         self.sessions = OpenSessions()
         self.warm = WarmSessions(self.sessions, budget, limits.warm_cache_share)  # parked sessions (see warm.py)

@@ -11,6 +11,12 @@ same. A cache-less forward is no exception: one that fits a chunk goes in one pi
 longer one gets a temporary cache from the backend (swarm/server/backend.py) and goes through in chunks like
 a prompt.
 
+The steps of one message (swarm/server/handler.py: many sessions' steps) are submitted together as one Batch:
+one lock, one wake-up of the compute thread, one future resolved once the last of them is computed (one
+wake-up of the event loop), whatever the number of sessions. A short step (a decode step, or a speculative
+verify step of up to VERIFY_POSITIONS positions) is never cut: it goes whole into the next round, beside the
+other sessions' steps, and only prompts' chunks share what the round's token budget leaves.
+
 A round that fails on the server's own fault (a bug, out of memory) fails each of its jobs with an
 InternalServerError; it is counted and logged once, with its traceback, however many sessions it had.
 """
@@ -35,18 +41,24 @@ from swarm.protocol import InternalServerError, ServerUnavailableError, SwarmErr
 logger = logging.getLogger(__name__)
 
 
+# a step of at most this many positions goes whole into a round (a decode step, or 1 + a draft being verified:
+# config.MAX_SPECULATIVE_TOKENS); longer ones are prompts, computed a chunk per round
+VERIFY_POSITIONS = 33
+
+
 @dataclass(eq=False)
 class Job:
     """What the compute thread is asked for: new positions (rows, length, hidden) through blocks [start, end),
-    from `position` (a session's step, a cache-less forward, or some rows of one), until all are computed."""
+    from `position` (a session's step, a cache-less forward, or some rows of one), until all are computed. A
+    job of a Batch has no loop or future of its own: the batch resolves its jobs together."""
 
     hidden: torch.Tensor
     position: int
     start: int
     end: int
     cache: Optional[SessionCache]  # None: cache-less sequences, nothing kept (they fit one chunk: one piece)
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    loop: Optional[asyncio.AbstractEventLoop] = None
+    future: Optional[asyncio.Future] = None
     still_wanted: Callable[[], bool] = lambda: True  # false once the session is gone or evicted
     # called on the event loop once the compute thread is done with the job (finished, failed or dropped),
     # before its result is set: what frees a temporary cache, which no round may write after it is freed
@@ -54,6 +66,8 @@ class Job:
     adapter: Optional[str] = None  # the LoRA adapter its positions go through (swarm/server/adapters.py)
     computed: int = 0  # positions already computed
     outputs: list = field(default_factory=list)
+    batch: Optional["Batch"] = None
+    index: int = 0  # its place in its batch
 
     @property
     def rows(self) -> int:
@@ -65,19 +79,57 @@ class Job:
 
     @property
     def wanted(self) -> bool:
-        return not self.future.cancelled() and self.still_wanted()  # cancelled: its caller hung up
+        future = self.batch.future if self.batch is not None else self.future
+        return not future.cancelled() and self.still_wanted()  # cancelled: its caller hung up
+
+    @property
+    def short(self) -> bool:
+        """A cached session's decode or verify step: it goes whole into one round."""
+        return self.cache is not None and self.computed == 0 and self.remaining <= VERIFY_POSITIONS
 
     def resolve(self, result=None, error: Optional[BaseException] = None) -> None:
+        if self.batch is not None:
+            return self.batch.done(self, error if error is not None else result)
+
         def settle():
             if self.on_settled is not None:
                 self.on_settled()
             if not self.future.done():
                 self.future.set_exception(error) if error is not None else self.future.set_result(result)
 
-        try:
-            self.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the loop is closed (its caller is long gone): nothing is left to settle
-            pass
+        _call_on(self.loop, settle)
+
+
+class Batch:
+    """Jobs submitted together (the steps of one message): resolved together, once the compute thread is done
+    with the last of them, each with its outputs or its error, in order."""
+
+    def __init__(self, jobs: list[Job], loop: asyncio.AbstractEventLoop, on_settled: Callable[[list], None]):
+        self.jobs, self.loop, self.future = jobs, loop, loop.create_future()
+        self.on_settled = on_settled  # called on the event loop with the results, before the future is set
+        self.results: list = [None] * len(jobs)
+        self.pending = len(jobs)
+        for index, job in enumerate(jobs):
+            job.batch, job.index = self, index
+
+    def done(self, job: Job, result) -> None:
+        """On the compute thread: one job's outputs (or error); the last one settles the batch."""
+        self.results[job.index] = result
+        self.pending -= 1
+        if self.pending == 0:
+            _call_on(self.loop, self._settle)
+
+    def _settle(self) -> None:
+        self.on_settled(self.results)
+        if not self.future.done():
+            self.future.set_result(self.results)
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # the loop is closed (its caller is long gone): nothing is left to settle
+        pass
 
 
 class Scheduler:
@@ -103,14 +155,29 @@ class Scheduler:
                              f"({self.prefill_chunk_tokens}): give it a temporary cache")
         loop = asyncio.get_running_loop()
         job = Job(hidden, position, start, end, cache, loop, loop.create_future(), still_wanted, on_settled, adapter)
-        with self._wakeup:
-            self._waiting.append(job)
-            self._wakeup.notify()
+        self._enqueue([job])
         began = time.perf_counter()
         try:
             return await job.future
         finally:
             metrics.STEP_SECONDS.observe(time.perf_counter() - began)
+
+    async def submit_batch(self, jobs: list[Job], on_settled: Callable[[list], None]) -> list:
+        """Each job's outputs, or its error, once the compute thread is done with all of them (jobs without a
+        loop or future: the batch has them). `on_settled(results)` runs on the event loop first, also when the
+        caller stops waiting: the compute thread may still hold the jobs then."""
+        batch = Batch(jobs, asyncio.get_running_loop(), on_settled)
+        self._enqueue(jobs)
+        began = time.perf_counter()
+        try:
+            return await batch.future
+        finally:
+            metrics.STEP_SECONDS.observe(time.perf_counter() - began)
+
+    def _enqueue(self, jobs: list[Job]) -> None:
+        with self._wakeup:
+            self._waiting.extend(jobs)
+            self._wakeup.notify()
 
     def stop(self) -> None:
         with self._wakeup:
@@ -131,9 +198,9 @@ class Scheduler:
                 self._compute_round(round_)
 
     def _next_round(self) -> list[tuple[Job, int]]:
-        """(job, positions to compute now) for one forward: the oldest job's block range; decode steps first,
-        then prefill chunks and cache-less forwards within the token budget. Jobs no longer wanted are
-        dropped here."""
+        """(job, positions to compute now) for one forward: the oldest job's block range; short steps first (decode
+        and verify steps, whole), then prefill chunks and cache-less forwards within the token budget. Jobs no
+        longer wanted are dropped here."""
         for job in [job for job in self._waiting if not job.wanted]:
             self._waiting.remove(job)
             job.resolve(error=ServerUnavailableError("the session ended or moved before its step ran"))
@@ -141,16 +208,14 @@ class Scheduler:
             return []
         first = self._waiting[0]
         same_range = [job for job in self._waiting if (job.start, job.end) == (first.start, first.end)]
-        decoding = [job for job in same_range if job.remaining == 1 and job.cache is not None]
-        prefilling = [job for job in same_range if job.remaining > 1 or job.cache is None]
         round_, tokens = [], 0
-        for job in decoding:
-            if tokens + job.rows > self.max_batch_tokens and round_:
+        for job in (job for job in same_range if job.short):  # whole, never cut
+            if tokens + job.rows * job.remaining > self.max_batch_tokens and round_:
                 break
-            round_.append((job, 1))
-            tokens += job.rows
+            round_.append((job, job.remaining))
+            tokens += job.rows * job.remaining
         prefill_room = self.prefill_chunk_tokens
-        for job in prefilling:
+        for job in (job for job in same_range if not job.short):
             positions = min(job.remaining, prefill_room // job.rows, (self.max_batch_tokens - tokens) // job.rows)
             if positions < 1 or (job.cache is None and positions < job.remaining):  # cache-less: in one piece
                 if round_:
@@ -173,7 +238,7 @@ class Scheduler:
                 segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache, job.adapter))
                 pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
             packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
-            output = span.forward_packed(packed, segments, first.start, first.end)[0].to("cpu")
+            output = to_host(span.forward_packed(packed, segments, first.start, first.end)[0])
         except Exception as error:  # a bug or out of memory: every job of the round fails, the thread goes on
             self._fail(round_, error)
             return
@@ -218,3 +283,16 @@ class Scheduler:
             failure = error if isinstance(error, SwarmError) else \
                 InternalServerError("internal server error (see the server's log)")
             job.resolve(error=failure)
+
+
+def to_host(output: torch.Tensor) -> torch.Tensor:
+    """A round's outputs on the CPU. From a GPU: copied into pinned memory behind the round's kernels, then
+    waited for on an event that yields the thread (a plain .to("cpu") spins a core for the whole round)."""
+    if output.device.type != "cuda":
+        return output
+    host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+    host.copy_(output, non_blocking=True)
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()
+    return host

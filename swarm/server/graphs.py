@@ -1,21 +1,25 @@
-"""The decode fast path on CUDA: a span's decode round, captured once per shape bucket as a CUDA graph and
-replayed, so that a round costs the GPU's time, not the CPU's time to issue hundreds of kernels.
+"""The fast path on CUDA: a span's steady rounds, captured once per shape bucket as CUDA graphs and replayed,
+so that a round costs the GPU's time, not the CPU's time to issue hundreds of kernels.
 
-A decode round (every segment one new position of a cached session) has the shapes of its group
-(swarm/server/attention.py): n sequences, each attending to at most k keys. Rounds are padded up to a bucket
-(n to a power of two up to 64, k to a power of two of at least 64), so a few graphs serve every round:
+A steady round is one of cached sessions' decode steps (one new position each) and verify steps (1 + a draft's
+length of positions, see the gateway's speculation). It runs as one uniform group (swarm/server/attention.py):
+n sequences of q query slots each, attending to at most k keys. Rounds are padded up to a bucket (n to a power
+of two, q to 1 + a power of two of draft tokens, k to a power of two of at least 64), so a few graphs serve
+every round:
 
-    the round's indices (CPU) --padded--> static tensors (GPU, copied in) --replay--> static output
+    the round's indices (CPU) --padded, through pinned memory--> static tensors (GPU) --replay--> static output
 
 Padding sequences read the pool's zero page, see only their first key (so their softmax stays finite) and
-write to the pool's scratch page; their outputs are dropped. Everything else (prefill chunks, cache-less
-forwards, rounds beyond the largest bucket, quantized spans) runs eagerly. On a CPU the same padded path can
-run eagerly (`capture=False`), which is how the tests check it gives the eager round's outputs.
+write to the pool's scratch page; padding query slots of a real sequence write to the scratch page too; their
+outputs are dropped. Prefill chunks, cache-less forwards, adapters' rounds and rounds beyond the largest bucket
+run eagerly, counted by reason in metrics.EAGER_ROUNDS. On a CPU the same padded path can run eagerly
+(`capture=False`), which is how the tests check it gives the eager round's outputs.
 
-Captures are bounded: the span's whole range, every bucket (its short rounds captured ahead, before the
-server takes requests: capture_ahead), plus the graphs of a few other block ranges a client asks for, least
-recently used evicted, and only so many such captures in the span's life: a client walking sub-ranges cannot
-make the server capture on and on (each capture syncs the device). Past that, rounds run eagerly.
+Every bucket of the span's whole range is captured ahead (capture_ahead: before the server takes requests, so
+that no capture, with its warm-ups and device-wide synchronisation, lands on a request's path), sharing one
+memory pool; a few other block ranges a client asks for get theirs on demand, least recently used evicted, and
+only so many such captures in the span's life: a client walking sub-ranges cannot make the server capture on
+and on. Past that, their rounds run eagerly.
 
 DecodeGraphs gets from its span (swarm/server/span.py) what a round needs: the pool, the span's blocks, and
 its forward over a built batch; this module never imports the span. When a capture fails, the compute thread
@@ -34,12 +38,15 @@ from typing import Callable, Optional
 import torch
 
 from swarm.protocol import PAGE_TOKENS
-from swarm.server.attention import Group, PackedBatch, Segment, group_sequences, token_positions
-from swarm.server.cache import KVPool
+from swarm.server import metrics
+from swarm.server.attention import Group, PackedBatch, Segment
+from swarm.server.cache import KVPool, pages_for
 
 logger = logging.getLogger(__name__)
 
-SEQUENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SEQUENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# a decode step, and 1 + a draft of 2, 4, 8, 16 or 32 tokens being verified (config.MAX_SPECULATIVE_TOKENS)
+QUERY_BUCKETS = (1, 3, 5, 9, 17, 33)
 MIN_KEYS, MAX_KEYS = 64, 16384
 OTHER_RANGES = 2  # block ranges besides the span's whole one that keep their graphs (least recently used go)
 OTHER_RANGE_CAPTURES = 16  # captures of such ranges in a span's life; past them, their rounds run eagerly
@@ -62,18 +69,29 @@ def key_bucket(keys: int) -> Optional[int]:
     return size if size <= MAX_KEYS else None
 
 
+def round_shapes(max_tokens: int, max_keys: int) -> list[tuple[int, int, int]]:
+    """Every (sequences, queries, keys) bucket of a round of at most `max_tokens` padded tokens and `max_keys`
+    keys: what capture_ahead captures, smallest first."""
+    widest = key_bucket(min(max_keys, MAX_KEYS)) or MAX_KEYS
+    keys = [size for size in (MIN_KEYS << shift for shift in range(16)) if size <= widest]
+    return [(sequences, queries, width) for width in keys for sequences in SEQUENCE_BUCKETS
+            for queries in QUERY_BUCKETS if sequences * queries <= max(max_tokens, 1)]
+
+
 @dataclass
 class RoundTensors:
-    """What a captured decode round reads besides the hidden states: positions and group indices, padded."""
+    """What a captured round reads besides the hidden states: positions and group indices, padded. Its n
+    sequences have q query slots each (a decode step fills one, a verify step 1 + its draft's length): sequence
+    i's are packed tokens i*q .. i*q + q - 1."""
 
-    positions: torch.Tensor  # (n,)
-    query_tokens: torch.Tensor  # (n, 1)
+    positions: torch.Tensor  # (n * q,)
+    query_tokens: torch.Tensor  # (n, q)
     key_index: torch.Tensor  # (n, pages)
-    query_positions: torch.Tensor  # (n, 1)
+    query_positions: torch.Tensor  # (n, q)
     key_positions: torch.Tensor  # (keys,)
     key_valid: torch.Tensor  # (n, keys)
-    destination: torch.Tensor  # (n,)
-    write_slots: torch.Tensor  # (n,)
+    destination: torch.Tensor  # (n * q,)
+    write_slots: torch.Tensor  # (n * q,)
 
     def copy_from(self, other: "RoundTensors") -> None:
         for field in fields(self):
@@ -81,41 +99,52 @@ class RoundTensors:
 
     def batch(self, pool, first_layer: int) -> PackedBatch:
         group = Group(True, self.query_tokens, self.key_index, self.query_positions, self.key_positions,
-                      self.key_valid, None, self.destination, self.write_slots, decode_only=True)
+                      self.key_valid, None, self.destination, self.write_slots, uniform=True)
         return PackedBatch(self.positions, [group], pool, first_layer)
 
 
-def padding_round(pool, sequences: int, keys: int) -> RoundTensors:
-    """A decode round of `sequences` padding sequences only: each reads the pool's zero page, sees its first
-    key alone (its softmax stays finite) and writes to the scratch page. What a round is captured from ahead."""
+def padding_round(pool, sequences: int, queries: int, keys: int) -> RoundTensors:
+    """A round of `sequences` padding sequences only: each reads the pool's zero page, sees its first key alone
+    (its softmax stays finite) and writes to the scratch page. What a round is captured from ahead."""
     key_valid = torch.zeros(sequences, keys, dtype=torch.bool)
     key_valid[:, 0] = True
-    tokens = torch.arange(sequences)
+    tokens = torch.arange(sequences * queries)
     return RoundTensors(
-        positions=torch.zeros(sequences, dtype=torch.long),
-        query_tokens=tokens[:, None].clone(),
+        positions=torch.zeros(sequences * queries, dtype=torch.long),
+        query_tokens=tokens.view(sequences, queries).clone(),
         key_index=torch.full((sequences, keys // PAGE_TOKENS), pool.zero_page, dtype=torch.long),
-        query_positions=torch.zeros(sequences, 1, dtype=torch.long),
+        query_positions=torch.zeros(sequences, queries, dtype=torch.long),
         key_positions=torch.arange(keys),
         key_valid=key_valid,
         destination=tokens.clone(),
-        write_slots=torch.full((sequences,), pool.scratch_slot, dtype=torch.long),
+        write_slots=torch.full((sequences * queries,), pool.scratch_slot, dtype=torch.long),
     )
 
 
-def padded_round(segments: list[Segment], pool, sequences: int, keys: int) -> RoundTensors:
-    """A decode round's inputs on the CPU, padded to `sequences` sequences and `keys` keys: its sequences
-    first (sequence i is packed token i), padding sequences after them."""
-    group = group_sequences(segments, pool, "cpu")[0]
-    real, pages = group.key_index.shape
-    padded = padding_round(pool, sequences, keys)
-    padded.positions[:real] = token_positions(segments, "cpu")
-    padded.key_index[:real, :pages] = group.key_index
-    padded.query_positions[:real] = group.query_positions
-    padded.key_valid[:real] = False
-    padded.key_valid[:real, : group.key_valid.shape[1]] = group.key_valid
-    padded.write_slots[:real] = group.write_slots
-    return padded
+def padded_round(segments: list[Segment], pool, sequences: int, queries: int, keys: int
+                 ) -> tuple[RoundTensors, Optional[torch.Tensor]]:
+    """A round's inputs on the CPU, padded to `sequences` sequences of `queries` query slots and `keys` keys
+    (its sequences first, padding sequences after them), and the slot of each of its packed tokens (None when
+    token i is slot i: a round of decode steps)."""
+    padded = padding_round(pool, sequences, queries, keys)
+    lengths = torch.tensor([segment.length for segment in segments for _ in range(segment.rows)])
+    starts = torch.tensor([segment.position for segment in segments for _ in range(segment.rows)])
+    tables = [segment.cache.tables[row][: pages_for(segment.position + segment.length)]
+              for segment in segments for row in range(segment.rows)]
+    real, offsets = len(tables), torch.arange(queries)
+    valid = offsets[None, :] < lengths[:, None]  # (real, q): the slots its tokens fill
+    query_positions = starts[:, None] + offsets
+    key_index = pool.page_table(tables, keys // PAGE_TOKENS)
+    written = key_index.gather(1, query_positions.clamp(max=keys - 1) // PAGE_TOKENS) * PAGE_TOKENS \
+        + query_positions % PAGE_TOKENS  # (real, q): the slot each new token's keys/values go to
+    padded.positions[: real * queries] = query_positions.flatten()
+    padded.query_positions[:real] = query_positions
+    padded.key_index[:real] = key_index
+    padded.key_valid[:real] = padded.key_positions[None, :] < (starts + lengths)[:, None]
+    padded.write_slots[: real * queries] = torch.where(valid, written, pool.scratch_slot).flatten()
+    if queries == 1:
+        return padded, None
+    return padded, (torch.arange(real)[:, None] * queries + offsets)[valid]
 
 
 class CapturedRound:
@@ -126,20 +155,36 @@ class CapturedRound:
                  memory_pool=None):
         self.inputs = RoundTensors(**{field.name: getattr(template, field.name).to(device)
                                       for field in fields(template)})
+        # the host side of the inputs' copies: pinned, so that they go to the device without a host stall
+        self.staging = RoundTensors(**{field.name: _staging(getattr(template, field.name), device)
+                                       for field in fields(template)})
         # padding rows keep whatever finite values an earlier round left: their outputs are dropped
         self.hidden = torch.zeros(1, template.positions.shape[0], hidden_size, dtype=dtype, device=device)
         self.forward, self.graph = lambda: forward(self.hidden, self.inputs), None
         if capture:
             self.graph, self.output = _captured(self.forward, device, memory_pool)
 
-    def replay(self, hidden: torch.Tensor, inputs: RoundTensors) -> torch.Tensor:
-        """The padded round's outputs (1, bucket, hidden); the first hidden.shape[1] are the real ones."""
-        self.hidden[:, : hidden.shape[1]].copy_(hidden)
-        self.inputs.copy_from(inputs)
+    def replay(self, hidden: torch.Tensor, inputs: RoundTensors, slots: Optional[torch.Tensor]) -> torch.Tensor:
+        """The round's outputs (1, tokens, hidden) for its packed tokens `hidden` (1, tokens, hidden), token i
+        in slot `slots[i]` (None: slot i)."""
+        tokens = hidden.shape[1]
+        self.staging.copy_from(inputs)
+        self.inputs.copy_from(self.staging)
+        if slots is None:
+            self.hidden[:, :tokens].copy_(hidden)
+        else:
+            slots = slots.to(self.hidden.device, non_blocking=True)
+            self.hidden.index_copy_(1, slots, hidden)
         if self.graph is None:
-            return self.forward()
-        self.graph.replay()
-        return self.output
+            output = self.forward()
+        else:
+            self.graph.replay()
+            output = self.output
+        return output[:, :tokens] if slots is None else output.index_select(1, slots)
+
+
+def _staging(tensor: torch.Tensor, device) -> torch.Tensor:
+    return tensor.pin_memory() if torch.device(device).type == "cuda" else tensor.clone()
 
 
 def _captured(forward: Callable[[], torch.Tensor], device, memory_pool):
@@ -177,43 +222,65 @@ class DecodeGraphs:
         self.pool, self.forward_batch = pool, forward_batch
         self.first_block, self.whole_range = blocks[0], blocks
         self.dtype, self.device, self.capture = dtype, device, capture
-        self.rounds: dict[tuple, CapturedRound] = {}  # (start, end, sequences, keys) -> its round
+        self.rounds: dict[tuple, CapturedRound] = {}  # (start, end, sequences, queries, keys) -> its round
         self.other_ranges: OrderedDict[tuple[int, int], None] = OrderedDict()  # least recently used first
         self.other_captures = 0
         self.memory_pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
         self.failed = capture and capture_disabled()  # a capture failed: every round runs eagerly
 
-    def capture_ahead(self, hidden_size: int) -> None:
-        """The whole range's rounds of up to MIN_KEYS keys, every bucket of sequences: what sessions need most,
-        captured before the server takes requests rather than on their path."""
+    def capture_ahead(self, hidden_size: int, max_tokens: int, max_keys: int) -> int:
+        """Every round of the whole range (round_shapes: rows and query slots up to `max_tokens` padded tokens,
+        keys up to `max_keys`), captured before the server takes requests: none is captured on a request's
+        path. Returns how many there are."""
         start, end = self.whole_range
-        for size in SEQUENCE_BUCKETS:
-            key = (start, end, size, MIN_KEYS)
-            if self.failed or key in self.rounds:
-                continue
-            self._capture(key, padding_round(self.pool, size, MIN_KEYS), hidden_size)
+        for sequences, queries, keys in round_shapes(max_tokens, max_keys):
+            key = (start, end, sequences, queries, keys)
+            if self.failed:
+                break
+            if key not in self.rounds:
+                self._capture(key, padding_round(self.pool, sequences, queries, keys), hidden_size)
+        return sum(1 for key in self.rounds if key[:2] == self.whole_range)
 
     def replay(self, hidden: torch.Tensor, segments: list[Segment], start: int, end: int) -> Optional[torch.Tensor]:
-        """The round's outputs (1, tokens, hidden) from its bucket's graph (captured on the bucket's first round,
-        within the bounds), or None when it must run eagerly."""
-        if self.failed or not all(segment.cache is not None and segment.length == 1 and segment.adapter is None
-                                  for segment in segments):  # a LoRA adapter's gathers depend on the round
+        """The round's outputs (1, tokens, hidden) from its bucket's graph, or None when it runs eagerly (the
+        reason counted in metrics.EAGER_ROUNDS)."""
+        reason = self._eager_reason(segments)
+        if reason is None:
+            sequences = sum(segment.rows for segment in segments)
+            queries = bucket(max(segment.length for segment in segments), QUERY_BUCKETS)
+            shape = (bucket(sequences, SEQUENCE_BUCKETS), queries,
+                     key_bucket(max(segment.position + segment.length for segment in segments)))
+            key = (start, end, *shape)
+            if None in shape:
+                reason = "size"
+            elif not self._may_hold(start, end):
+                reason = "other range"
+            elif key not in self.rounds and not self._capture_on_demand(key, hidden.shape[-1]):
+                reason = "other range" if not self.failed else "capture failed"
+        if reason is not None:
+            metrics.EAGER_ROUNDS.labels(reason).inc()
             return None
-        sequences = sum(segment.rows for segment in segments)
-        keys = max(segment.position + 1 for segment in segments)
-        size, width = bucket(sequences, SEQUENCE_BUCKETS), key_bucket(keys)
-        if size is None or width is None or not self._may_hold(start, end):
-            return None
-        inputs = padded_round(segments, self.pool, size, width)
-        key = (start, end, size, width)
-        if key not in self.rounds:
-            if (start, end) != self.whole_range:
-                if self.other_captures >= OTHER_RANGE_CAPTURES:
-                    return None
-                self.other_captures += 1
-            if not self._capture(key, inputs, hidden.shape[-1]):
-                return None
-        return self.rounds[key].replay(hidden, inputs)[:, :sequences]
+        inputs, slots = padded_round(segments, self.pool, *shape)
+        metrics.GRAPH_ROUNDS.inc()
+        return self.rounds[key].replay(hidden, inputs, slots)
+
+    def _eager_reason(self, segments: list[Segment]) -> Optional[str]:
+        if self.failed:
+            return "capture failed"
+        if any(segment.adapter is not None for segment in segments):  # a LoRA adapter's gathers depend on the round
+            return "adapter"
+        if any(segment.cache is None or segment.length > QUERY_BUCKETS[-1] for segment in segments):
+            return "prefill"
+        return None
+
+    def _capture_on_demand(self, key: tuple, hidden_size: int) -> bool:
+        """A round not captured ahead: another block range's (within its bounds), or, before capture_ahead ran,
+        the whole range's."""
+        if key[:2] != self.whole_range:
+            if self.other_captures >= OTHER_RANGE_CAPTURES:
+                return False
+            self.other_captures += 1
+        return self._capture(key, padding_round(self.pool, *key[2:]), hidden_size)
 
     def _may_hold(self, start: int, end: int) -> bool:
         """Whether rounds of blocks [start, end) may have graphs; another range than the whole one becomes the

@@ -33,7 +33,7 @@ from swarm.server.adapters import AdapterFolder, attach_adapters, read_adapter
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
 from swarm.server.settings import ServerSettings, parse_settings
-from swarm.server.span import BlockSpan, load_span
+from swarm.server.span import BlockSpan, GraphsCaptured, load_span
 from swarm.server.throughput import cached_throughput
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ async def serve(settings: ServerSettings) -> None:
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
               f"cache {settings.cache_tokens} tokens"
+              + _graphs_description(presence.graphs_captured)
               + (f", adapters {' '.join(sorted(presence.span.adapters))}" if adapters else "")
               + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
               + (f", metrics at {metrics_address}" if metrics_address else ""),
@@ -83,6 +84,7 @@ class Presence:
                                max_batch_tokens=settings.max_batch_tokens,
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
         self.expiration = 3 * settings.announce_period
+        self.graphs_captured: Optional[GraphsCaptured] = None  # the rounds captured ahead at start-up, if any
 
     @property
     def start(self) -> int:
@@ -110,7 +112,9 @@ class Presence:
         loaded = _load(settings, folder, start, end, adapters)
         span, throughput = await _announced_while(node, prefix, joining, settings.announce_period, loaded)
         presence = cls(node, settings, folder, num_blocks, span, throughput, adapters)
-        await asyncio.to_thread(span.capture_graphs_ahead)  # on its pool, before any request can come
+        # on its pool, before any request can come: no capture lands on a request's path
+        presence.graphs_captured = await asyncio.to_thread(span.capture_graphs_ahead, settings.max_batch_tokens,
+                                                           settings.limits.max_session_tokens)
         metrics.watch_cache(presence.backend.budget)
         push_targets = PushTargets(node, prefix, settings.allowed_servers)
         handler = BlockHandler(presence.backend, settings.allowed_peers, push_targets, settings.latency)
@@ -200,6 +204,13 @@ async def _load(settings: ServerSettings, folder: Path, start: int, end: int, ad
     if settings.cuda_graphs and span.device.type == "cuda" and not span.quantization:
         span.use_graphs()  # bitsandbytes' kernels sync with the host: quantized spans stay eager
     return span, await asyncio.to_thread(cached_throughput, span, folder, settings.cache_dir)
+
+
+def _graphs_description(captured: Optional[GraphsCaptured]) -> str:
+    if captured is None:
+        return ""
+    return (f", {captured.rounds} CUDA graphs of its rounds captured in {captured.seconds:.1f} s, holding "
+            f"{captured.memory_bytes / 2**20:.0f} MiB")
 
 
 def _weights_description(span: BlockSpan) -> str:

@@ -21,6 +21,14 @@ CACHE_TOKENS_FREE = Gauge("swarm_server_cache_tokens_free", "Attention cache tok
                           registry=SERVER_REGISTRY)
 BATCH_SIZE = Histogram("swarm_server_batch_size", "Sequences in one forward pass through the span",
                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=SERVER_REGISTRY)
+GRAPH_ROUNDS = Counter("swarm_server_graph_rounds_total", "Compute rounds that replayed a captured CUDA graph",
+                       registry=SERVER_REGISTRY)
+EAGER_ROUNDS = Counter("swarm_server_eager_rounds_total",
+                       "Compute rounds run eagerly (kernel by kernel), by reason: prefill (a prompt's chunk or a "
+                       "cache-less forward), adapter (a LoRA adapter's rows), other range (blocks other than the "
+                       "span's whole range, past the captures they may have), size (more rows or keys than any "
+                       "graph), capture failed, no graphs (a CPU or quantized span, or --no-cuda-graphs)",
+                       ["reason"], registry=SERVER_REGISTRY)
 STEP_SECONDS = Histogram(
     "swarm_server_step_seconds", "Time of one forward pass through the span, queueing for the compute thread included",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),

@@ -10,6 +10,8 @@ runs is swarm/families/'s.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from swarm.families import Family, family_of
 from swarm.protocol import BadRequestError, ServerUnavailableError
+from swarm.server import metrics
 from swarm.server.adapters import applied
 from swarm.server.attention import PackedBatch, Segment
 from swarm.server.cache import KVPool, SessionCache
@@ -26,6 +29,19 @@ from swarm.server.quantize import quantize_linears
 from swarm.weights import load_config, load_tensors
 
 DEFAULT_POOL_TOKENS = 16384  # a span's pool when no backend sized it (tests, the throughput measurement)
+
+
+@dataclass(frozen=True)
+class GraphsCaptured:
+    """What capturing a span's rounds ahead took: the server's start-up line says it."""
+
+    rounds: int
+    seconds: float
+    memory_bytes: int  # device memory the graphs hold (their shared pool and static tensors)
+
+
+def _device_memory(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 class BlockSpan(nn.Module):
@@ -69,11 +85,19 @@ class BlockSpan(nn.Module):
         """Decode rounds over this span's pool (see use_graphs); new_pool makes new ones for a new pool."""
         return DecodeGraphs(self.pool, (self.start, self.end), self.forward_batch, self.dtype, self.device, capture)
 
-    def capture_graphs_ahead(self) -> None:
-        """The decode rounds sessions need most, captured now (before the server takes requests), not on the
-        first rounds' path; a no-op without graphs or a pool."""
-        if self.graphs is not None and self.pool is not None:
-            self.graphs.capture_ahead(self.config.hidden_size)
+    def capture_graphs_ahead(self, max_tokens: int, max_keys: int) -> Optional[GraphsCaptured]:
+        """Every steady round of the span's whole range (up to `max_tokens` padded tokens and `max_keys` keys),
+        captured now, before the server takes requests, not on the first rounds' path; what it took. None
+        without graphs or a pool."""
+        if self.graphs is None or self.pool is None:
+            return None
+        began, memory = time.perf_counter(), _device_memory(self.device)
+        rounds = self.graphs.capture_ahead(self.config.hidden_size, max_tokens, min(max_keys, self.max_positions))
+        return GraphsCaptured(rounds, time.perf_counter() - began, _device_memory(self.device) - memory)
+
+    @property
+    def max_positions(self) -> int:
+        return getattr(self.config, "max_position_embeddings", None) or 1 << 20
 
     def new_cache(self, rows: int, capacity: int = 0) -> SessionCache:
         """A session's cache of `rows` sequences in the pool, with pages for `capacity` positions (it takes
@@ -114,13 +138,15 @@ class BlockSpan(nn.Module):
         if not self.start <= start < end <= self.end:
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
         self.check_caches(segments)
-        hidden = hidden.to(self.device, self.dtype)
+        hidden = _to_device(hidden, self.device, self.dtype)
         if self.graphs is not None:
             output = self.graphs.replay(hidden, segments, start, end)
             if output is not None:
                 return output
             if self.graphs.failed:  # a layer that cannot be captured: eager from now on
                 self.graphs = None
+        else:
+            metrics.EAGER_ROUNDS.labels("no graphs").inc()
         return self.forward_batch(hidden, PackedBatch.of(segments, self.pool, start - self.start, self.device),
                                   start, end)
 
@@ -147,6 +173,16 @@ class BlockSpan(nn.Module):
             for index, layer in enumerate(layers):
                 hidden = self.family.layer_forward(layer, hidden, batch, index)
         return hidden
+
+
+def _to_device(hidden: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Hidden states on the span's device; from the host through pinned memory, so that the copy queues behind
+    the device's work instead of stalling the thread (a pageable copy waits for it)."""
+    if device.type != "cuda" or hidden.device.type == "cuda":
+        return hidden.to(device, dtype)
+    staged = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+    staged.copy_(hidden)
+    return staged.to(device, dtype, non_blocking=True)
 
 
 def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.float32,

@@ -283,11 +283,11 @@ def test_rounds_a_graph_cannot_serve_run_eagerly(llama_span):
     graphs = span.new_graphs(capture=False)
     cache = span.new_cache(1, 64)
     try:
-        prefill = [Segment(1, 4, 0, cache)]
-        assert graphs.replay(batch_hidden(span, 1, 4).reshape(1, 4, -1), prefill, 0, 3) is None
+        prefill = [Segment(1, 40, 0, cache)]  # longer than the longest draft being verified
+        assert graphs.replay(batch_hidden(span, 1, 40).reshape(1, 40, -1), prefill, 0, 3) is None
         assert graphs.replay(batch_hidden(span, 1, 4).reshape(1, 4, -1), [Segment(1, 4, 0, None)], 0, 3) is None
-        too_many = [Segment(1, 1, 0, cache)] * 65
-        assert graphs.replay(batch_hidden(span, 65, 1).reshape(1, 65, -1), too_many, 0, 3) is None
+        too_many = [Segment(1, 1, 0, cache)] * 257
+        assert graphs.replay(batch_hidden(span, 257, 1).reshape(1, 257, -1), too_many, 0, 3) is None
         assert not graphs.rounds
     finally:
         cache.release()

@@ -12,7 +12,7 @@ import torch
 
 from swarm.server import graphs as graphs_module
 from swarm.server import main as server_main
-from swarm.server.attention import Segment
+from swarm.server.attention import PackedBatch, Segment
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.cache import CacheBudget
 from swarm.server.span import load_span
@@ -68,8 +68,8 @@ def test_only_a_bounded_set_of_block_ranges_gets_rounds(span, made, monkeypatch)
     eagerly (the old code kept a round for every range it was ever asked, and never let one go)."""
     monkeypatch.setattr(graphs_module, "OTHER_RANGES", 2, raising=False)
     monkeypatch.setattr(graphs_module, "OTHER_RANGE_CAPTURES", 8, raising=False)
+    cache = prefilled(span, 5)  # eagerly: a prompt of a few positions is a round graphs take too
     span.use_graphs(capture=False)
-    cache = prefilled(span, 5)
     ranges = [(start, end) for start, end in itertools.combinations(range(BLOCKS + 1), 2)]
     for start, end in ranges * 6:
         graphed, eager = decode(span, cache, 5, start, end)
@@ -83,8 +83,8 @@ def test_only_a_bounded_set_of_block_ranges_gets_rounds(span, made, monkeypatch)
 
 
 def test_a_range_in_use_keeps_its_rounds(span, made):
+    cache = prefilled(span, 5)  # eagerly: a prompt of a few positions is a round graphs take too
     span.use_graphs(capture=False)
-    cache = prefilled(span, 5)
     for _ in range(10):
         for start, end in ((0, BLOCKS), (1, BLOCKS)):
             graphed, eager = decode(span, cache, 5, start, end)
@@ -92,25 +92,61 @@ def test_a_range_in_use_keeps_its_rounds(span, made):
     assert len(made) == 2
 
 
-def test_the_whole_ranges_short_rounds_are_made_ahead_and_write_no_page(span, made):
-    """capture_ahead makes the whole range's rounds of up to 64 keys, every bucket of sequences, from padding
-    sequences only (they read the zero page and write the scratch page); the rounds that come later use them."""
+def eager(span, hidden, segments):
+    """The round through the eager path (a packed batch of groups), whatever graphs the span has."""
+    batch = PackedBatch.of(segments, span.pool, 0, span.device)
+    return span.forward_batch(hidden, batch, 0, BLOCKS)
+
+
+def test_every_round_is_made_ahead_and_making_them_writes_no_page(span, made):
+    """capture_ahead makes every bucket of the whole range within the bounds (rows x query slots up to the
+    round's tokens, keys up to the context), from padding sequences only (they read the zero page and write the
+    scratch page); the rounds that come later use them."""
     pool = span.pool
-    span.use_graphs(capture=False)
     caches = [prefilled(span, 3 + index) for index in range(3)]
+    span.use_graphs(capture=False)
     before = [part.clone() for cache in caches for layer in range(BLOCKS) for part in cache.read(layer, 16)]
-    span.capture_graphs_ahead()
-    assert sorted(span.graphs.rounds) == [(0, BLOCKS, size, 64) for size in graphs_module.SEQUENCE_BUCKETS]
+    captured = span.capture_graphs_ahead(max_tokens=64, max_keys=128)
+    assert captured.rounds == len(made) == len(graphs_module.round_shapes(64, 128))
+    assert {key[2:] for key in span.graphs.rounds} == set(graphs_module.round_shapes(64, 128))
+    assert {(sequences, keys) for sequences, queries, keys in graphs_module.round_shapes(64, 128)
+            if queries == 1} == {(sequences, keys) for sequences in (1, 2, 4, 8, 16, 32, 64) for keys in (64, 128)}
     after = [part for cache in caches for layer in range(BLOCKS) for part in cache.read(layer, 16)]
     assert all(torch.equal(was, now) for was, now in zip(before, after))
     assert not pool.keys[:, pool.zero_slot : pool.scratch_slot].any()
     assert not pool.values[:, pool.zero_slot : pool.scratch_slot].any()
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [4, 4], [1, 9, 1, 3], [33]], ids=["decode", "verify", "mixed",
+                                                                               "longest draft"])
+def test_decode_and_verify_rounds_replay_graphs_made_ahead_and_equal_the_eager_round(span, made, lengths):
+    """Rounds of decode steps, of verify steps (1 + a draft's positions), and of both: each replays a round
+    made ahead (none is made on the serving path) as the sessions grow past a bucket of keys, and gives the
+    eager round's outputs."""
+    caches = [prefilled(span, 20 + 7 * index) for index in range(len(lengths))]
+    span.use_graphs(capture=False)
+    span.capture_graphs_ahead(max_tokens=256, max_keys=256)
     made.clear()
-    hidden = torch.randn(1, 3, span.config.hidden_size)
-    segments = [Segment(1, 1, 3 + index, cache) for index, cache in enumerate(caches)]
-    graphed = span.graphs.replay(hidden, segments, 0, BLOCKS)
-    torch.testing.assert_close(graphed, span.forward_packed(hidden, segments), atol=ATOL, rtol=0)
-    assert not made
+    rounds = graphs_module.metrics.GRAPH_ROUNDS._value.get()
+    for past in (0, 30, 60):  # 20 + 60 + a draft: past 64 keys
+        segments = [Segment(1, length, 20 + 7 * index + past, cache)
+                    for index, (length, cache) in enumerate(zip(lengths, caches))]
+        for cache, segment in zip(caches, segments):
+            cache.prepare(segment.position, segment.position + segment.length)
+        hidden = torch.randn(1, sum(lengths), span.config.hidden_size)
+        graphed = span.graphs.replay(hidden, segments, 0, BLOCKS)
+        assert graphed is not None
+        torch.testing.assert_close(graphed, eager(span, hidden, segments), atol=ATOL, rtol=0)
+    assert not made and graphs_module.metrics.GRAPH_ROUNDS._value.get() == rounds + 3
+
+
+def test_prefill_and_adapter_rounds_run_eagerly_and_are_counted(span):
+    cache = prefilled(span, 4)
+    span.use_graphs(capture=False)
+    counted = graphs_module.metrics.EAGER_ROUNDS.labels("prefill")._value.get()
+    assert span.graphs.replay(torch.randn(1, 40, span.config.hidden_size), [Segment(1, 40, 4, cache)], 0, BLOCKS) \
+        is None
+    assert graphs_module.metrics.EAGER_ROUNDS.labels("prefill")._value.get() == counted + 1
 
 
 class FakeCuda:
