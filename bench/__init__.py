@@ -12,21 +12,29 @@ latency (ITL):
   - 1, 4, 16 and 64 simultaneous WebSocket sessions (1, 8, 32, 64 on a GPU): aggregate and per-session
     tok/s, TTFT and ITL p50/p95;
   - each block server's resident memory (GPU memory on a GPU) against its blocks' weights plus its cache budget;
-  - one decode round of 1, 8, 32 and 64 sessions through the model's blocks alone (no RPC), on the tiny
-    test model's shape and on the benchmarked model: what each session adds to a server's round;
-and checks the ratios of issue 6 against their targets (and the decode rounds' 64 sessions vs 1).
+  - one round of 1, 8, 32 and 64 sessions through the model's blocks alone (no RPC), on the tiny test model's
+    shape and on the benchmarked model: decode rounds and verify rounds (1 + a draft's positions), eager and
+    through the graphs servers run: what each session adds to a server's round;
+  - over each concurrency run, what every process did: each block server's rows per round, graphed and eager
+    rounds (from its Prometheus metrics), the CPU per generated token of the gateway, each server and the
+    bootstrap peer, and on a GPU its utilisation;
+and checks the ratios of issue 6 against their targets (and the decode rounds' 64 sessions vs 1). Single
+sessions decode the same way on every path (--speculative-tokens: plain by default).
 
 In data-flow order:
 
     __main__.py  the command line: run, report
     options.py   the flags of `python -m bench` and `python -m bench.span_round`, and their CPU and GPU defaults
     shapes.py    models of named real shapes with random weights, built once into the cache
-    span_round.py  one decode round of a span alone (load_span, new_cache, forward_packed), per count of sessions
+    span_round.py  one round of a span alone (load_span, new_cache, use_graphs, forward_packed), per kind of
+                 round and count of sessions
     suite.py     one run: per dtype, start the swarm and the gateway, alternate the measurements, sample memory
     workload.py  the prompts (text and token ids) and the session lengths they need
     local.py     the baseline: transformers generate and prefill in this process
     clients.py   one reply, timed token by token: Python client, WebSocket, OpenAI SSE
     load.py      many simultaneous WebSocket sessions
+    usage.py     what every process did over a concurrency run: servers' rounds (their /metrics), CPU per
+                 token, GPU utilisation
     gateway.py   a real gunicorn gateway in front of a given swarm, as a child process
     memory.py    block servers' VmRSS/VmHWM (and their p2pd's; on a GPU, nvidia-smi's figure), their weights and
                  cache budget in bytes

@@ -2,8 +2,8 @@
 
     python -m bench [--quick] [--device cpu|cuda] [--dtype float32,bfloat16,float16] [--shape NAME]
                     [--tokens 128] [--rounds 3] [--concurrency 1,4,16,64] [--concurrency-tokens 64]
-                    [--round-sessions 1,8,32,64] [--round-repeats 10] [--threads 1] [--bfloat16]
-                    [--timeout 300] [--out bench/results]
+                    [--round-sessions 1,8,32,64] [--round-drafts 4,8] [--round-repeats 10] [--threads 1]
+                    [--speculative-tokens 0] [--bfloat16] [--timeout 300] [--out bench/results]
 
 Prints a table and the targets (PASS or FAIL), writes OUT/<time>.json and OUT/<time>.png, and exits 0
 whatever the verdicts: it is a benchmark, not a test. `python -m bench.span_round` runs the decode rounds of

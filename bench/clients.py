@@ -9,20 +9,68 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from bench.stats import NAN, TokenStream
 from bench.workload import Prompt, session_length
 
 
-def swarm_client_reply(remote, prompt: Prompt, max_new_tokens: int) -> TokenStream:
-    """Greedy generation with swarm.client.generate over a RemoteModel (embeddings and LM head in this process)."""
+def swarm_client_reply(remote, prompt: Prompt, max_new_tokens: int, speculative_tokens: int = 0) -> TokenStream:
+    """Greedy generation over a RemoteModel (embeddings and LM head in this process): swarm.client.generate, or,
+    with `speculative_tokens`, drafts of up to that many tokens as the gateway makes them (speculative_steps)."""
     from swarm.client.generate import generate
 
     stream = TokenStream(sent=time.perf_counter())
-    for _ in generate(remote, prompt.ids, max_new_tokens):
-        stream.arrivals.append(time.perf_counter())
+    if speculative_tokens:
+        steps = speculative_steps(remote, prompt.ids, max_new_tokens, speculative_tokens)
+    else:
+        steps = ([token] for token in generate(remote, prompt.ids, max_new_tokens))
+    for tokens in steps:
+        stream.arrivals += [time.perf_counter()] * len(tokens)  # a step's tokens arrive together
     return stream
+
+
+def speculative_steps(model, ids: list[int], max_new_tokens: int, most: int) -> Iterator[list[int]]:
+    """Greedy speculative decoding through the Python client, drafted and paced as the gateway's engine does
+    (gateway/engine/speculation.py: prompt lookup, a draft's length from measured step costs and acceptance):
+    each step sends the pending token and a draft, gets the logits after every position, and keeps the draft up
+    to its first token greedy decoding would not choose, plus the token chosen there. Yields each step's new
+    tokens; the same tokens as swarm.client.generate, ending at a stop token or max_new_tokens."""
+    from gateway.engine.speculation import Pacing, StepCosts, prompt_lookup
+
+    costs, stops = StepCosts(), model.stop_token_ids
+    pacing = Pacing(costs, most)
+    with model.session(max_length=len(ids) + max_new_tokens) as session:
+        context = list(ids)  # the last token is pending: not yet in the servers' caches
+        chosen = [int(session.step([ids])[0].argmax())]
+        while True:
+            kept = _kept(chosen, stops, max_new_tokens - (len(context) - len(ids)))
+            if kept:
+                yield kept
+            context += kept
+            if len(kept) < len(chosen) or len(context) - len(ids) >= max_new_tokens:
+                return  # a stop token, or the reply is whole
+            draft = prompt_lookup(context, min(pacing.length(), max_new_tokens - (len(context) - len(ids)) - 1))
+            began = time.perf_counter()
+            logits = session.step([[context[-1], *draft]], position=len(context) - 1, every_position=True)[0]
+            costs.observed(1 + len(draft), time.perf_counter() - began)
+            greedy = logits.argmax(-1).tolist()
+            accepted = next((index for index, token in enumerate(draft) if token != greedy[index]), len(draft))
+            if draft:
+                pacing.drafted(len(draft), accepted)
+            else:
+                pacing.undrafted()
+            chosen = [*draft[:accepted], greedy[accepted]]
+
+
+def _kept(tokens: list[int], stops, room: int) -> list[int]:
+    """The tokens of a step a reply keeps: up to the first stop token (left out) and at most `room`."""
+    kept = []
+    for token in tokens[:room]:
+        if token in stops:
+            break
+        kept.append(token)
+    return kept
 
 
 def websocket_reply(

@@ -18,11 +18,27 @@ from typing import Sequence
 import requests
 
 from bench.workload import MODEL
+from config import Limits
 from swarm.local import ChildProcess, LocalSwarmError
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 120.0
 GUNICORN_THREADS = 100  # gunicorn.conf.py's: each WebSocket connection holds one thread while it lasts
+
+
+def bench_limits(max_sessions: int) -> dict[str, str]:
+    """The gateway's caps (config.Limits) lifted so that `max_sessions` simultaneous sessions, all from 127.0.0.1
+    and each over a WebSocket of its own, are all served: the caps per process and per client on sessions and
+    on WebSockets, and the rate limit, which counts every WebSocket message. The others do not bind here: a
+    session's new tokens (MAX_NEW_TOKENS) and messages (WS_MAX_MESSAGE_BYTES) are small, and warm conversations
+    (WARM_SESSIONS) are parked outside the session caps. The servers' own per-peer cap is suite.server_limits'."""
+    return {
+        "MAX_SESSIONS": str(max_sessions),
+        "MAX_SESSIONS_PER_CLIENT": str(max_sessions),
+        "MAX_WEBSOCKETS": str(max(max_sessions, Limits.max_websockets)),
+        "MAX_WEBSOCKETS_PER_CLIENT": str(max_sessions),
+        "REQUESTS_PER_MINUTE": "0",
+    }
 
 
 class Gateway:
@@ -31,16 +47,13 @@ class Gateway:
 
     def __init__(self, initial_peers: Sequence[str], max_sessions: int, torch_threads: int, log_dir: Path,
                  model: str = MODEL, device: str = "cpu", dtype: str = "float32", env: dict | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
         self.openai_url = f"{self.url}/v1"
         self.env = {
             "INITIAL_PEERS": " ".join(initial_peers),
-            "MAX_SESSIONS": str(max_sessions),
-            "MAX_SESSIONS_PER_CLIENT": str(max_sessions),  # every session of the benchmark comes from 127.0.0.1
-            "MAX_WEBSOCKETS_PER_CLIENT": str(max_sessions),  # and over a WebSocket of its own
-            "REQUESTS_PER_MINUTE": "0",
+            **bench_limits(max_sessions),
             "TORCH_THREADS": str(torch_threads),
             "MODEL": model,
             "GATEWAY_DEVICE": device,
@@ -114,7 +127,7 @@ class Gateway:
         self.stop()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -25,7 +25,8 @@ class _ArrivalClock:
             return
         if value.is_cuda:  # a token on the GPU is ready once the GPU has computed it, not when it was queued
             torch.cuda.synchronize(value.device)
-        self.stream.arrivals.append(time.perf_counter())
+        # one token per call, or a verified draft's tokens together (prompt lookup)
+        self.stream.arrivals += [time.perf_counter()] * value.numel()
 
     def end(self) -> None:
         pass
@@ -39,11 +40,14 @@ class LocalModel:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(self.device).eval()
 
     @torch.inference_mode()
-    def generate(self, ids: list[int], max_new_tokens: int) -> TokenStream:
-        """Greedy, up to max_new_tokens, stopping at end of sequence like the swarm does (so both do the same work)."""
+    def generate(self, ids: list[int], max_new_tokens: int, speculative_tokens: int = 0) -> TokenStream:
+        """Greedy, up to max_new_tokens, stopping at end of sequence like the swarm does (so both do the same work);
+        with `speculative_tokens`, transformers' prompt lookup drafts up to that many tokens a step, as the
+        gateway's speculation drafts (the same tokens come out)."""
         stream = TokenStream(sent=time.perf_counter())
+        drafts = {"prompt_lookup_num_tokens": speculative_tokens} if speculative_tokens else {}
         self.model.generate(torch.tensor([ids], device=self.device), max_new_tokens=max_new_tokens, do_sample=False,
-                            streamer=_ArrivalClock(stream))
+                            streamer=_ArrivalClock(stream), **drafts)
         return stream
 
     @torch.inference_mode()

@@ -19,6 +19,9 @@ QUICK = {"tokens": 32, "rounds": 1, "concurrency": (1, 4), "concurrency_tokens":
 GPU_CONCURRENCY = {"full": (1, 8, 32, 64), "quick": (1, 8)}
 DEFAULT_DTYPES = {"cpu": ("float32",), "cuda": ("bfloat16",)}
 ROUND_SESSIONS = (1, 8, 32, 64)  # sessions per decode round of the span alone (bench/span_round.py)
+# verify rounds of the span alone: each session's step carries 1 + a draft of k tokens (the gateway drafts up to
+# SPECULATIVE_TOKENS, 8 by default; prompt lookup's drafts are often shorter)
+ROUND_DRAFTS = (4, 8)
 # the span's own cache pool (no server sized it) holds 64 sessions of the decode rounds' lengths
 MOST_ROUND_SESSIONS = 64
 
@@ -36,6 +39,10 @@ class Options:
     shape: Optional[str] = None  # a named shape with random weights (bench/shapes.py); None: the default model
     round_sessions: tuple[int, ...] = ROUND_SESSIONS  # sessions per decode round of the span alone
     round_repeats: int = 10  # timed decode rounds per count of sessions
+    round_drafts: tuple[int, ...] = ROUND_DRAFTS  # draft tokens of the span alone's verify rounds
+    # draft tokens per step on every single-session path (0: plain decoding): the gateway's SPECULATIVE_TOKENS,
+    # the Python client's prompt lookup and local generate's prompt_lookup_num_tokens
+    speculative_tokens: int = 0
 
 
 def count_list(text: str) -> tuple[int, ...]:
@@ -53,6 +60,27 @@ def round_counts(text: str) -> tuple[int, ...]:
     if max(counts) > MOST_ROUND_SESSIONS:
         raise argparse.ArgumentTypeError(f"at most {MOST_ROUND_SESSIONS} sessions per round; got {text!r}")
     return counts
+
+
+def draft_counts(text: str) -> tuple[int, ...]:
+    from config import MAX_SPECULATIVE_TOKENS
+
+    counts = count_list(text)
+    if max(counts) > MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SPECULATIVE_TOKENS} draft tokens; got {text!r}")
+    return counts
+
+
+def speculative_tokens(text: str) -> int:
+    from config import MAX_SPECULATIVE_TOKENS
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SPECULATIVE_TOKENS}, got {value}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -95,6 +123,9 @@ def _common_flags(parser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads in every process (default 1)")
     parser.add_argument("--round-sessions", type=round_counts, default=ROUND_SESSIONS,
                         help="sessions per decode round of the span alone (default 1,8,32,64)")
+    parser.add_argument("--round-drafts", type=draft_counts, default=ROUND_DRAFTS,
+                        help="the span alone's verify rounds: draft tokens per session's step, each k a round "
+                             "of 1 + k positions per session (default 4,8)")
 
 
 def parse_options(argv=None) -> tuple[Options, Path]:
@@ -112,6 +143,10 @@ def parse_options(argv=None) -> tuple[Options, Path]:
     parser.add_argument("--round-repeats", type=positive_int, help="timed decode rounds of the span alone per count "
                         f"of sessions (default {FULL['round_repeats']})")
     _common_flags(parser)
+    parser.add_argument("--speculative-tokens", type=speculative_tokens, default=0,
+                        help="single sessions draft up to N tokens per step by prompt lookup on every path: the "
+                             "gateway (SPECULATIVE_TOKENS), the Python client and local generate (default 0: "
+                             "plain decoding everywhere)")
     parser.add_argument("--bfloat16", action="store_true", help="the same as --dtype float32,bfloat16")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds any one reply or concurrency run may take before it is cut (default 300)")
@@ -125,7 +160,8 @@ def parse_options(argv=None) -> tuple[Options, Path]:
               for name, default in defaults.items()}
     dtypes = args.dtype or (("float32", "bfloat16") if args.bfloat16 else DEFAULT_DTYPES[args.device])
     return Options(**chosen, threads=args.threads, timeout=args.timeout, dtypes=dtypes, device=args.device,
-                   shape=args.shape, round_sessions=args.round_sessions), args.out
+                   shape=args.shape, round_sessions=args.round_sessions, round_drafts=args.round_drafts,
+                   speculative_tokens=args.speculative_tokens), args.out
 
 
 def parse_round_options(argv=None) -> Options:
@@ -141,4 +177,5 @@ def parse_round_options(argv=None) -> Options:
     # no swarm runs: the suite's other options stay empty
     return Options(tokens=0, rounds=0, concurrency=(), concurrency_tokens=0, threads=args.threads, timeout=0.0,
                    dtypes=args.dtype or DEFAULT_DTYPES[args.device], device=args.device, shape=args.shape,
-                   round_sessions=args.round_sessions, round_repeats=args.round_repeats)
+                   round_sessions=args.round_sessions, round_repeats=args.round_repeats,
+                   round_drafts=args.round_drafts)

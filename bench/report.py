@@ -105,28 +105,66 @@ def table(results: dict) -> str:
         lines += decode_round_lines(variant.get("decode_rounds") or {})
         lines += _single_session_lines(variant, results["options"])
         lines += _concurrency_lines(variant, results["options"])
+        lines += usage_lines(variant)
         lines += _memory_lines(variant)
         lines += ["", "targets:"] + ["  " + target.describe() for target in targets(variant)]
     return "\n".join(lines)
 
 
 def decode_round_lines(rounds: dict) -> list[str]:
-    """ms per decode round of each model's span alone, per count of sessions, and the most sessions vs 1."""
+    """ms per round of each model's span alone, per kind of round (decode, verify; eager, graphed) and count
+    of sessions, the most sessions vs 1, and the path its timed rounds took."""
     if not rounds:
         return []
     counts = sorted({int(count) for run in rounds.values() for count in run["ms_per_round"]})
-    lines = ["", "one decode round of the span alone (no RPC), ms per round, medians of `rounds` rounds each:",
-             f"  {'model':24s} {'blocks':>6s} {'rounds':>6s} " + " ".join(f"{f'{count} sess':>9s}" for count in counts)
-             + "  most/1"]
+    width = max(len(name) for name in [*rounds, "model"])
+    lines = ["", "one round of the span alone (no RPC), ms per round, medians of `rounds` rounds each (verify 1+k: "
+                 "each session's step carries a draft of k tokens):",
+             f"  {'model':{width}s} {'blocks':>6s} {'round':18s} {'rounds':>6s} "
+             + " ".join(f"{f'{count} sess':>9s}" for count in counts) + "  most/1  path taken"]
     for name, run in rounds.items():
-        cells = " ".join(f"{run['ms_per_round'].get(str(count), math.nan):9.2f}" for count in counts)
-        lines.append(f"  {name:24s} {run['blocks']:>6s} {run['repeats']:6d} {cells}  {run['ratio_most_to_one']:5.2f}x")
+        for kind, figures in (run.get("kinds") or {"decode eager": run}).items():
+            cells = " ".join(f"{figures['ms_per_round'].get(str(count), math.nan):9.2f}" for count in counts)
+            lines.append(f"  {name:{width}s} {run['blocks']:>6s} {kind:18s} {figures['repeats']:6d} {cells}  "
+                         f"{figures['ratio_most_to_one']:5.2f}x  {round_path(figures, run.get('captured', True))}")
+    if any("kinds" in run for run in rounds.values()):
+        captured = all(run.get("captured") for run in rounds.values())
+        lines.append("  graphed: " + ("CUDA graphs captured (in the warm-ups) and replayed" if captured else
+                                      "no CUDA graph on a CPU: the graphed path's padded rounds, run eagerly "
+                                      "(use_graphs(capture=False)), shown as 'padded'"))
     return lines
+
+
+def round_path(figures: dict, captured: bool) -> str:
+    """The path a kind's timed rounds took: how many replayed a graph (on a CPU: ran its padded round), and the
+    eager ones by reason; empty for results that did not count them."""
+    graphed, eager = figures.get("graph_rounds"), figures.get("eager_rounds") or {}
+    if graphed is None and not eager:
+        return ""
+    total = (graphed or 0) + sum(eager.values())
+    parts = [f"{'graphs' if captured else 'padded'} {graphed:.0f}/{total:.0f}"] if graphed else []
+    if eager:
+        parts.append(f"eager {sum(eager.values()):.0f}/{total:.0f} ("
+                     + ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(eager.items())) + ")")
+    return "; ".join(parts)
+
+
+def speculation_line(tokens) -> list[str]:
+    """How every single-session path decoded (bench.options.Options.speculative_tokens)."""
+    if tokens is None:
+        return []
+    if not tokens:
+        return ["  speculation: off on every path (gateway SPECULATIVE_TOKENS=0; the Python client and local "
+                "generate one token per step); the concurrency runs share the gateway"]
+    return [f"  speculation: drafts of up to {tokens} tokens by prompt lookup on every path (gateway "
+            f"SPECULATIVE_TOKENS={tokens}; the Python client: the gateway's prompt lookup and pacing; local generate: "
+            f"prompt_lookup_num_tokens={tokens}); the concurrency runs share the gateway"]
 
 
 def _single_session_lines(variant: dict, options: dict) -> list[str]:
     single = variant["single_session"]
     lines = ["", f"single session, up to {options['tokens']} new tokens, medians of {options['rounds']} rounds:",
+             *speculation_line(options.get("speculative_tokens")),
              f"  {'':32s} {'decode tok/s':>12s} {'TTFT ms':>8s} {'ITL p50 ms':>10s} {'ITL p95 ms':>10s}  tokens"]
     for name, label in SINGLE_SESSION_NAMES.items():
         run = single[name]
@@ -149,6 +187,49 @@ def _concurrency_lines(variant: dict, options: dict) -> list[str]:
                      f"{run['ttft_p50_s'] * 1000:7.0f}/{run['ttft_p95_s'] * 1000:<8.0f} "
                      f"{run['itl_p50_s'] * 1000:6.1f}/{run['itl_p95_s'] * 1000:<8.1f}" + _errors(run))
     return lines
+
+
+def usage_lines(variant: dict) -> list[str]:
+    """Each process over each concurrency run (bench/usage.py): the servers' rows per round, graphed and eager
+    rounds, every process's CPU per generated token; the GPU's utilisation on a GPU."""
+    runs = {sessions: run["usage"] for sessions, run in variant["concurrency"].items() if run.get("usage")}
+    if not runs:
+        return []
+    lines = ["", "each process over each concurrency run (servers' rounds from their /metrics, '-': not exported; "
+                 "CPU: user + system ms per generated token, its p2pd apart):",
+             f"  {'sessions':>8s} {'process':14s} {'rows/round':>10s} {'rounds':>7s} {'graphed':>7s} "
+             f"{'CPU ms/tok':>10s} {'p2pd':>6s}  eager rounds by reason"]
+    for sessions, usage in runs.items():
+        for name, cpu in usage["cpu_ms_per_token"].items():
+            rounds, reasons = _server_cells(usage["servers"].get(name))
+            lines.append(f"  {sessions:>8s} {name:14s} {rounds} {_cell(cpu.get('own'), '10.2f')} "
+                         f"{_cell(cpu.get('p2pd'), '6.2f')}  {reasons}".rstrip())
+        if variant.get("device", "cpu") != "cpu":
+            gpu = usage.get("gpu_utilisation")
+            lines.append(f"  {sessions:>8s} GPU busy: " + (f"{gpu['mean_percent']:.0f}% mean, {gpu['max_percent']:.0f}% "
+                                                           f"peak ({gpu['samples']} samples of nvidia-smi)"
+                                                           if gpu else "not reported (no nvidia-smi)"))
+    return lines
+
+
+def _server_cells(server) -> tuple[str, str]:
+    """A server's rows per round, rounds and graphed rounds, and its eager rounds by reason; blank for another
+    process."""
+    if server is None:
+        return f"{'':10s} {'':7s} {'':7s}", ""
+    cells = f"{_cell(server['rows_per_round'], '10.1f')} {_cell(server['rounds'], '7.0f')} " \
+            f"{_cell(server['graph_rounds'], '7.0f')}"
+    eager = server["eager_rounds"]
+    if eager is None:
+        return cells, "-"
+    return cells, ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(eager.items())) or "none"
+
+
+def _cell(value, spec: str) -> str:
+    """A figure, or '-' right-aligned in its width where it was not reported."""
+    width = int(spec.split(".")[0])
+    return f"{'-':>{width}s}" if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else format(value, spec)
 
 
 def _memory_lines(variant: dict) -> list[str]:

@@ -1,20 +1,34 @@
-"""One decode round of a span alone: what each session adds to a block server's round, with no RPC, no
-batching thread and no client in the way.
+"""One round of a span alone: what each session adds to a block server's round, with no RPC, no batching
+thread and no client in the way; decode rounds and verify rounds, eagerly and through the graphs servers run.
 
     python -m bench.span_round [--shape NAME] [--device cpu|cuda] [--dtype float32] [--threads 1]
-                               [--round-sessions 1,8,32,64] [--round-repeats 10]
+                               [--round-sessions 1,8,32,64] [--round-drafts 4,8] [--round-repeats 10]
 
 The model's blocks are loaded with swarm.server.span.load_span; 64 sessions (span.new_cache) are prefilled
 to 64 different lengths (40, 13, 50, ...: any first N of them average about the same length); then a
-round feeds one new token to each of the first N sessions in one span.forward_packed over N decode
-segments (swarm.server.attention.Segment), at each session's next position. Every round writes the same
-positions again, so every repeat does the same work. Rounds alternate between the session counts, repeat
-after repeat, so that noise on a shared machine hits each count alike; cheap rounds repeat for a few seconds
-at least (MIN_TIMED_SECONDS); the figure is the median.
+round feeds the first N sessions in one span.forward_packed over N segments (swarm.server.attention.Segment),
+at each session's next position. Every round writes the same positions again, so every repeat does the same
+work. Kinds of round (round_kinds):
+
+    decode       one new position per session (Segment(1, 1, length, cache))
+    verify 1+k   1 + k positions per session: the pending token and a k-token draft being verified, as a
+                 speculating gateway sends them (--round-drafts: k = 4 and 8)
+    eager        the span without graphs: every kernel issued from Python, as servers without CUDA graphs run
+    graphed      through the span's DecodeGraphs (span.use_graphs), what a server on CUDA runs: captured CUDA
+                 graphs replayed (captured in the warm-up rounds, as a server captures ahead of its first
+                 request); on a CPU, which has no CUDA graph, use_graphs(capture=False): the same padded rounds
+                 run eagerly, and the report says so
+
+Each kind's timed rounds are counted by the path they took, from the servers' own counters in this process
+(swarm_server_graph_rounds_total, swarm_server_eager_rounds_total by reason): a graphed kind whose rounds fell
+back to the eager path (a shape graphs.py does not take, a failed capture) shows it. Rounds alternate between
+kinds and session counts, repeat after repeat, so that noise on a shared machine hits each alike; cheap rounds
+repeat for a few seconds at least (MIN_TIMED_SECONDS per kind); the figure is the median.
 
 A round's cost that grows with N only through its matrix products (N rows instead of 1, the weights read once)
 is what batching promises; per-session work (Python per segment, one attention call per session) shows as a
-ratio of 64 sessions to 1 well above what the arithmetic needs. The target: <= 3x on the tiny model on a CPU.
+ratio of 64 sessions to 1 well above what the arithmetic needs. The target, on the eager decode round: <= 3x
+on the tiny model on a CPU.
 """
 
 from __future__ import annotations
@@ -22,11 +36,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bench.options import ROUND_SESSIONS, parse_round_options
+from bench.options import ROUND_DRAFTS, ROUND_SESSIONS, parse_round_options
+from bench.usage import RoundCounters, round_counters
 
 SHORTEST_PREFILL = 8  # session lengths are SHORTEST_PREFILL .. SHORTEST_PREFILL + 63
 # rounds of a small model take milliseconds, and a shared machine's noise comes in bursts as long: such rounds
@@ -54,51 +71,121 @@ def decode_rounds(options, dtype: str, cache_dir: Path) -> dict:
     for model, path in models.items():
         print(f"decode rounds of {model}'s blocks alone, {dtype} on {options.device}", file=sys.stderr, flush=True)
         measured[model] = measure_decode_rounds(path, options.device, getattr(torch, dtype), options.round_sessions,
-                                                options.round_repeats)
+                                                options.round_repeats, drafts=options.round_drafts)
     return measured
 
 
 def measure_decode_rounds(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                           sessions: tuple[int, ...] = ROUND_SESSIONS, repeats: int = 10, warmup: int = 2,
-                          min_seconds: float = MIN_TIMED_SECONDS) -> dict:
-    """Milliseconds per decode round of the whole model's blocks for each count of sessions, and the ratio of
-    64 sessions (or the most measured) to 1."""
+                          min_seconds: float = MIN_TIMED_SECONDS, drafts: tuple[int, ...] = ROUND_DRAFTS) -> dict:
+    """Milliseconds per round of the whole model's blocks for each count of sessions and each kind of round
+    (round_kinds), the ratio of 64 sessions (or the most measured) to 1, and the path each kind's rounds took."""
     from swarm.server.span import load_span
     from swarm.weights import load_config
 
     blocks = load_config(folder).num_hidden_layers
     span = load_span(folder, 0, blocks, device=device, dtype=dtype)
     lengths = prefill_lengths(max(sessions))
-    caches = []
+    kinds = round_kinds(drafts)
+    capture = torch.device(device).type == "cuda"  # a CPU has no CUDA graph: the same padded rounds, eagerly
+    caches, rounds = [], None
     try:
-        for length in lengths:
-            caches.append(span.new_cache(1, capacity=length + 1))
+        for length in lengths:  # room for the longest verify step's positions
+            caches.append(span.new_cache(1, capacity=length + 1 + max(drafts, default=0)))
             _prefill(span, caches[-1], length)
-        seconds = _alternate_rounds(span, caches, lengths, sessions, (warmup, repeats), min_seconds)
+        span.use_graphs(capture)  # after the pool exists: the graphs' rounds hold its addresses
+        rounds = Rounds(span, span.graphs, caches, lengths)
+        # min_seconds of rounds per kind, as when the decode round was the only kind: each median as steady
+        seconds = _alternate_rounds(rounds, sessions, kinds, (warmup, repeats), min_seconds * len(kinds))
+        return summarize_kinds(seconds, rounds, blocks, lengths, capture)
     finally:
         for cache in caches:
             cache.release()
-        del span
-        if torch.device(device).type == "cuda":
+        span.graphs = None  # its captured rounds hold device memory, as the span does
+        del span, caches, rounds  # before emptying the cache: nothing may hold the span's tensors then
+        if capture:
             torch.cuda.empty_cache()
-    return summarize_rounds(seconds, blocks, lengths)
 
 
-def _alternate_rounds(span, caches: list, lengths: list[int], sessions: tuple[int, ...], warmup_and_repeats,
-                      min_seconds: float) -> dict[int, list[float]]:
-    """Each count of sessions in turn, repeat after repeat: at least `repeats` timed rounds each, and more while
-    less than min_seconds were timed (cheap rounds: a steadier median where noise comes in bursts)."""
+@dataclass(frozen=True)
+class RoundKind:
+    """A round's kind: each session's segment has 1 + `draft` positions (0: a decode step; k: a verify step of a
+    k-token draft), run through the span's DecodeGraphs (`graphed`) or eagerly (no graphs)."""
+
+    draft: int
+    graphed: bool
+
+    @property
+    def name(self) -> str:
+        return f"{f'verify 1+{self.draft}' if self.draft else 'decode'} {'graphed' if self.graphed else 'eager'}"
+
+
+def round_kinds(drafts: tuple[int, ...] = ROUND_DRAFTS) -> list[RoundKind]:
+    return [RoundKind(draft, graphed) for draft in (0, *drafts) for graphed in (False, True)]
+
+
+class Rounds:
+    """A span's prefilled sessions, and the path each kind's timed rounds took: graphs replayed and eager rounds
+    by reason, read from the servers' own counters (swarm.server.metrics) in this process around each round,
+    so that the figures say what the span did, whatever graphs.py lets through."""
+
+    def __init__(self, span, graphs, caches: list, lengths: list[int]):
+        self.span, self.graphs, self.caches, self.lengths = span, graphs, caches, lengths
+        self.graph_rounds: Counter[str] = Counter()  # kind -> its rounds that replayed a graph (or, on a CPU,
+        # ran the graph's padded round eagerly: swarm_server_graph_rounds_total counts those too)
+        self.eager_rounds: dict[str, Counter[str]] = defaultdict(Counter)  # kind -> reason -> rounds run eagerly
+
+    def timed(self, kind: RoundKind, count: int, counted: bool) -> float:
+        """One round of the first `count` sessions: seconds; with `counted`, its path is added to the kind's."""
+        # forward_packed drops graphs that failed to capture: the graphed kinds then show eager rounds
+        self.span.graphs = self.graphs if kind.graphed else None
+        before = _round_counters()
+        elapsed = _timed_round(self.span, self.caches[:count], self.lengths[:count], kind.draft)
+        if counted:
+            grown = _round_counters().since(before)
+            self.graph_rounds[kind.name] += grown.graph_rounds or 0
+            self.eager_rounds[kind.name].update(grown.eager_rounds or {})
+        return elapsed
+
+
+def _round_counters() -> RoundCounters:
+    """This process's graphed and eager rounds so far (a counter not defined yet: not counted)."""
+    from swarm.server import metrics
+
+    found = [getattr(metrics, name, None) for name in ("GRAPH_ROUNDS", "EAGER_ROUNDS")]
+    return round_counters(family for metric in found if metric is not None for family in metric.collect())
+
+
+def _alternate_rounds(rounds: Rounds, sessions: tuple[int, ...], kinds: list[RoundKind], warmup_and_repeats,
+                      min_seconds: float) -> dict[str, dict[int, list[float]]]:
+    """Each kind and count of sessions in turn, repeat after repeat: at least `repeats` timed rounds each, and
+    more while less than min_seconds were timed (cheap rounds: a steadier median where noise comes in bursts).
+    The warm-ups capture the graphed kinds' graphs (on CUDA), as a server does ahead of its first request."""
     warmup, repeats = warmup_and_repeats
-    seconds: dict[int, list[float]] = {count: [] for count in sessions}
+    seconds: dict[str, dict[int, list[float]]] = {kind.name: {count: [] for count in sessions} for kind in kinds}
     timed, repeat = 0.0, 0
     while repeat < warmup + repeats or (timed < min_seconds and repeat < warmup + MAX_REPEATS):
         for count in sessions:
-            elapsed = _timed_round(span, caches[:count], lengths[:count])
-            if repeat >= warmup:
-                seconds[count].append(elapsed)
-                timed += elapsed
+            for kind in kinds:
+                elapsed = rounds.timed(kind, count, counted=repeat >= warmup)
+                if repeat >= warmup:
+                    seconds[kind.name][count].append(elapsed)
+                    timed += elapsed
         repeat += 1
     return seconds
+
+
+def summarize_kinds(seconds: dict[str, dict[int, list[float]]], rounds: Rounds, blocks: int, lengths: list[int],
+                    capture: bool) -> dict:
+    """Every kind's figures (summarize_rounds's, and the path its rounds took) under `kinds`; the eager decode
+    round's also at the top, as before verify rounds and graphs were measured (the round target reads them)."""
+    kinds = {}
+    for name, runs in seconds.items():
+        figures = summarize_rounds(runs, blocks, lengths)
+        kinds[name] = {**{key: value for key, value in figures.items() if key not in ("blocks", "prefill_lengths")},
+                       "graph_rounds": rounds.graph_rounds[name], "eager_rounds": dict(rounds.eager_rounds[name])}
+    return {**summarize_rounds(seconds[RoundKind(0, False).name], blocks, lengths), "captured": capture,
+            "kinds": kinds}
 
 
 def summarize_rounds(seconds: dict[int, list[float]], blocks: int, lengths: list[int]) -> dict:
@@ -122,12 +209,14 @@ def _prefill(span, cache, length: int) -> None:
     span.forward_packed(hidden, [Segment(1, length, 0, cache)])
 
 
-def _timed_round(span, caches: list, lengths: list[int]) -> float:
-    """One decode round: a token for each session at its next position, in one packed forward; seconds."""
+def _timed_round(span, caches: list, lengths: list[int], draft: int = 0) -> float:
+    """One round: each session's next 1 + `draft` positions (a decode step, or a verify step of a draft) in one
+    packed forward; seconds."""
     from swarm.server.attention import Segment
 
-    hidden = torch.randn(1, len(caches), span.config.hidden_size, device=span.device, dtype=span.dtype)
-    segments = [Segment(1, 1, length, cache) for cache, length in zip(caches, lengths)]
+    positions = 1 + draft
+    hidden = torch.randn(1, len(caches) * positions, span.config.hidden_size, device=span.device, dtype=span.dtype)
+    segments = [Segment(1, positions, length, cache) for cache, length in zip(caches, lengths)]
     _synchronize(span.device)
     began = time.perf_counter()
     span.forward_packed(hidden, segments)

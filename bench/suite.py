@@ -15,7 +15,8 @@ Order within a dtype's run, and why:
      comes and goes on a shared machine then hits every measurement alike, and medians drop the outliers;
   3. block-server memory, with the single sessions done;
   4. --concurrency's simultaneous WebSocket sessions (1, 4, 16, 64 on a CPU; 1, 8, 32, 64 on a GPU), smallest
-     first, each on caches left empty by the one before;
+     first, each on caches left empty by the one before, and what every process did meanwhile (bench/usage.py:
+     each server's rows per round, graphed and eager rounds, every process's CPU per token, the GPU's use);
   5. block-server memory again: its peak now includes the largest run.
 """
 
@@ -44,6 +45,7 @@ from bench.options import Options
 from bench.shapes import SHAPES, model_folder
 from bench.span_round import decode_rounds
 from bench.stats import TokenStream, summarize_concurrent, summarize_runs
+from bench.usage import MeteredSwarm, UsageWindow, Watched, watch
 from bench.workload import MODEL, Prompt, chat_prompt, long_prompt, session_length
 
 
@@ -104,7 +106,6 @@ def benchmarked(options: Options, dtype: str, cache_dir: Path) -> Benchmarked:
 
 def run_variant(options: Options, model: Benchmarked, cache_dir: Path, dtype: str, prompts: Prompts) -> dict:
     from swarm.client.remote_model import RemoteModel
-    from swarm.local import LocalSwarm
 
     rounds = decode_rounds(options, dtype, cache_dir)  # alone on the machine: before any model is loaded
     cache_tokens = cache_tokens_needed(options, prompts)
@@ -112,21 +113,25 @@ def run_variant(options: Options, model: Benchmarked, cache_dir: Path, dtype: st
                for start, end in model.spans]
     local = LocalModel(model.folder, getattr(torch, dtype), options.device)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    server_args = ["--threads", str(options.threads), "--device", options.device, "--dtype", dtype,
-                   "--cache-tokens", str(cache_tokens)]
     # the largest concurrency run, and a few single sessions that may still be closing when it starts
     max_sessions = max(options.concurrency) + 4
+    server_args = ["--threads", str(options.threads), "--device", options.device, "--dtype", dtype,
+                   "--cache-tokens", str(cache_tokens), *server_limits(max_sessions)]
     with ExitStack() as running:  # stopped in reverse order on any exit, Ctrl-C included
         log(f"starting block servers {', '.join(f'{start}:{end}' for start, end in model.spans)} and a gateway; "
             f"logs in {log_dir}")
-        swarm = running.enter_context(LocalSwarm(model.source, model.spans, server_args=server_args, log_dir=log_dir))
+        swarm = running.enter_context(MeteredSwarm(model.source, model.spans, server_args=server_args, log_dir=log_dir))
+        # single sessions decode the same way on every path: the gateway's drafts are the Python client's and
+        # local generate's (bench.options: --speculative-tokens)
         gateway = running.enter_context(Gateway(swarm.initial_peers, max_sessions, options.threads, log_dir,
-                                                model.source, options.device, dtype))
+                                                model.source, options.device, dtype,
+                                                {"SPECULATIVE_TOKENS": str(options.speculative_tokens)}))
         remote = RemoteModel.from_pretrained(model.source, swarm.initial_peers, cache_dir, device=options.device,
                                              dtype=getattr(torch, dtype))
         running.callback(remote.close)
-        memory, peaks_reset, single, concurrency = measure_swarm(options, model, prompts, local, remote, gateway,
-                                                                [server.process.pid for server in swarm.servers])
+        memory, peaks_reset, single, concurrency = measure_swarm(
+            options, model, prompts, local, remote, gateway,
+            watch(swarm, gateway.process.process.pid, gpu=options.device != "cpu"))
     return {
         "device": options.device,
         "decode_rounds": rounds,
@@ -139,14 +144,15 @@ def run_variant(options: Options, model: Benchmarked, cache_dir: Path, dtype: st
 
 
 def measure_swarm(options: Options, model: Benchmarked, prompts: Prompts, local: LocalModel, remote,
-                  gateway: Gateway, server_pids: list[int]) -> tuple[dict, list[bool], dict, dict]:
+                  gateway: Gateway, processes: Watched) -> tuple[dict, list[bool], dict, dict]:
     """Memory samples, whether peaks could be reset, the single-session runs and the concurrency runs."""
     gpu = options.device != "cpu"
+    server_pids = [pid for name, pid in processes.processes.items() if name in processes.servers]
     memory = {"at_start": [sample_server(pid, gpu) for pid in server_pids]}
     peaks_reset = [reset_peaks(pid) for pid in server_pids]
     single = alternate(single_session_measurements(options, model, prompts, local, remote, gateway), options.rounds)
     memory["after_single_sessions"] = [sample_server(pid, gpu) for pid in server_pids]
-    concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions)
+    concurrency = {str(sessions): run_concurrent(options, prompts, gateway, sessions, processes)
                    for sessions in options.concurrency}
     memory["after_concurrency"] = [sample_server(pid, gpu) for pid in server_pids]
     return memory, peaks_reset, single, concurrency
@@ -155,14 +161,14 @@ def measure_swarm(options: Options, model: Benchmarked, prompts: Prompts, local:
 def single_session_measurements(options: Options, model: Benchmarked, prompts: Prompts, local: LocalModel, remote,
                                 gateway: Gateway) -> dict[str, Callable[[], TokenStream]]:
     """Every single-session measurement, by the name the report uses, in the order they alternate."""
-    chat, long, tokens = prompts.chat, prompts.long, options.tokens
+    chat, long, tokens, drafts = prompts.chat, prompts.long, options.tokens, options.speculative_tokens
 
     def deadline() -> float:
         return time.perf_counter() + options.timeout
 
     return {
-        "local_generate": lambda: local.generate(chat.ids, tokens),
-        "swarm_client": lambda: swarm_client_reply(remote, chat, tokens),
+        "local_generate": lambda: local.generate(chat.ids, tokens, drafts),
+        "swarm_client": lambda: swarm_client_reply(remote, chat, tokens, drafts),
         "gateway_websocket": lambda: websocket_reply(gateway.ws_url, chat, tokens, deadline()),
         "gateway_openai_sse": lambda: openai_reply(gateway.openai_url, model.served_as, chat, tokens, deadline()),
         "local_prefill_long": lambda: local.prefill(long.ids),
@@ -184,14 +190,28 @@ def alternate(measurements: dict[str, Callable[[], TokenStream]], rounds: int) -
     return runs
 
 
-def run_concurrent(options: Options, prompts: Prompts, gateway: Gateway, sessions: int) -> dict:
+def run_concurrent(options: Options, prompts: Prompts, gateway: Gateway, sessions: int, processes: Watched) -> dict:
+    """The run's figures, and under `usage` what every process did meanwhile (bench/usage.py)."""
     gateway.wait_idle()  # the previous run's sessions closed: this one starts on empty caches
     log(f"{sessions} simultaneous sessions, {options.concurrency_tokens} tokens each")
-    summary = summarize_concurrent(
-        concurrent_replies(gateway.ws_url, prompts.chat, options.concurrency_tokens, sessions, options.timeout))
+    with UsageWindow(processes) as window:
+        streams = concurrent_replies(gateway.ws_url, prompts.chat, options.concurrency_tokens, sessions,
+                                     options.timeout)
+    summary = summarize_concurrent(streams)
+    summary["usage"] = window.result(summary["tokens"])
     incomplete = f", {len(summary['errors'])} incomplete" if summary["errors"] else ""
-    log(f"   {summary['aggregate_tok_s']:.1f} tok/s aggregate{incomplete}")
+    servers = "; ".join(f"{name}: {server['rows_per_round']:.1f} rows/round"
+                        for name, server in summary["usage"]["servers"].items())
+    log(f"   {summary['aggregate_tok_s']:.1f} tok/s aggregate{incomplete}; {servers}")
     return summary
+
+
+def server_limits(max_sessions: int) -> list[str]:
+    """A block server's flags lifting its per-peer session cap over the run's sessions: the gateway is one peer
+    for all of them (bench.gateway.bench_limits lifts the gateway's caps)."""
+    from swarm.server.settings import ServerLimits
+
+    return ["--max-sessions-per-peer", str(max(max_sessions, ServerLimits.max_sessions_per_peer))]
 
 
 def cache_tokens_needed(options: Options, prompts: Prompts) -> int:

@@ -13,7 +13,7 @@ import torch
 from bench import memory as bench_memory
 from bench.memory import process_memory, reset_peaks, server_budget
 from bench.options import parse_options, parse_round_options
-from bench.report import plot, table, targets, write_json
+from bench.report import decode_round_lines, plot, table, targets, write_json
 from bench.shapes import SHAPES, shape_folder, shrink_bpe
 from bench.span_round import MAX_REPEATS, measure_decode_rounds, prefill_lengths
 from bench.stats import TokenStream, percentile, summarize_concurrent, summarize_runs
@@ -143,7 +143,7 @@ def test_the_decode_round_target_is_the_tiny_model_64_sessions_against_1(tmp_pat
     results["variants"]["float32"]["decode_rounds"]["tiny"]["ms_per_round"]["64"] = 7.0
     assert targets(results["variants"]["float32"])[-1].verdict == "FAIL"
     text = table(results)
-    assert "one decode round of the span alone" in text and "tinyllama-1.1b" in text and "10.00x" in text
+    assert "one round of the span alone" in text and "tinyllama-1.1b" in text and "10.00x" in text
     assert "PASS  one decode round" not in text and "FAIL  one decode round of 64 sessions" in text
     del results["variants"]["float32"]["decode_rounds"]["tiny"]["ms_per_round"]["64"]
     assert targets(results["variants"]["float32"])[-1].verdict == "n/a"  # 64 sessions not measured
@@ -258,12 +258,23 @@ def test_decode_rounds_of_a_span_alone(tmp_path, tokenizer_source):
     assert len(set(lengths)) == 64 and min(lengths) == 8
     assert abs(sum(lengths[:8]) / 8 - sum(lengths) / 64) < 8  # any first N sessions: about the mean length
     folder = shape_folder("tiny", "float32", tmp_path, tokenizer_source=tokenizer_source)
-    rounds = measure_decode_rounds(folder, sessions=(1, 8), repeats=2, warmup=1, min_seconds=0.0)
+    rounds = measure_decode_rounds(folder, sessions=(1, 8), repeats=2, warmup=1, min_seconds=0.0, drafts=(4,))
     assert rounds["blocks"] == "0:4" and rounds["most_sessions"] == 8
     assert set(rounds["ms_per_round"]) == {"1", "8"}
     assert all(len(runs) == 2 for runs in rounds["ms_per_round_runs"].values())
     assert rounds["ratio_most_to_one"] == pytest.approx(rounds["ms_per_round"]["8"] / rounds["ms_per_round"]["1"])
+    # decode and verify rounds, eager and through the span's graphs (on a CPU: their padded rounds, eagerly),
+    # each kind's timed rounds counted by the path they took
+    assert list(rounds["kinds"]) == ["decode eager", "decode graphed", "verify 1+4 eager", "verify 1+4 graphed"]
+    assert rounds["kinds"]["decode eager"]["ms_per_round"] == rounds["ms_per_round"] and not rounds["captured"]
+    for name, kind in rounds["kinds"].items():
+        assert set(kind["ms_per_round"]) == {"1", "8"} and kind["repeats"] == 2
+        if name.endswith("graphed"):
+            assert kind["graph_rounds"] == 4 and kind["eager_rounds"] == {}  # 2 counts x 2 repeats
+        else:
+            assert kind["graph_rounds"] == 0 and kind["eager_rounds"] == {"no graphs": 4}
+    assert "verify 1+4 graphed" in "\n".join(decode_round_lines({"tiny": rounds}))
     # cheap rounds go on until enough time was measured, or MAX_REPEATS of them (a fast machine's tiny rounds)
-    longer = measure_decode_rounds(folder, sessions=(1,), repeats=1, warmup=0, min_seconds=0.3)
-    runs = longer["ms_per_round_runs"]["1"]
-    assert (sum(runs) >= 300 or len(runs) == MAX_REPEATS) and len(runs) > 1 and longer["repeats"] == len(runs)
+    longer = measure_decode_rounds(folder, sessions=(1,), repeats=1, warmup=0, min_seconds=0.3, drafts=())
+    runs = [run for kind in longer["kinds"].values() for run in kind["ms_per_round_runs"]["1"]]
+    assert (sum(runs) >= 600 or len(runs) == 2 * MAX_REPEATS) and len(runs) > 2 and longer["repeats"] > 1
