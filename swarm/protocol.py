@@ -29,7 +29,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
-PROTOCOL_VERSION = "0.3.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages
+PROTOCOL_VERSION = "0.4.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages; 0.4: a message's steps stacked in one tensor
 # servers keep attention caches in pages of this many positions, and grow a session's cache a page at a time:
 # a new session needs room for one page (what the client asks of the servers it routes to), not its max_length
 PAGE_TOKENS = 16

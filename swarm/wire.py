@@ -15,17 +15,18 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
     rpc_steps      a stream, one per (client, server), that steps the client's open sessions (opened by
                    rpc_inference): each request carries the steps of several sessions, each reply answers one
                    request (replies may come out of order: message_id pairs them)
-                     request  [hidden_0 .. hidden_n-1] {message_id, steps: [{session_id, position, step_id?,
+                     request  [hidden (1, tokens, hidden): the steps' hidden states stacked, each (rows, length)
+                              flattened] {message_id, steps: [{session_id, position, rows, length, step_id?,
                               push_to?: {peer_id, session_id}}, ... n]}
-                     reply    [the outputs of the steps that succeeded, in order] {message_id, results: [{} or
-                              {error}, ... n]}; a request that is no list of steps: {message_id?, error}
+                     reply    [the outputs of the steps that succeeded, stacked likewise] {message_id, results:
+                              [{} or {error}, ... n]}; a request that is no list of steps: {message_id?, error}
                    a session is stepped only by the peer that opened it, one step at a time (else the step
                    is refused); one step's error leaves the others of its message as they were. A message of
                    more tensors than the server's sessions per peer, or more tokens in all than one request may
                    carry, is refused whole before any tensor is decoded (check_hidden_sizes); a peer's messages
                    are read only while it has few enough unanswered (see swarm/server/flow.py)
-    rpc_push       [hidden_0 .. hidden_n-1] {pushes: [{session_id, step_id, position}, ... n]} -> {results: [{}
-                   or {error}, ... n]}: steps' inputs, pushed by the previous server of their chains (named by
+    rpc_push       [hidden, stacked] {pushes: [{session_id, step_id, position, rows, length}, ... n]} -> {results:
+                   [{} or {error}, ... n]}: steps' inputs, pushed by the previous server of their chains (named by
                    the clients in push_to, if that peer announces the next block) as soon as it has them, so
                    that the next server starts before the clients' copies of the same inputs arrive; one
                    message per next server, however many steps
@@ -147,6 +148,45 @@ def _declared_tokens(tensor: runtime_pb2.Tensor, hidden_size: int) -> int:
     if len(shape) != 3 or shape[2] != hidden_size or min(shape) < 1:
         return 0
     return shape[0] * shape[1]
+
+
+def stacked(steps: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Steps' hidden states (rows, length, hidden each) as a message carries them: one tensor (1, tokens,
+    hidden), decoded and checked once whatever the number of steps (none: no tensor)."""
+    if not steps:
+        return ()
+    return (torch.cat([step.reshape(-1, step.shape[-1]) for step in steps])[None],)
+
+
+def step_shape(step: torch.Tensor) -> dict:
+    """What a message's entry says of its step's part of the stacked tensor."""
+    return {"rows": step.shape[0], "length": step.shape[1]}
+
+
+def unstacked(tensors: list, entries: list) -> list:
+    """A message's stacked tensor back into its steps (rows, length, hidden), by each entry's 'rows' and
+    'length': views, no copy. A tensor refused undecoded stands for every step; a message whose entries do not
+    add up to its tensor is refused whole (BadRequestError), since which tokens are whose is unknown."""
+    shapes = [(entry.get("rows"), entry.get("length")) if isinstance(entry, dict) else (None, None)
+              for entry in entries]
+    if not all(isinstance(rows, int) and isinstance(length, int) and rows >= 1 and length >= 1
+               for rows, length in shapes):
+        raise BadRequestError("each step must say its 'rows' and 'length' (integers >= 1)")
+    if len(tensors) != (1 if entries else 0):
+        raise BadRequestError(f"a message of {len(entries)} steps carries {len(tensors)} tensors, not one")
+    if not entries:
+        return []
+    whole = tensors[0]
+    if isinstance(whole, SwarmError):
+        return [whole] * len(entries)
+    if whole.shape[1] != sum(rows * length for rows, length in shapes):
+        raise BadRequestError(f"the steps' rows x length add up to {sum(r * n for r, n in shapes)} tokens, but "
+                              f"the message carries {whole.shape[1]}")
+    steps, offset = [], 0
+    for rows, length in shapes:
+        steps.append(whole[0, offset : offset + rows * length].view(rows, length, whole.shape[-1]))
+        offset += rows * length
+    return steps
 
 
 def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None):

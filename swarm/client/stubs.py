@@ -1,47 +1,37 @@
-"""The client's end of the block servers' RPC (swarm/wire.py): info, cache-less forwards, inference streams,
-and the step channels that carry the steps of all of a client's sessions on one server together.
+"""The client's end of the block servers' RPC (swarm/wire.py): info, cache-less forwards, inference streams;
+the step channels that carry the steps of all of a client's sessions on one server are step_channel.py's.
 
 A session opens and closes on each server through its own inference stream (InferenceStream), but its steps
-go through the client's StepChannel to that server (one per server, shared by every session): a step handed
-to an idle channel is sent at once; steps handed to it while a message is in flight wait, and leave together
-as the next message when its reply comes; steps handed to it in the same turn of the event loop leave together. So N sessions stepping at once cost about one message per server,
-not N, and a lone step waits for nothing. A step of many positions (a prompt, a replay) travels alone, at
-once, so that it never holds up the short steps queued behind it.
+go through the client's StepChannel to that server (one per server, shared by every session): steps handed to
+it in the same turn of the event loop leave together; steps handed to it while a message is in flight wait,
+and leave together as the next message when its reply comes. So N sessions stepping at once cost about one
+message per server, not N, and a lone step waits for nothing. A step of many positions (a prompt, a replay)
+travels alone, at once, so that it never holds up the short steps queued behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import secrets
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.protocol import ServerUnavailableError, SwarmError, error_from_wire
+from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, StepChannels, until_none
+from swarm.protocol import ServerUnavailableError
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
 
 logger = logging.getLogger(__name__)
 # closed inference streams still being read to their end (asyncio itself keeps only weak references to tasks)
 _DRAINING: set[asyncio.Task] = set()
 
-MULTIPLEX_MAX_POSITIONS = 8  # a step of more positions travels alone (it would hold up the others' reply)
-# tokens (rows x positions) of short steps in one message: servers refuse a message of more tokens than one
-# request may carry (--max-request-tokens, 8,192 by default); the steps past it go in the next message
-MULTIPLEX_MAX_TOKENS = 1024
-# a step of more values is packed on a thread: copying its tensor (128 MiB for 8,192 tokens of hidden size
-# 4,096) would hold up the event loop, which carries every session of the client
-PACK_OFF_LOOP_VALUES = 1 << 20
-EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
-
 
 class MalformedOutputsError(ServerUnavailableError):
-    """A server answered a hop with what cannot be its outputs: not the inputs' shape and dtype, or not finite.
-    It lied or broke: the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape
-    in the LM head, which merges the rows of concurrent sessions, would fail every one of them)."""
+    """A server answered a hop with what cannot be its outputs (not the inputs' shape and dtype, or not finite):
+    the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape in the LM head,
+    which merges the rows of concurrent sessions, would fail every one of them)."""
 
     code = "malformed_outputs"
 
@@ -168,231 +158,8 @@ class InferenceStream:
         raise_if_error(metadata)
         return tensors, metadata
 
-    async def _iterate_requests(self):
-        while (request := await self._requests.get()) is not None:
-            yield request
+    def _iterate_requests(self):
+        return until_none(self._requests)
 
 
-@dataclass
-class _Step:
-    hidden: torch.Tensor  # (batch, positions, hidden)
-    entry: dict  # its line of the message's steps: {session_id, position, step_id, push_to?}
-    timeout: float
-    blocks: str  # named in errors
-    result: asyncio.Future
-
-
-@dataclass
-class _Message:
-    stream: "_StepStream"
-    steps: list[_Step]
-    expiry: asyncio.TimerHandle
-    batched: bool  # the channel's message of short steps (while it is in flight, short steps wait)
-
-
-class _StepStream:
-    """One rpc_steps stream to a server: messages queue at once (and go as soon as it is connected); each reply
-    goes to the channel."""
-
-    def __init__(self, channel: "StepChannel"):
-        self.channel = channel
-        self.closed = False
-        self._requests: asyncio.Queue = asyncio.Queue()
-        self._reader = asyncio.ensure_future(self._read())
-
-    def send(self, message) -> None:
-        self._requests.put_nowait(message)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._requests.put_nowait(None)  # ends the request stream
-            self._reader.cancel()  # and hangs up, abandoning what is in flight
-
-    async def _read(self) -> None:
-        channel = self.channel
-        try:
-            stub = BlockRPC.get_stub(channel.p2p, PeerID.from_base58(channel.peer_id))
-            responses = await asyncio.wait_for(stub.rpc_steps(self._iterate_requests()), channel.connect_timeout)
-            async for response in responses:
-                channel.answered(self, response)
-            reason = "closed the step stream"
-        except asyncio.CancelledError:
-            raise  # closed by the channel, which has failed its steps already
-        except Exception as error:  # timeouts, a refused connection, any failure of the transport
-            reason = f"failed: {error!r}"
-        channel.broken(self, reason)
-
-    async def _iterate_requests(self):
-        while (request := await self._requests.get()) is not None:
-            yield request
-
-
-class StepChannel:
-    """The client's multiplexed steps to one server (see the module's docstring). It lives on the client's
-    event loop: every method runs there. If its stream fails, or a message stays unanswered past its steps'
-    timeouts, the steps in flight fail with ServerUnavailableError (each session then fails over on its own)
-    and later steps open a new stream."""
-
-    def __init__(self, p2p, peer_id: str, connect_timeout: float):
-        self.p2p, self.peer_id, self.connect_timeout = p2p, peer_id, connect_timeout
-        self.messages_sent = self.steps_sent = 0
-        self._stream: Optional[_StepStream] = None
-        self._queue: list[_Step] = []  # short steps waiting for the batched message's reply
-        self._messages: dict[int, _Message] = {}  # in flight, by message id
-        self._batching = False  # the message of short steps is in flight
-        self._flush_due = False  # a send of the queued steps is scheduled on the loop
-        self._ids = itertools.count()
-
-    async def step(self, hidden: torch.Tensor, entry: dict, timeout: float, blocks: str) -> torch.Tensor:
-        step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future())
-        if hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
-            message_id = next(self._ids)
-            if hidden.numel() > PACK_OFF_LOOP_VALUES:
-                message = await asyncio.to_thread(_pack, [step], message_id)
-            else:
-                message = _pack([step], message_id)
-            self._send([step], batched=False, message_id=message_id, message=message)
-        else:
-            self._queue.append(step)
-            if not self._batching and not self._flush_due:
-                # sent once the loop has run what is ready now: the steps that sessions hand over in the same
-                # turn of the loop (all the steps an engine tick starts, or that one reply resumes) leave together
-                self._flush_due = True
-                asyncio.get_running_loop().call_soon(self._flush)
-        try:
-            return await asyncio.wait_for(step.result, timeout)  # on a timeout, a queued step is dropped
-        except asyncio.TimeoutError:
-            raise ServerUnavailableError(f"server {self.peer_id} did not answer in time ({blocks})") from None
-
-    def answered(self, stream: _StepStream, response) -> None:
-        """A reply came: its steps' results, then the steps that waited for it go."""
-        try:
-            tensors, metadata = unpack(response)
-        except SwarmError as error:
-            return self.broken(stream, f"sent an undecodable reply ({error})")
-        message_id = metadata.get("message_id")
-        message = self._messages.get(message_id) if isinstance(message_id, int) else None
-        if message is None or message.stream is not stream:
-            refusal = error_from_wire(metadata)
-            if refusal is not None and message_id is None:  # the whole stream was refused
-                self.broken(stream, f"refused the step stream: {refusal}", type(refusal))
-            return  # else a late reply to a message given up on
-        self._forget(message_id)
-        _deliver(message.steps, tensors, metadata, self.peer_id)
-        if message.batched:
-            self._batching = False
-            self._send_queued()
-
-    def broken(self, stream: _StepStream, reason: str, error_type: type = ServerUnavailableError) -> None:
-        """Fail every step in flight on `stream`; the steps that come later go on a new one."""
-        if stream is self._stream:
-            self._stream = None
-        stream.close()
-        for message_id, message in list(self._messages.items()):
-            if message.stream is stream:
-                self._forget(message_id)
-                for step in message.steps:
-                    _fail(step, error_type(f"server {self.peer_id} {reason} ({step.blocks})"))
-                self._batching = self._batching and not message.batched
-        if not self._batching:
-            self._send_queued()
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self.broken(self._stream, "is no longer used: the client closed")
-        for step in self._queue:
-            _fail(step, ServerUnavailableError("the client closed"))
-        self._queue = []
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        if not self._batching:
-            self._send_queued()
-
-    def _send_queued(self) -> None:
-        waiting = [step for step in self._queue if not step.result.done()]
-        taken, tokens = 0, 0
-        for step in waiting:  # the first always goes
-            tokens += step.hidden.shape[0] * step.hidden.shape[1]
-            if taken and tokens > MULTIPLEX_MAX_TOKENS:
-                break
-            taken += 1
-        self._queue = waiting[taken:]
-        if taken:
-            self._send(waiting[:taken], batched=True)
-
-    def _send(self, steps: list[_Step], batched: bool, message_id: Optional[int] = None, message=None) -> None:
-        """Send these steps as one message (`message`, if packed already with `message_id`)."""
-        if self._stream is None:
-            self._stream = _StepStream(self)
-        if message_id is None:
-            message_id = next(self._ids)
-            message = _pack(steps, message_id)
-        self._stream.send(message)
-        deadline = max(step.timeout for step in steps) + EXPIRY_SLACK
-        expiry = asyncio.get_running_loop().call_later(deadline, self._expired, message_id)
-        self._messages[message_id] = _Message(self._stream, steps, expiry, batched)
-        self._batching = self._batching or batched
-        self.messages_sent += 1
-        self.steps_sent += len(steps)
-
-    def _expired(self, message_id: int) -> None:
-        message = self._messages.get(message_id)
-        if message is not None:  # the server is stalled, or the stream lost: nothing more will come on it
-            self.broken(message.stream, "did not answer in time")
-
-    def _forget(self, message_id: int) -> None:
-        self._messages.pop(message_id).expiry.cancel()
-
-
-class StepChannels:
-    """A client's step channels, one per server, made on first use (on the client's event loop)."""
-
-    def __init__(self, p2p, connect_timeout: float):
-        self.p2p, self.connect_timeout = p2p, connect_timeout
-        self._channels: dict[str, StepChannel] = {}
-
-    def get(self, peer_id: str) -> StepChannel:
-        if peer_id not in self._channels:
-            self._channels[peer_id] = StepChannel(self.p2p, peer_id, self.connect_timeout)
-        return self._channels[peer_id]
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-
-
-def _pack(steps: list[_Step], message_id: int):
-    return pack(tuple(step.hidden for step in steps), {"message_id": message_id, "steps": [step.entry for step in steps]})
-
-
-def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, peer_id: str) -> None:
-    """A reply's outputs and errors to its steps, in order."""
-    outputs = iter(tensors)
-    for step, error in zip(steps, _step_errors(metadata, len(steps), len(tensors), peer_id)):
-        if error is not None:
-            _fail(step, error)
-        else:
-            output = next(outputs)
-            if not step.result.done():  # else its session gave up waiting
-                step.result.set_result(output)
-
-
-def _step_errors(metadata: dict, steps: int, outputs: int, peer_id: str) -> list[Optional[SwarmError]]:
-    """Each step's error (None: it succeeded), one exception each (each is raised in its own session); a
-    reply that does not add up fails every step."""
-    refusal = error_from_wire(metadata)
-    if refusal is not None:  # the whole message was refused
-        return [type(refusal)(str(refusal)) for _ in range(steps)]
-    results = metadata.get("results")
-    well_formed = isinstance(results, list) and len(results) == steps and all(isinstance(r, dict) for r in results)
-    errors = [error_from_wire(result) for result in results] if well_formed else []
-    if not well_formed or errors.count(None) != outputs:
-        return [ServerUnavailableError(f"server {peer_id} sent a malformed reply") for _ in range(steps)]
-    return errors
-
-
-def _fail(step: _Step, error: Exception) -> None:
-    if not step.result.done():
-        step.result.set_exception(error)
+__all__ = ["MULTIPLEX_MAX_POSITIONS", "StepChannels", "InferenceStream", "call_info", "call_forward"]

@@ -11,12 +11,13 @@ from typing import Optional
 
 import torch
 
-from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError
+from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError, SwarmError
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, SessionCache, pages_for
 from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field, is_int
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
+from swarm.server.step_batch import run_steps, start_pushed
 from swarm.server.warm import WarmSessions
 
 MAX_BATCH_SIZE = 64
@@ -142,8 +143,9 @@ class Backend:
             cache, length = await self._forked_cache(fork, peer_id, (start, end, batch_size, adapter), max_length)
         else:  # an empty cache: it takes pages as the session grows
             cache, length = self.span.new_cache(batch_size), 0
-        services = ServerServices(self.sessions, self.check_hidden_states, self.scheduler.submit, self.take_cache,
-                                  self.give_back_cache, self.limits.session_idle_timeout, self.warm.trim)
+        services = ServerServices(self.sessions, self.check_hidden_states, self.run_steps, self.take_cache,
+                                  self.take_cache_now, self.give_back_cache, self.limits.session_idle_timeout,
+                                  self.warm.trim)
         session = ServerSession(services, cache, start, end, max_length, batch_size, peer_id, session_id, length,
                                 adapter)
         try:
@@ -217,6 +219,21 @@ class Backend:
             self._uncount(peer_id, tokens)
             raise
 
+    def take_cache_now(self, peer_id: str, tokens: int) -> bool:
+        """take_cache where it needs neither a wait nor anybody to make room: whether it took them."""
+        shared_with_others = any(other != peer_id for other in self.cache_by_peer)
+        if shared_with_others and self.cache_by_peer[peer_id] + tokens > self.peer_cache_limit():
+            return False
+        if not self.budget.take_now(tokens):
+            return False
+        self.cache_by_peer[peer_id] += tokens
+        return True
+
+    async def run_steps(self, items: list) -> list:
+        """Steps of sessions [(session, hidden, metadata)], checked, as one batch: each one's outputs or error
+        (swarm/server/step_batch.py)."""
+        return await run_steps(self.scheduler.submit_batch, items)
+
     def give_back_cache(self, peer_id: str, tokens: int) -> None:
         self.budget.give_back(tokens)
         self._uncount(peer_id, tokens)
@@ -243,13 +260,29 @@ class Backend:
         if self.cache_by_peer[peer_id] <= 0:
             del self.cache_by_peer[peer_id]
 
-    def accept_push(self, tensors: list, metadata: dict) -> None:
-        """A step's inputs pushed by the previous server of a client's chain (see ServerSession.pushed)."""
-        session_id = metadata.get("session_id")
-        session = self.sessions.by_id.get(session_id) if isinstance(session_id, str) else None
-        if session is None:
-            raise BadRequestError("no open session has this 'session_id'")
-        session.pushed(tensors, metadata)
+    def accept_pushes(self, pushes: list) -> list:
+        """Steps' inputs pushed by the previous server of clients' chains [(hidden or its refusal, entry)],
+        started at once where they continue their sessions (see ServerSession.pushed): each one's refusal, or
+        None."""
+        refusals, items, places = [None] * len(pushes), [], []
+        for index, (hidden, entry) in enumerate(pushes):
+            try:
+                session_id = entry.get("session_id") if isinstance(entry, dict) else None
+                session = self.sessions.by_id.get(session_id) if isinstance(session_id, str) else None
+                if session is None:
+                    raise BadRequestError("no open session has this 'session_id'")
+                if isinstance(hidden, SwarmError):  # refused undecoded, or not as the message declared
+                    raise hidden
+                if hidden.ndim != 3 or hidden.shape[2] != self.hidden_size:
+                    raise BadRequestError(f"hidden states must have shape (batch, length, {self.hidden_size})")
+                check_rows(hidden, session.batch_size)
+                items.append((session, hidden, entry))
+                places.append(index)
+            except SwarmError as error:
+                refusals[index] = error
+        for index, refusal in zip(places, start_pushed(self.scheduler.enqueue_batch, items)):
+            refusals[index] = refusal
+        return refusals
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -276,8 +309,8 @@ class Backend:
             raise BadRequestError(
                 f"hidden states must have shape (batch, length >= 1, {self.hidden_size}), got {tuple(hidden.shape)}"
             )
-        if batch_size is not None and hidden.shape[0] != batch_size:
-            raise BadRequestError(f"this session has batch size {batch_size}, got {hidden.shape[0]}")
+        if batch_size is not None:
+            check_rows(hidden, batch_size)
         if hidden.dtype not in HIDDEN_DTYPES:
             names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
             raise BadRequestError(f"hidden states must be floating point ({names}), got {hidden.dtype}")
@@ -290,6 +323,28 @@ class Backend:
             # it would poison the session's cache, and anything computed after
             raise BadRequestError("hidden states must be finite (no NaN or infinity)")
         return hidden.detach()  # a request may say requires_grad: nothing here needs a graph
+
+
+async def finite_steps(tensors: list, steps: list) -> list:
+    """A message's steps (views of its one tensor, `tensors`), each refused in its place if it holds NaN or
+    infinity: one scan of the whole message, and a scan per step only when that one finds some."""
+    if not tensors or isinstance(tensors[0], SwarmError):
+        return steps
+    whole = tensors[0]
+    if whole.dtype not in HIDDEN_DTYPES:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
+        refusal = BadRequestError(f"hidden states must be floating point ({names}), got {whole.dtype}")
+        return [refusal if not isinstance(step, SwarmError) else step for step in steps]
+    big = whole.numel() > FINITE_SCAN_OFF_LOOP_VALUES
+    if await asyncio.to_thread(all_finite, whole) if big else all_finite(whole):
+        return steps
+    return [BadRequestError("hidden states must be finite (no NaN or infinity)")
+            if not isinstance(step, SwarmError) and not all_finite(step) else step for step in steps]
+
+
+def check_rows(hidden: torch.Tensor, batch_size: int) -> None:
+    if hidden.shape[0] != batch_size:
+        raise BadRequestError(f"this session has batch size {batch_size}, got {hidden.shape[0]}")
 
 
 def all_finite(hidden: torch.Tensor) -> bool:

@@ -166,13 +166,18 @@ class Scheduler:
         """Each job's outputs, or its error, once the compute thread is done with all of them (jobs without a
         loop or future: the batch has them). `on_settled(results)` runs on the event loop first, also when the
         caller stops waiting: the compute thread may still hold the jobs then."""
-        batch = Batch(jobs, asyncio.get_running_loop(), on_settled)
-        self._enqueue(jobs)
+        future = self.enqueue_batch(jobs, on_settled)
         began = time.perf_counter()
         try:
-            return await batch.future
+            return await future
         finally:
             metrics.STEP_SECONDS.observe(time.perf_counter() - began)
+
+    def enqueue_batch(self, jobs: list[Job], on_settled: Callable[[list], None]) -> asyncio.Future:
+        """submit_batch without waiting: the future of the jobs' results."""
+        batch = Batch(jobs, asyncio.get_running_loop(), on_settled)
+        self._enqueue(jobs)
+        return batch.future
 
     def _enqueue(self, jobs: list[Job]) -> None:
         with self._wakeup:

@@ -69,6 +69,13 @@ class CacheBudget:
                 pass
         self.used += tokens
 
+    def take_now(self, tokens: int) -> bool:
+        """Take `tokens` slots if they are free now; whether it did."""
+        if tokens > self.free:
+            return False
+        self.used += tokens
+        return True
+
     def give_back(self, tokens: int) -> None:
         self.used -= tokens
         if self._released is not None:

@@ -3,8 +3,10 @@
 The messages are swarm/wire.py's; what a request may ask is checked by the backend (swarm/server/backend.py).
 A client's sessions open one by one (rpc_inference) but step together: one rpc_steps message carries the steps
 of all the sessions it has here at that moment, which run concurrently (so that they land in the same compute
-round, see batching.py) and are answered by one message. Their outputs go on to the next servers of the
-clients' chains likewise: one rpc_push message per next server, whatever the number of sessions.
+round, see batching.py) and are answered by one message. The message is the unit: its steps' hidden states come
+stacked in one tensor, checked once, and run as one batch of jobs (swarm/server/step_batch.py); the reply stacks the
+outputs likewise. Their outputs go on to the next servers of the clients' chains as one rpc_push message per next
+server, whatever the number of sessions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import logging
 from typing import AsyncIterator, Collection, Optional
 
-import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
@@ -28,12 +29,13 @@ from swarm.protocol import (
     error_to_wire,
 )
 from swarm.server import metrics
+from swarm.server.backend import check_rows, finite_steps
 from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.sessions import is_int
-from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, misshapen_hidden, reply, split_parts, unpack,
-                        unpack_metadata)
+from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, misshapen_hidden, reply, split_parts, stacked,
+                        unpack, unpack_metadata, unstacked)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,6 @@ class BlockHandler(BlockRPC):
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.latency = latency  # --simulated-latency: every message in and out of the handlers is delayed
         self.pusher = Pusher(self.counters, push_targets, latency)  # push_targets None: nothing is pushed
-        self._stepping: set = set()  # sessions with a multiplexed step running: one at a time each
         self._streamed_forwards = asyncio.Semaphore(STREAMED_FORWARDS)
         self.flow = StepFlow.for_sessions(backend.limits.max_sessions_per_peer)
 
@@ -127,30 +128,20 @@ class BlockHandler(BlockRPC):
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Sessions' steps, pushed by the previous server of their clients' chains: it may name a session only
-        by its random id, which the client gave only to that server."""
+        by its random id, which the client gave only to that server. Started at once, as one batch."""
         try:
             self._check_caller(context)
             unpack_metadata(request, self._max_metadata_bytes())
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = unpack(request, self._misshapen)
             pushes = metadata.get("pushes")
-            if not isinstance(pushes, list) or len(pushes) != len(tensors):
-                raise BadRequestError("field 'pushes' must be a list of maps, one per tensor")
-            return reply(metadata={"results": [self._accept_one_push(entry, tensor)
-                                               for entry, tensor in zip(pushes, tensors)]})
+            if not isinstance(pushes, list) or len(pushes) > self.backend.limits.max_sessions_per_peer:
+                raise BadRequestError("field 'pushes' must be a list of maps, one per step")
+            steps = await finite_steps(tensors, unstacked(tensors, pushes))
+            refusals = self.backend.accept_pushes(list(zip(steps, pushes)))
+            return reply(metadata={"results": [wire_error(error) if error is not None else {} for error in refusals]})
         except Exception as error:
             return error_reply(error)
-
-    def _accept_one_push(self, entry, tensor: torch.Tensor) -> dict:
-        try:
-            if not isinstance(entry, dict):
-                raise BadRequestError("each of 'pushes' must be a map")
-            if isinstance(tensor, SwarmError):  # refused undecoded
-                raise tensor
-            self.backend.accept_push([tensor], entry)
-            return {}
-        except Exception as error:
-            return wire_error(error)
 
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -233,7 +224,7 @@ class BlockHandler(BlockRPC):
             replies.put_nowait(None)
 
     async def _reply_to_step_message(self, request, peer_id: str):
-        """One message's steps, run at once; the reply, and the outputs pushed on to the next servers."""
+        """One message's steps, run as one batch; the reply, and the outputs pushed on to the next servers."""
         message_id = None
         try:
             metadata = unpack_metadata(request, self._max_metadata_bytes())
@@ -241,25 +232,41 @@ class BlockHandler(BlockRPC):
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
+            steps = await finite_steps(tensors, unstacked(tensors, entries))
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
         self.counters["step_messages"] += 1
         self.counters["steps_received"] += len(entries)
-        if len(tensors) != len(entries):  # which tensor is whose is unknown: none may run
-            mismatch = BadRequestError(f"a message of {len(entries)} steps carries {len(tensors)} tensors")
-            results = [mismatch] * len(entries)
-        else:
-            results = await asyncio.gather(*(self._step_one(entry, tensor, peer_id)
-                                             for entry, tensor in zip(entries, tensors)), return_exceptions=True)
-        pushes = [push_of(result[1], result[2], entry, result[0]) for entry, result in zip(entries, results)
-                  if not isinstance(result, BaseException) and result[1] is not None]
+        results, items = self._sessions_of(entries, steps, peer_id)
+        outputs = await self.backend.run_steps([(session, step, entry) for _, session, step, entry, _ in items])
+        pushes = []
+        for (index, session, _, entry, push_to), output in zip(items, outputs):
+            results[index] = output
+            if push_to is not None and not isinstance(output, BaseException):
+                pushes.append(push_of(push_to, session.end, entry, output))
         self.pusher.push(pushes)
-        outputs = tuple(result[0] for result in results if not isinstance(result, BaseException))
         answers = [wire_error(result) if isinstance(result, BaseException) else {} for result in results]
-        return reply(outputs, {"message_id": message_id, "results": answers})
+        return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
+                     {"message_id": message_id, "results": answers})
+
+    def _sessions_of(self, entries: list, steps: list, peer_id: str) -> tuple[list, list]:
+        """Each step's refusal where it has one (else None), and (index, session, hidden, entry, push target) of
+        the others."""
+        refusals, items = [None] * len(entries), []
+        for index, (entry, step) in enumerate(zip(entries, steps)):
+            try:
+                session = self._own_session(entry, peer_id)
+                push_to = _push_target(entry)  # checked first: a step must not run, then be refused
+                if isinstance(step, SwarmError):  # refused undecoded
+                    raise step
+                check_rows(step, session.batch_size)
+                items.append((index, session, step.detach(), entry, push_to))
+            except SwarmError as error:
+                refusals[index] = error
+        return refusals, items
 
     async def _unpack_steps(self, request) -> tuple[list, dict]:
-        """Decoding copies every tensor: a big message is decoded on a thread, not on the loop that serves
+        """Decoding copies the tensor: a big message is decoded on a thread, not on the loop that serves
         every other peer's steps."""
         if sum(len(tensor.buffer) for tensor in request.tensors) > UNPACK_OFF_LOOP_BYTES:
             return await asyncio.to_thread(unpack, request, self._misshapen)
@@ -268,25 +275,11 @@ class BlockHandler(BlockRPC):
     def _step_entries(self, metadata: dict) -> list:
         entries = metadata.get("steps")
         if not isinstance(entries, list):
-            raise BadRequestError("field 'steps' must be a list of maps, one per tensor")
+            raise BadRequestError("field 'steps' must be a list of maps, one per step")
         if len(entries) > self.backend.limits.max_sessions_per_peer:  # one step per session
             raise BadRequestError(f"a message of {len(entries)} steps is over this server's limit of "
                                   f"{self.backend.limits.max_sessions_per_peer} sessions per peer")
         return entries
-
-    async def _step_one(self, entry, tensor: torch.Tensor, peer_id: str):
-        """(outputs, push target, the block it would start at) of one step of a multiplexed message."""
-        session = self._own_session(entry, peer_id)
-        push_to = _push_target(entry)  # checked first: a step must not run, then be refused
-        if isinstance(tensor, SwarmError):  # refused undecoded
-            raise tensor
-        if session in self._stepping:
-            raise BadRequestError("this session has a step running already: a session steps one at a time")
-        self._stepping.add(session)
-        try:
-            return await session.step([tensor], entry), push_to, session.end
-        finally:
-            self._stepping.discard(session)
 
     def _own_session(self, entry, peer_id: str):
         if not isinstance(entry, dict) or not isinstance(entry.get("session_id"), str):

@@ -20,7 +20,7 @@ from hivemind.p2p import PeerID
 from swarm.protocol import SwarmError, error_from_wire
 from swarm.server import metrics
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
-from swarm.wire import BlockRPC, pack, unpack
+from swarm.wire import BlockRPC, pack, stacked, step_shape, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class Pusher:
             self._skip(peer, len(items) - len(announced), "it does not announce the next blocks")
         if not announced:
             return
-        entries, outputs = [entry for entry, _ in announced], tuple(output for _, output in announced)
-        message = pack(outputs, {"pushes": entries})
+        entries, outputs = [entry for entry, _ in announced], [output for _, output in announced]
+        message = pack(stacked(outputs), {"pushes": entries})
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(announced)
         try:
@@ -141,7 +141,8 @@ def push_of(target: tuple[PeerID, str], block: int, metadata: dict,
     """(server, the block it goes on at, entry, outputs) of a push: the entry tells the next server its session,
     and which step of it these inputs are."""
     peer, session_id = target
-    entry = {"session_id": session_id, "step_id": metadata.get("step_id"), "position": metadata.get("position")}
+    entry = {"session_id": session_id, "step_id": metadata.get("step_id"), "position": metadata.get("position"),
+             **step_shape(output)}
     return peer, block, entry, output
 
 

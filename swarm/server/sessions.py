@@ -17,6 +17,7 @@ import torch
 
 from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClosedError, SessionLengthError
 from swarm.server import metrics
+from swarm.server.batching import Job
 from swarm.server.cache import PAGE_TOKENS, SessionCache
 
 logger = logging.getLogger(__name__)
@@ -58,33 +59,39 @@ class ServerServices:
     open_sessions: OpenSessions  # a session joins it when it opens, and leaves it when it closes
     # a step's one tensor of hidden states (and the session's batch size), refused unless the span can run it
     check_hidden_states: Callable[[list, int], Awaitable[torch.Tensor]]
-    # new positions through the compute thread: (hidden, position, start, end, cache, still_wanted, on_settled)
-    # -> outputs; on_settled is called on the event loop once the compute thread is done with them
-    compute: Callable[..., Awaitable[torch.Tensor]]
+    # steps of sessions submitted as one batch of jobs (swarm/server/step_batch.py): [(session, hidden, metadata)]
+    # -> each one's outputs or error
+    run_steps: Callable[[list], Awaitable[list]]
     take_cache: Callable[[str, int], Awaitable[None]]  # (peer id, tokens), within the peer's share, waiting a while
+    take_cache_now: Callable[[str, int], bool]  # the same, where it needs no wait and nobody made to leave
     give_back_cache: Callable[[str, int], None]
     idle_timeout: float  # --session-idle-timeout (0: never)
     # told when a session parks or closes: the parked sessions' share of the cache may have grown (see warm.py)
     parked_changed: Callable[[], None] = lambda: None
+
+class RoomNeeded(Exception):
+    """A step's pages need more of the cache budget than is free now: the step waits for room (reserve)."""
+
 
 @dataclass
 class EarlyStep:
     """A step started from the previous server's push, before the client's own copy of its inputs came."""
 
     step_id: int
-    tensors: list  # what the push carried
+    hidden: torch.Tensor  # what the push carried
     position: int
-    result: asyncio.Future
+    result: asyncio.Future  # its outputs, or its error (set once the compute thread is done with it)
+    job: Optional[Job] = None  # what the compute thread computes
 
-    def answers(self, tensors: list, metadata: dict) -> bool:
+    def answers(self, hidden: torch.Tensor, metadata: dict) -> bool:
         """Whether it computed these inputs, successfully: then its result is the client's step's result."""
         if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
             return False
         position = metadata.get("position")
-        if len(tensors) != 1 or len(self.tensors) != 1 or not is_int(position) or position != self.position:
+        if not is_int(position) or position != self.position:
             return False
-        pushed, sent = self.tensors[0], tensors[0]
-        return pushed.dtype == sent.dtype and pushed.shape == sent.shape and torch.equal(pushed, sent)
+        pushed = self.hidden
+        return pushed.dtype == hidden.dtype and pushed.shape == hidden.shape and torch.equal(pushed, hidden)
 
 
 class ServerSession:
@@ -126,7 +133,9 @@ class ServerSession:
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
         self._newest_step = -1  # the highest step id started
         self._early: Optional[EarlyStep] = None
-        self._one_step_at_a_time = asyncio.Lock()
+        self.stepping = False  # a step of it is being computed, or waits for room: one at a time
+        self._idle = asyncio.Event()  # set while it is not busy: what a fork of it waits for
+        self._idle.set()
         self.last_active = time.monotonic()  # when its last step ended (or it opened)
         self.ended = asyncio.Event()  # set once closed, by its client or by the server
         self._idle_timer: Optional[asyncio.TimerHandle] = None
@@ -138,52 +147,112 @@ class ServerSession:
 
     @property
     def busy(self) -> bool:
-        """A step is running, or waiting for the one before it, or the compute thread still holds one."""
-        return self._one_step_at_a_time.locked() or self._in_flight > 0
+        """A step is running, or waiting for room, or the compute thread still holds one."""
+        return self.stepping or self._in_flight > 0
 
     async def step(self, tensors: list, metadata: dict) -> torch.Tensor:
+        """One step of this session alone (what a message of one step comes to, see swarm/server/step_batch.py)."""
+        hidden = await self.server.check_hidden_states(tensors, self.batch_size)
+        [result] = await self.server.run_steps([(self, hidden, metadata)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def take_early(self, metadata: dict) -> Optional[EarlyStep]:
+        """The client's copy of a step came: the pushed step started before it, if any (then forgotten). The
+        step waits for it (steps never overlap), and takes its result if it computed the same inputs."""
         self.parked = False  # at once: no eviction may close it while the step waits its turn
         step_id = metadata.get("step_id")
         if step_id is not None and not is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
         early, self._early = self._early, None
-        if early is not None:
-            await asyncio.wait([early.result])  # its result, or a stale push finished: steps never overlap
-            if early.step_id == step_id and early.answers(tensors, metadata):
-                return early.result.result()
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
-        return await self._step_in_turn(tensors, metadata)
+        return early
 
-    def pushed(self, tensors: list, metadata: dict) -> None:
+    def begin_step(self, hidden: torch.Tensor, metadata: dict) -> Job:
+        """The step's job for the compute thread, its pages taken, without waiting: RoomNeeded where the budget
+        has no room for them now (begin_step_after_room waits for it)."""
+        if self.stepping:
+            raise BadRequestError("this session has a step running already: a session steps one at a time")
+        position, end = self._checked_range(hidden, metadata)
+        needed = self.cache.pages_needed(position, end)
+        if needed:
+            if not self.server.take_cache_now(self.peer_id, needed * PAGE_TOKENS):
+                raise RoomNeeded()
+            taken = self.cache.prepare(position, end)
+            if needed > taken:
+                self.server.give_back_cache(self.peer_id, (needed - taken) * PAGE_TOKENS)
+        return self._started(hidden, position)
+
+    async def begin_step_after_room(self, hidden: torch.Tensor, metadata: dict) -> Job:
+        """begin_step for a step whose pages wait for room in the budget (a full cache: rare)."""
+        if self.stepping:
+            raise BadRequestError("this session has a step running already: a session steps one at a time")
+        self.stepping = True  # no other step of it starts while this one waits
+        self._idle.clear()
+        try:
+            position, end = self._checked_range(hidden, metadata)
+            await self.reserve(position, end)
+            self._checked_range(hidden, metadata)  # closed or evicted while it waited
+        finally:
+            self.stepping = False
+            self._idle_if_done()
+        return self._started(hidden, position)
+
+    def step_settled(self, job: Job, result) -> None:
+        """On the event loop, once the compute thread is done with the step's job: its outputs, or its error."""
+        self.stepping = False
+        self.last_active = time.monotonic()
+        if not isinstance(result, BaseException):
+            self.length = job.position + job.hidden.shape[1]
+            self.server.open_sessions.positions_served += job.hidden.shape[1]
+            metrics.POSITIONS_SERVED.inc(job.hidden.shape[1])
+        self._settled()
+        self._idle_if_done()
+
+    def _idle_if_done(self) -> None:
+        if not self.busy:
+            self._idle.set()
+
+    def pushed(self, hidden: torch.Tensor, metadata: dict) -> Optional[EarlyStep]:
+        """A step's inputs pushed by the previous server: an early step, its job to start now; None where the
+        client's copy will do (it came first, or an earlier push awaits it, or the push would not continue the
+        session where it is: an honest one only rewinds it when the client does)."""
         step_id = metadata.get("step_id")
         if not is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
-        if step_id <= self._newest_step or self._early is not None or metadata.get("position") != self.length:
-            # the client's copy came first, or an earlier push awaits it, or the push would not continue the
-            # session where it is (an honest one only rewinds it when the client does): the client's copy will do
-            return
+        if step_id <= self._newest_step or self._early is not None or metadata.get("position") != self.length \
+                or self.stepping:
+            return None
+        try:
+            job = self.begin_step(hidden, metadata)
+        except RoomNeeded:
+            return None
         self._newest_step = step_id
         self.parked = False
         self.server.open_sessions.steps_pushed += 1
-        started = asyncio.ensure_future(self._step_in_turn(tensors, metadata))
-        started.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not logged
-        self._early = EarlyStep(step_id, tensors, self.length, started)
+        self._early = EarlyStep(step_id, hidden, self.length, asyncio.get_running_loop().create_future(), job)
+        return self._early
 
-    async def _step_in_turn(self, tensors: list, metadata: dict) -> torch.Tensor:
-        async with self._one_step_at_a_time:
-            try:
-                return await self._compute_step(tensors, metadata)
-            finally:
-                self.last_active = time.monotonic()
+    def early_settled(self, early: EarlyStep, result) -> None:
+        """A pushed step's job is done: the session's step ends, and its result awaits the client's copy."""
+        self.step_settled(early.job, result)
+        if early.result.done():  # cancelled: the session closed
+            return
+        if isinstance(result, BaseException):
+            early.result.set_exception(result)
+            early.result.exception()  # retrieved: nobody need ever look at it
+        else:
+            early.result.set_result(result)
 
-    async def _compute_step(self, tensors: list, metadata: dict) -> torch.Tensor:
+    def _checked_range(self, hidden: torch.Tensor, metadata: dict) -> tuple[int, int]:
+        """The positions [position, end) the step writes; a position below the length rewinds the session."""
         if self.evicted:
             raise ServerUnavailableError(f"this server no longer holds blocks {self.start}:{self.end}")
         if self._closed:
             raise SessionClosedError(f"the server closed this session ({self.closed_because})") if self.closed_because \
                 else ServerUnavailableError("this session has ended (closed by its client)")
-        hidden = await self.server.check_hidden_states(tensors, self.batch_size)
         # a position below the current length rewinds the session (regenerate, or a replay after failover)
         position = int_field(metadata, "position", 0, self.length)
         end = position + hidden.shape[1]
@@ -194,16 +263,14 @@ class ServerSession:
         if end < self.length and not self._in_flight:  # a rewind (rejected draft tokens): their pages go back now
             self.length = position  # what follows is stale whether or not this step runs
             self.server.give_back_cache(self.peer_id, self.cache.truncate(end) * PAGE_TOKENS)
-        await self.reserve(position, end)
-        if not self._wanted():  # closed while its inputs were checked: it must not reach a round
-            raise ServerUnavailableError("the session ended before its step ran")
-        self._in_flight += 1  # the scheduler calls _settled once it is done with the step, whatever happens here
-        output = await self.server.compute(hidden, position, self.start, self.end, self.cache, self._wanted,
-                                           self._settled, adapter=self.adapter)
-        self.length = end
-        self.server.open_sessions.positions_served += hidden.shape[1]
-        metrics.POSITIONS_SERVED.inc(hidden.shape[1])
-        return output
+        return position, end
+
+    def _started(self, hidden: torch.Tensor, position: int) -> Job:
+        self.stepping = True
+        self._idle.clear()
+        self._in_flight += 1  # _settled once the compute thread is done with it, whatever happens meanwhile
+        return Job(hidden, position, self.start, self.end, self.cache, still_wanted=self._wanted,
+                   adapter=self.adapter)
 
     async def reserve(self, start: int, end: int) -> None:
         """The pages a write of positions [start, end) of every row takes (new ones, and copies of shared
@@ -228,14 +295,15 @@ class ServerSession:
     async def fork_cache(self, length: int) -> SessionCache:
         """A cache sharing this session's pages of positions [0, length) (see SessionCache.fork), once no step
         of this session runs: a round writing them now would write pages the fork shares."""
-        async with self._one_step_at_a_time:
-            if self._closed or self.evicted or self._in_flight:
-                raise BadRequestError("the session to fork has ended, or a step of it is still running")
-            if length > self.length:
-                raise BadRequestError(f"field 'fork.length' must be at most the forked session's length "
-                                      f"({self.length}), got {length}")
-            self.last_active = time.monotonic()  # a saved prefix forked often stays warm
-            return self.cache.fork(length)
+        while self.busy and not (self._closed or self.evicted):
+            await self._idle.wait()
+        if self._closed or self.evicted or self.busy:
+            raise BadRequestError("the session to fork has ended, or a step of it is still running")
+        if length > self.length:
+            raise BadRequestError(f"field 'fork.length' must be at most the forked session's length "
+                                  f"({self.length}), got {length}")
+        self.last_active = time.monotonic()  # a saved prefix forked often stays warm
+        return self.cache.fork(length)
 
     def park(self) -> None:
         """Its client keeps it for reuse, idle: the server may close it to make room (see warm.py)."""
@@ -281,6 +349,7 @@ class ServerSession:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
             self.ended.set()
+            self._idle.set()  # a fork waiting for it sees it closed
             if self._early is not None:
                 self._early.result.cancel()
             if not self._in_flight:  # otherwise once the compute thread is done with its step (see _settled)

@@ -4,6 +4,7 @@ first takes a private copy, on the event loop); each computes what a fresh sessi
 counts physical pages, whatever the order in which sessions open, fork, write, rewind and close."""
 
 import asyncio
+import contextlib
 import random
 import threading
 
@@ -196,6 +197,18 @@ def test_a_fork_of_what_cannot_be_forked_is_refused_clearly(span, fork_field, pe
     run(span, scenario)
 
 
+@contextlib.contextmanager
+def step_running(session):
+    """As if a step of the session were being computed (ServerSession.begin_step ... step_settled)."""
+    session.stepping = True
+    session._idle.clear()
+    try:
+        yield
+    finally:
+        session.stepping = False
+        session._idle_if_done()
+
+
 def test_forks_wait_for_their_sources_step_and_stay_within_the_peers_limit_of_sessions(span):
     """Forks asked for while a step of the source runs wait for it (a round writing the pages they would share
     must be done first); those over the peer's limit of sessions once they may fork are refused, and give back
@@ -204,7 +217,7 @@ def test_forks_wait_for_their_sources_step_and_stay_within_the_peers_limit_of_se
     async def scenario(backend):
         source = await opened(backend)
         await source.step([torch.randn(1, PAGE_TOKENS + 3, HIDDEN)], {"position": 0})
-        async with source._one_step_at_a_time:  # a step running
+        with step_running(source):
             waiting = [asyncio.ensure_future(fork(backend, source, PAGE_TOKENS + 3)) for _ in range(3)]
             await asyncio.sleep(0.05)
             assert not any(task.done() for task in waiting) and span.pool.shared_pages == 0
@@ -220,7 +233,7 @@ def test_a_fork_of_a_source_that_closes_while_it_waits_is_refused(span):
     async def scenario(backend):
         source = await opened(backend)
         await source.step([torch.randn(1, 4, HIDDEN)], {"position": 0})
-        async with source._one_step_at_a_time:
+        with step_running(source):
             waiting = asyncio.ensure_future(fork(backend, source, 4))
             await asyncio.sleep(0.05)
             source.close()

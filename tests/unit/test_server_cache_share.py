@@ -13,6 +13,7 @@ from swarm.server.backend import ServerLimits
 from swarm.server.span import load_span
 from server_backends import run_scenario
 from tiny_model import build_tiny_model
+from test_forks import step_running
 
 HIDDEN = 64
 OPENING = {"start": 0, "end": 2, "max_length": 4 * PAGE_TOKENS, "batch_size": 1}
@@ -63,7 +64,7 @@ def test_a_newcomer_gets_room_from_the_idle_sessions_of_a_peer_over_its_share(sp
         for session in hoarded[:4]:  # stepped later than the others: the others go first
             await session.step([torch.randn(1, 1, HIDDEN)], {"position": 0})
         busy = hoarded[4]
-        async with busy._one_step_at_a_time:  # a step running: never closed under it
+        with step_running(busy):  # a step running: never closed under it
             newcomers = [await backend.open_session(OPENING, "newcomer") for _ in range(3)]
         assert [session.ended.is_set() for session in hoarded] == [False] * 5 + [True] * 3
         assert backend.cache_by_peer == {"first": 5 * PAGE_TOKENS, "newcomer": 3 * PAGE_TOKENS}
@@ -101,7 +102,7 @@ def test_peers_holding_exactly_their_share_give_room_to_a_third_least_recently_a
 def test_a_session_idle_for_the_timeout_is_closed_and_a_busy_one_is_not(span):
     async def scenario(backend):
         idle, busy = await backend.open_session(OPENING, "peer"), await backend.open_session(OPENING, "peer")
-        async with busy._one_step_at_a_time:
+        with step_running(busy):
             await asyncio.wait_for(idle.ended.wait(), 5)
             assert backend.budget.used == PAGE_TOKENS and not busy.ended.is_set()
         await asyncio.wait_for(busy.ended.wait(), 5)  # once its step ended, and it went idle

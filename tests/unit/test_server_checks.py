@@ -129,7 +129,7 @@ def test_a_push_that_differs_from_the_clients_copy_is_run_again(run_backend, spa
 
     async def scenario(backend):
         session = await backend.open_session({**OPENING, "session_id": "s" * 32}, "client")
-        backend.accept_push([forged], {"session_id": "s" * 32, "step_id": 1, "position": 0})
+        assert backend.accept_pushes([(forged, {"session_id": "s" * 32, "step_id": 1, "position": 0})]) == [None]
         output = await session.step([prompt], {"step_id": 1, "position": 0})
         torch.testing.assert_close(output, span(prompt), atol=1e-4, rtol=0)
         session.close()
@@ -150,10 +150,8 @@ def test_a_bad_push_fails_alone(run_backend, span, push):
     async def scenario(backend):
         session = await backend.open_session({**OPENING, "session_id": "s" * 32}, "client")
         metadata = {"session_id": "s" * 32, **push}
-        try:
-            backend.accept_push([metadata.pop("tensor", prompt)], metadata)
-        except BadRequestError:
-            pass
+        [refusal] = backend.accept_pushes([(metadata.pop("tensor", prompt), metadata)])
+        assert refusal is None or isinstance(refusal, BadRequestError)
         output = await session.step([prompt], {"step_id": 1, "position": 0})
         torch.testing.assert_close(output, span(prompt), atol=1e-4, rtol=0)
         session.close()

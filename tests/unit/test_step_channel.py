@@ -1,4 +1,4 @@
-"""The client's step channel (swarm/client/stubs.py) over a scripted stream: steps that arrive while a message is
+"""The client's step channel (swarm/client/step_channel.py) over a scripted stream: steps that arrive while a message is
 in flight leave together as the next one, a long step never waits, each step keeps its own timeout, and a
 failed stream fails only the steps in flight on it."""
 
@@ -7,9 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from swarm.client import stubs
+from swarm.client import step_channel as stubs
+from swarm.client import stubs as client_stubs
 from swarm.protocol import BadRequestError, ServerUnavailableError, error_to_wire
-from swarm.wire import reply, unpack
+from swarm.wire import reply, stacked, unpack, unstacked
 
 HIDDEN = 4
 
@@ -22,8 +23,10 @@ class ScriptedStream:
         opened.append(self)
 
     def send(self, message) -> None:
+        """The message as the server reads it: one stacked tensor, each step's part of it named by its entry."""
         tensors, metadata = unpack(message)
-        self.sent.append((metadata["message_id"], [step["session_id"] for step in metadata["steps"]], tensors))
+        steps = unstacked(tensors, metadata["steps"])
+        self.sent.append((metadata["message_id"], [step["session_id"] for step in metadata["steps"]], steps))
 
     def close(self) -> None:
         self.closed = True
@@ -32,7 +35,7 @@ class ScriptedStream:
         """Reply to the index-th message sent: each step's inputs doubled, or the error given for its session."""
         message_id, sessions, tensors = self.sent[index]
         errors = errors or {}
-        outputs = tuple(tensor * 2 for session, tensor in zip(sessions, tensors) if session not in errors)
+        outputs = stacked([tensor * 2 for session, tensor in zip(sessions, tensors) if session not in errors])
         results = [error_to_wire(errors[session]) if session in errors else {} for session in sessions]
         self.channel.answered(self, reply(outputs, {"message_id": message_id, "results": results}))
 
@@ -157,9 +160,9 @@ def test_a_reply_that_does_not_add_up_fails_its_steps(channel):
 ])
 def test_what_cannot_be_a_hops_outputs_is_refused_as_the_servers_fault(malform, said):
     hidden = torch.randn(2, 3, HIDDEN)
-    assert stubs.checked_outputs(hidden * 2, hidden, "QmServer", "blocks 0:2").shape == hidden.shape
-    with pytest.raises(stubs.MalformedOutputsError, match=said) as refusal:
-        stubs.checked_outputs(malform(hidden * 2), hidden, "QmServer", "blocks 0:2")
+    assert client_stubs.checked_outputs(hidden * 2, hidden, "QmServer", "blocks 0:2").shape == hidden.shape
+    with pytest.raises(client_stubs.MalformedOutputsError, match=said) as refusal:
+        client_stubs.checked_outputs(malform(hidden * 2), hidden, "QmServer", "blocks 0:2")
     assert isinstance(refusal.value, ServerUnavailableError)  # a server fault: the session fails over
 
 
@@ -170,11 +173,11 @@ def test_a_big_step_is_packed_off_the_event_loop(channel, monkeypatch):
     threads = []
     real_pack = stubs.pack
     monkeypatch.setattr(stubs, "pack", lambda *args: threads.append(threading.current_thread()) or real_pack(*args))
-    monkeypatch.setattr(stubs, "PACK_OFF_LOOP_VALUES", 20 * HIDDEN)
+    monkeypatch.setattr(stubs, "PACK_OFF_LOOP_VALUES", (stubs.MULTIPLEX_MAX_POSITIONS + 1) * HIDDEN)
 
     async def scenario():
         small = step(channel, "a", positions=stubs.MULTIPLEX_MAX_POSITIONS + 1)
-        big = step(channel, "bb", positions=32)
+        big = step(channel, "bb", positions=64)
         for _ in range(50):  # the packing thread's result comes back through the loop
             await asyncio.sleep(0.01)
             if len(opened[0].sent) == 2:

@@ -25,15 +25,18 @@ MESSAGES = 2000
 class Session:
     """A session of peer QmPeer whose steps return their inputs."""
 
-    peer_id, end = "QmPeer", 2
+    peer_id, end, batch_size = "QmPeer", 2, 1
 
-    async def step(self, tensors, entry):
-        return tensors[0]
+
+async def run_steps(items: list) -> list:
+    """The backend's: each step's outputs are its inputs."""
+    return [hidden for _, hidden, _ in items]
 
 
 def handler() -> BlockHandler:
     limits = ServerLimits(max_sessions_per_peer=SESSIONS_PER_PEER, max_request_tokens=REQUEST_TOKENS)
-    backend = SimpleNamespace(limits=limits, hidden_size=HIDDEN, sessions=SimpleNamespace(by_id={"mine": Session()}))
+    backend = SimpleNamespace(limits=limits, hidden_size=HIDDEN, sessions=SimpleNamespace(by_id={"mine": Session()}),
+                              run_steps=run_steps)
     return BlockHandler(backend)
 
 
@@ -179,24 +182,23 @@ def test_oversized_metadata_is_refused_undecoded(monkeypatch):
     assert "metadata of" in str(error_from_wire(metadata)) and decoded == []
 
 
-def test_a_misshapen_tensor_is_refused_for_its_step_alone_undecoded(monkeypatch):
+def test_a_misshapen_tensor_is_refused_undecoded(monkeypatch):
+    """A message's one tensor of the wrong width refuses each of its steps, and a tensor that declares more
+    tokens than a request may carry refuses the message, both before a byte of it is decoded."""
     from hivemind.proto import runtime_pb2
 
     real, decoded = wire.deserialize_torch_tensor, []
     monkeypatch.setattr(wire, "deserialize_torch_tensor", lambda tensor: decoded.append(tensor) or real(tensor))
+    wrong_width = serialize_torch_tensor(torch.randn(1, 2, HIDDEN + 1))
+    entries = [{"session_id": "mine", "position": 0, "rows": 1, "length": 1}] * 2
+    request = runtime_pb2.ExpertRequest(tensors=[wrong_width],
+                                        metadata=pack(metadata={"message_id": 3, "steps": entries}).metadata)
+    tensors, metadata = unpack(asyncio.run(handler()._reply_to_step_message(request, "QmPeer")))
+    codes = [getattr(error_from_wire(result), "code", "ok") for result in metadata["results"]]
+    assert codes == ["bad_request", "bad_request"] and tensors == [] and decoded == []
+    assert "got (1, 2, 9)" in str(error_from_wire(metadata["results"][0]))
     lying = serialize_torch_tensor(hidden())
     lying.size[:] = [1, 1_000_000, HIDDEN]  # declares far more than it carries (and than a request may)
-    wrong_width = serialize_torch_tensor(torch.randn(1, 1, HIDDEN + 1))
-    entries = [{"session_id": "mine", "position": 0}, {"session_id": "mine", "position": 0}]
-    request = runtime_pb2.ExpertRequest(tensors=[wrong_width, serialize_torch_tensor(hidden())],
-                                        metadata=pack(metadata={"message_id": 3, "steps": entries}).metadata)
-    reply = asyncio.run(handler()._reply_to_step_message(request, "QmPeer"))
-    assert len(decoded) == 1  # the well-shaped tensor only
-    tensors, metadata = unpack(reply)
-    codes = [getattr(error_from_wire(result), "code", "ok") for result in metadata["results"]]
-    assert codes == ["bad_request", "ok"] and tensors[0].shape == (1, 1, HIDDEN)
-    assert "got (1, 1, 9)" in str(error_from_wire(metadata["results"][0]))
-    decoded.clear()
     request = runtime_pb2.ExpertRequest(tensors=[lying], metadata=request.metadata)
     metadata = unpack(asyncio.run(handler()._reply_to_step_message(request, "QmPeer")))[1]
     assert "1000000 tokens is over" in str(error_from_wire(metadata)) and decoded == []
@@ -211,8 +213,8 @@ def test_a_big_message_is_decoded_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(wire, "deserialize_torch_tensor",
                         lambda tensor: threads.append(threading.current_thread()) or real(tensor))
     monkeypatch.setattr(handler_module, "UNPACK_OFF_LOOP_BYTES", 10 * HIDDEN * 4)
-    entries = [{"session_id": "mine", "position": 0}]
     for positions in (10, 11):  # at the bound, then past it
+        entries = [{"session_id": "mine", "position": 0, "rows": 1, "length": positions}]
         reply = asyncio.run(handler()._reply_to_step_message(pack((hidden(1, positions),),
                                                                   {"message_id": 1, "steps": entries}), "QmPeer"))
         assert unpack(reply)[0][0].shape == (1, positions, HIDDEN)

@@ -7,6 +7,7 @@ whose pages live on in its forks frees nothing, and is kept. Every page comes ba
 import pytest
 import torch
 
+from test_forks import step_running
 from swarm.protocol import PAGE_TOKENS, BadRequestError, CacheFullError, ServerLimitError
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.handler import _control
@@ -62,7 +63,7 @@ def test_a_parked_session_with_a_step_running_is_never_evicted(span):
     async def scenario(backend):
         sessions = [await stepped(backend) for _ in range(8)]
         sessions[0].park()
-        async with sessions[0]._one_step_at_a_time:  # a step running (it cannot have un-parked it yet)
+        with step_running(sessions[0]):  # a step running (it cannot have un-parked it yet)
             with pytest.raises(CacheFullError):
                 await backend.open_session(OPENING, "peer")
         assert not sessions[0].ended.is_set()
