@@ -63,14 +63,15 @@ MALFORMED = {  # what a step's outputs become
 
 
 def _malformed_outputs(kind: str) -> None:
-    from swarm.server.sessions import ServerSession
+    from swarm.server.backend import Backend
 
-    original, malform = ServerSession.step, MALFORMED[kind]
+    original, malform = Backend.run_steps, MALFORMED[kind]
 
-    async def step(self, *args, **kwargs):
-        return malform(await original(self, *args, **kwargs))
+    async def run_steps(self, items):
+        return [result if isinstance(result, BaseException) else malform(result)
+                for result in await original(self, items)]
 
-    ServerSession.step = step
+    Backend.run_steps = run_steps
 
 
 def main(argv: list[str]) -> None:

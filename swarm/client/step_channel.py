@@ -32,6 +32,14 @@ PACK_OFF_LOOP_VALUES = 1 << 20
 EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
 
 
+class MalformedOutputsError(ServerUnavailableError):
+    """A server answered a hop with what cannot be its outputs (not the inputs' shape and dtype, or not finite):
+    the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape in the LM head,
+    which merges the rows of concurrent sessions, would fail every one of them)."""
+
+    code = "malformed_outputs"
+
+
 async def until_none(requests: asyncio.Queue):
     """A queue's items as a stream of requests, up to a None."""
     while (request := await requests.get()) is not None:
@@ -238,8 +246,9 @@ def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, pe
     errors = _step_errors(metadata, len(steps), peer_id)
     try:
         outputs = iter(unstacked(tensors, [step_shape(step.hidden) for step, error in zip(steps, errors) if not error]))
-    except SwarmError:
-        outputs, errors = None, [ServerUnavailableError(f"server {peer_id} sent a malformed reply")] * len(steps)
+    except SwarmError as error:
+        reason = f"server {peer_id} answered with outputs that are not its steps' ({error})"
+        outputs, errors = None, [MalformedOutputsError(reason) for _ in steps]
     for step, error in zip(steps, errors):
         if error is not None:
             _fail(step, error)

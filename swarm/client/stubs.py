@@ -19,21 +19,13 @@ from typing import Optional
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, StepChannels, until_none
+from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, MalformedOutputsError, StepChannels, until_none
 from swarm.protocol import ServerUnavailableError
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
 
 logger = logging.getLogger(__name__)
 # closed inference streams still being read to their end (asyncio itself keeps only weak references to tasks)
 _DRAINING: set[asyncio.Task] = set()
-
-
-class MalformedOutputsError(ServerUnavailableError):
-    """A server answered a hop with what cannot be its outputs (not the inputs' shape and dtype, or not finite):
-    the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape in the LM head,
-    which merges the rows of concurrent sessions, would fail every one of them)."""
-
-    code = "malformed_outputs"
 
 
 def checked_outputs(output: torch.Tensor, hidden: torch.Tensor, peer_id: str, blocks: str) -> torch.Tensor:
@@ -162,4 +154,5 @@ class InferenceStream:
         return until_none(self._requests)
 
 
-__all__ = ["MULTIPLEX_MAX_POSITIONS", "StepChannels", "InferenceStream", "call_info", "call_forward"]
+__all__ = ["MULTIPLEX_MAX_POSITIONS", "MalformedOutputsError", "StepChannels", "InferenceStream", "call_info",
+           "call_forward"]

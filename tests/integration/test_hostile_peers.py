@@ -282,12 +282,14 @@ class Fuzzer:
     async def push(self):
         """Mostly at the victim's session, as its next step (an early start that the victim's own copy of
         the step must override), else at sessions that do not exist."""
+        shape = self.valid_shape()
         if self.rng.random() < 0.7:
             valid = {"session_id": self.victim.session_id, "step_id": len(self.victim_inputs) + 1,
                      "position": len(self.victim_inputs)}
         else:
             valid = {"session_id": secrets.token_hex(16), "step_id": 1, "position": 0}
-        request = self.request(valid, self.valid_shape(), wrap=lambda entry: {"pushes": [entry]})
+        valid.update(rows=shape[0], length=shape[1])  # its part of the message's stacked tensor
+        request = self.request(valid, shape, wrap=lambda entry: {"pushes": [entry]})
         self.sent["rpc_push"] += 1
         self.tally("rpc_push", await self.stub.rpc_push(request, timeout=30))
 
