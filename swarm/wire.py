@@ -57,6 +57,18 @@ HIDDEN_BYTES = {"float32": 4, "float16": 2, "int16": 2, "bfloat16": 4}
 WIDEST_HIDDEN_BYTES = max(HIDDEN_BYTES.values())
 
 
+ENVELOPE_BYTES = 64 << 10  # a unary call's metadata and the daemon's envelope around it, with room to spare
+
+
+def unary_payload_bytes() -> int:
+    """The most tensor bytes one unary call (rpc_push, rpc_forward) may carry: hivemind's P2P daemon refuses a
+    call over its connection's message size ("Message size exceeds set limit"), which hivemind sets to this
+    default unless told otherwise (nothing here does); streams (rpc_steps, rpc_forward_stream) have no such cap."""
+    from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
+
+    return DEFAULT_MAX_MSG_SIZE - ENVELOPE_BYTES
+
+
 def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None, request: bool = True):
     message = runtime_pb2.ExpertRequest() if request else runtime_pb2.ExpertResponse()
     bfloat16 = [index for index, tensor in enumerate(tensors) if tensor.dtype == torch.bfloat16]

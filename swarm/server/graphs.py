@@ -173,7 +173,7 @@ class CapturedRound:
         if slots is None:
             self.hidden[:, :tokens].copy_(hidden)
         else:
-            slots = slots.to(self.hidden.device, non_blocking=True)
+            slots = _staging(slots, self.hidden.device).to(self.hidden.device, non_blocking=True)
             self.hidden.index_copy_(1, slots, hidden)
         if self.graph is None:
             output = self.forward()

@@ -50,6 +50,8 @@ async def serve(settings: ServerSettings) -> None:
         start, end = settings.blocks
         raise BadRequestError(f"--blocks {start}:{end} is out of range: {settings.model} has blocks 0:{num_blocks}")
     adapters = [read_adapter(adapter) for adapter in settings.adapters]  # a wrong folder fails before anything loads
+    if settings.device.type == "cuda":
+        choose_attention_kernels()
     # first, so that a port already taken fails in a second rather than after the weights load
     metrics_server, metrics_address = _start_metrics(settings)
     node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity)
@@ -59,6 +61,7 @@ async def serve(settings: ServerSettings) -> None:
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
               f"cache {settings.cache_tokens} tokens"
               + _graphs_description(presence.graphs_captured)
+              + _memory_description(presence.span, presence.graphs_captured)
               + (f", adapters {' '.join(sorted(presence.span.adapters))}" if adapters else "")
               + (f", {settings.latency.describe()}" if settings.latency.enabled else "")
               + (f", metrics at {metrics_address}" if metrics_address else ""),
@@ -206,11 +209,37 @@ async def _load(settings: ServerSettings, folder: Path, start: int, end: int, ad
     return span, await asyncio.to_thread(cached_throughput, span, folder, settings.cache_dir)
 
 
+def choose_attention_kernels() -> None:
+    """Attention kernels for the shapes a server runs: torch prefers cuDNN's on an H100, which builds a plan
+    for every new shape, and eager rounds (prefill chunks, rounds past the graphs) change shape nearly every
+    time; flash and memory-efficient attention take any shape as it comes."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def _graphs_description(captured: Optional[GraphsCaptured]) -> str:
     if captured is None:
         return ""
     return (f", {captured.rounds} CUDA graphs of its rounds captured in {captured.seconds:.1f} s, holding "
             f"{captured.memory_bytes / 2**20:.0f} MiB")
+
+
+def device_memory(span: BlockSpan, captured: Optional[GraphsCaptured]) -> dict[str, int]:
+    """What a server on a GPU holds there, in bytes: its weights, its cache pool, its graphs, and what torch's
+    allocator does not see (the CUDA context, libraries' workspaces: the device's used memory past what torch
+    reserved, with the other processes on the device counted in). What it needs in all is their sum."""
+    free, total = torch.cuda.mem_get_info(span.device)
+    pool = span.pool.keys.numel() * span.pool.keys.element_size() * 2 if span.pool is not None else 0
+    held = {"weights": span.weight_bytes(), "cache": pool, "graphs": captured.memory_bytes if captured else 0}
+    held["context"] = max(total - free - torch.cuda.memory_reserved(span.device), 0)
+    return held
+
+
+def _memory_description(span: BlockSpan, captured: Optional[GraphsCaptured]) -> str:
+    if span.device.type != "cuda":
+        return ""
+    held = device_memory(span, captured)
+    parts = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in held.items())
+    return f", GPU memory {sum(held.values()) / 2**30:.2f} GiB ({parts})"
 
 
 def _weights_description(span: BlockSpan) -> str:

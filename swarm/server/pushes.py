@@ -20,11 +20,12 @@ from hivemind.p2p import PeerID
 from swarm.protocol import SwarmError, error_from_wire
 from swarm.server import metrics
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
-from swarm.wire import BlockRPC, pack, stacked, step_shape, unpack
+from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
 
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT = 10.0
+PUSH_ENTRY_BYTES = 256  # a push's entry in the message's metadata: a session id, a step id, a position, a shape
 PUSHES_IN_FLIGHT = 64  # push messages on their way at once
 WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
 # how long the servers found under a block are trusted, and how often a peer not among them sends for a new look
@@ -75,6 +76,7 @@ class Pusher:
         self.latency = latency  # --simulated-latency: a push leaves, and its reply comes back, delayed
         self.tasks: set[asyncio.Task] = set()  # references, so that the tasks are not collected while they run
         self._warned_peers: set[str] = set()
+        self.message_bytes = unary_payload_bytes()  # what one push message may carry
 
     def push(self, pushes: list[tuple[PeerID, int, dict, torch.Tensor]]) -> None:
         """(next server, the block it goes on at, entry, outputs) of each push, beside the replies to clients."""
@@ -95,8 +97,13 @@ class Pusher:
                      if targets is not None and await targets.announce(peer.to_base58(), block)]
         if len(announced) < len(items):
             self._skip(peer, len(items) - len(announced), "it does not announce the next blocks")
-        if not announced:
-            return
+        fitting = [(entry, output) for entry, output in announced if _push_bytes(output) <= self.message_bytes]
+        if len(fitting) < len(announced):  # a step alone over the cap (a long prompt's): its client sends it
+            self._skip(peer, len(announced) - len(fitting), "over the transport's message size")
+        for part in _under(fitting, self.message_bytes):
+            await self._send_one(peer, part)
+
+    async def _send_one(self, peer: PeerID, announced: list[tuple[dict, torch.Tensor]]) -> None:
         entries, outputs = [entry for entry, _ in announced], [output for _, output in announced]
         message = pack(stacked(outputs), {"pushes": entries})
         self.counters["push_messages"] += 1
@@ -134,6 +141,22 @@ class Pusher:
                            count, name, reason, detail)
         else:
             logger.debug("%d step(s) pushed to %s: %s (%s)", count, name, reason, detail)
+
+
+def _push_bytes(output: torch.Tensor) -> int:
+    return output.numel() * output.element_size() + PUSH_ENTRY_BYTES
+
+
+def _under(pushes: list[tuple[dict, torch.Tensor]], most: int) -> list[list[tuple[dict, torch.Tensor]]]:
+    """The pushes in messages of at most `most` bytes each, in order."""
+    messages, size = [], most + 1
+    for push in pushes:
+        if size + _push_bytes(push[1]) > most:
+            messages.append([])
+            size = 0
+        messages[-1].append(push)
+        size += _push_bytes(push[1])
+    return messages
 
 
 def push_of(target: tuple[PeerID, str], block: int, metadata: dict,

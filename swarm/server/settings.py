@@ -17,6 +17,11 @@ from swarm.server.latency import SimulatedLatency
 if TYPE_CHECKING:
     import torch
 
+# a prompt's tokens per forward: a GPU computes 512 at about the cost of one decode round (a 512-token prompt
+# in one chunk per server), a CPU's chunk must stay short for the decoding sessions waiting behind it
+GPU_PREFILL_CHUNK, CPU_PREFILL_CHUNK = 512, 128
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """What any one client may ask of the server: every request comes from a peer nobody vetted."""
@@ -110,7 +115,9 @@ def parse_settings(argv=None) -> ServerSettings:
         host=args.host, port=args.port, identity=args.identity, device=device, dtype=getattr(torch, args.dtype),
         quantization=args.quantize, cuda_graphs=args.cuda_graphs, cache_tokens=args.cache_tokens, limits=limits,
         allowed_clients=tuple(args.allowed_clients), allowed_servers=tuple(defaults.allowed_servers),
-        max_batch_tokens=args.max_batch_tokens, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens or (GPU_PREFILL_CHUNK if device.type == "cuda" else
+                                                           CPU_PREFILL_CHUNK),
         dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
         threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
         latency=SimulatedLatency(args.simulated_latency, args.simulated_latency_jitter, args.simulated_latency_seed),
@@ -145,8 +152,10 @@ def _parser(defaults):
                              "the servers of ALLOWED_SERVERS may push steps to it too")
     parser.add_argument("--max-batch-tokens", type=int, default=1024,
                         help="most tokens in one batched forward (decode steps of all sessions + prefill chunks)")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=128,
-                        help="most prompt tokens per forward: a long prompt runs in chunks between decode steps")
+    parser.add_argument("--prefill-chunk-tokens", type=int,
+                        help="most prompt tokens per forward: a long prompt runs in chunks between decode steps "
+                             f"(default: {GPU_PREFILL_CHUNK} on a GPU, {CPU_PREFILL_CHUNK} on a CPU, where a chunk "
+                             "takes as long as a GPU's of several times its length)")
     parser.add_argument("--adapters", nargs="*", default=[], metavar="PATH",
                         help="PEFT LoRA adapter folders of this model: the server applies the adapter a request "
                              "names (by its folder's name) to its blocks, and announces them")
@@ -181,7 +190,7 @@ def _check(parser, args) -> None:
         parser.error("--num-blocks must be at least 1")
     for name in ("cache_tokens", "max_batch_tokens", "prefill_chunk_tokens", "max_request_tokens",
                  "max_session_tokens", "max_sessions_per_peer"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_session_tokens > args.max_request_tokens:  # after a failover, a client replays a whole session
         parser.error("--max-session-tokens must not exceed --max-request-tokens: a client replays a session's "

@@ -167,3 +167,31 @@ def test_a_gpu_gateway_half_equals_the_local_model(tiny_swarm, tiny_llama, setti
                            2 * BFLOAT16_ABS_ERROR)
     finally:
         engine.swarm_client().shutdown()  # the engine's one DHT node
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_graphed_round_on_a_gpu_never_waits_for_the_host(tiny_llama):
+    """Decode, verify and mixed rounds replay graphs captured ahead, their inputs copied through pinned memory:
+    torch's sync debug mode raises on any host synchronisation inside the round (the old round copied its
+    inputs from pageable memory, and captured on the serving path, synchronising the device)."""
+    from swarm.server.attention import Segment
+    from swarm.server.span import load_span
+
+    span = load_span(tiny_llama, 0, 4, device="cuda")
+    span.new_pool(4096)
+    span.use_graphs(capture=True)
+    caches = [span.new_cache(1, 256) for _ in range(3)]
+    for cache in caches:
+        span(torch.randn(1, 40, span.config.hidden_size), 0, cache)
+    assert span.capture_graphs_ahead(max_tokens=64, max_keys=256).rounds > 0
+    for lengths in ([1, 1, 1], [9, 9, 9], [1, 5, 9]):
+        segments = [Segment(1, length, 40, cache) for length, cache in zip(lengths, caches)]
+        hidden = torch.randn(1, sum(lengths), span.config.hidden_size)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            output = span.forward_packed(hidden, segments)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert output.device.type == "cuda" and output.shape == (1, sum(lengths), span.config.hidden_size)

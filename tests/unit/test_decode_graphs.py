@@ -268,3 +268,17 @@ def test_a_rebalance_that_runs_out_of_memory_keeps_serving_the_old_span(folder, 
             backend.close()
 
     asyncio.run(scenario())
+
+
+def test_a_gpu_servers_memory_counts_its_graphs_and_the_cuda_context(span, monkeypatch):
+    """What a server says it holds on its GPU (the ready line): weights, the cache pool, the graphs captured
+    ahead, and what torch's allocator does not see (the CUDA context, workspaces): the device's used memory past
+    what torch reserved."""
+    from swarm.server.span import GraphsCaptured
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 16 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 * gib)
+    held = server_main.device_memory(span, GraphsCaptured(rounds=200, seconds=3.0, memory_bytes=gib // 2))
+    pool = span.pool.keys.numel() * span.pool.keys.element_size() * 2
+    assert held == {"weights": span.weight_bytes(), "cache": pool, "graphs": gib // 2, "context": 2 * gib}

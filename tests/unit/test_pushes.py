@@ -116,3 +116,44 @@ def test_with_simulated_latency_a_push_leaves_and_its_reply_returns_half_a_round
     assert len(sent_at) == 3 and all(at - began >= 0.2 for at in sent_at)  # left half a round trip late
     assert done - max(sent_at) >= 0.2  # and the reply took the other half
     assert done - began < 0.4 * 3  # the three overlapped: one after the other would take three round trips
+
+
+class Announcing:
+    """Push targets that every peer is one of."""
+
+    async def announce(self, peer_id, block):
+        return True
+
+
+def test_a_long_prompts_pushes_stay_under_the_transports_cap(monkeypatch):
+    """A 3,000-token prompt's outputs, and 64 sessions' decode steps: every push message stays under the cap on
+    a unary call's size (read from hivemind), each as many pushes as fit; a step alone over it is not pushed (its
+    client sends it). The old code sent them in one message, which the daemon refused ("Message size exceeds
+    set limit 4194304")."""
+    from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
+
+    sent = []
+
+    class Stub:
+        async def rpc_push(self, message, timeout):
+            sent.append(message.ByteSize())
+            return reply(metadata={"results": [{}] * 70})
+
+    monkeypatch.setattr(BlockRPC, "get_stub", classmethod(lambda cls, p2p, peer: Stub()))
+    hidden = 256
+
+    async def scenario():
+        pusher = pushes.Pusher(dict.fromkeys(COUNTERS, 0), Announcing())
+        decode = [(PEER, 2, ENTRY, torch.zeros(1, 1, hidden)) for _ in range(64)]
+        prompts = [(PEER, 2, ENTRY, torch.zeros(1, length, hidden)) for length in (3000, 1500, 1500, 1000)]
+        pusher.push(decode + prompts)
+        await asyncio.gather(*pusher.tasks)
+        return pusher.counters
+
+    counters = asyncio.run(scenario())
+    assert len(sent) == 2 and max(sent) < DEFAULT_MAX_MSG_SIZE  # 3,000 x 256 float32: 3 MiB, with the decode steps
+    assert counters["pushes_sent"] == 68 and counters["pushes_skipped"] == 0
+    monkeypatch.setattr(pushes, "unary_payload_bytes", lambda: 1 << 20)  # a smaller cap: the prompt is over it
+    sent.clear()
+    counters = asyncio.run(scenario())
+    assert max(sent) < 1 << 20 and counters["pushes_skipped"] == 3  # the 3,000 and the 1,500s: over 1 MiB
