@@ -282,3 +282,24 @@ def test_a_gpu_servers_memory_counts_its_graphs_and_the_cuda_context(span, monke
     held = server_main.device_memory(span, GraphsCaptured(rounds=200, seconds=3.0, memory_bytes=gib // 2))
     pool = span.pool.keys.numel() * span.pool.keys.element_size() * 2
     assert held == {"weights": span.weight_bytes(), "cache": pool, "graphs": gib // 2, "context": 2 * gib}
+
+
+def test_rounds_of_one_to_the_cap_of_sessions_never_capture_after_start_up(folder, made):
+    """Decode rounds of 1 to 64 sessions as their keys grow past two buckets: every one replays a round made at
+    start-up (capture_ahead), none is made on the serving path."""
+    span = load_span(folder, 0, BLOCKS)
+    span.new_pool(64 * 160)
+    caches = [span.new_cache(1, 160) for _ in range(64)]
+    for cache in caches:
+        span(torch.randn(1, 40, span.config.hidden_size), 0, cache)
+    span.use_graphs(capture=False)
+    span.capture_graphs_ahead(max_tokens=64, max_keys=256)
+    made.clear()
+    for sessions in (1, 7, 64):
+        for past in (0, 30, 90):  # 41, 71 and 131 keys: three buckets
+            segments = [Segment(1, 1, 40 + past, cache) for cache in caches[:sessions]]
+            for cache in caches[:sessions]:
+                cache.prepare(40 + past, 41 + past)
+            assert span.graphs.replay(torch.randn(1, sessions, span.config.hidden_size), segments, 0, BLOCKS) \
+                is not None
+    assert not made
