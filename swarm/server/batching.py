@@ -136,8 +136,12 @@ class Scheduler:
     """The server's one compute thread and the queue in front of it: `await submit(...)` queues a job and
     returns its outputs once computed."""
 
-    def __init__(self, span_of: Callable[[], BlockSpan], max_batch_tokens: int = 1024, prefill_chunk_tokens: int = 128):
+    def __init__(self, span_of: Callable[[], BlockSpan], max_batch_tokens: int = 1024, prefill_chunk_tokens: int = 128,
+                 pipeline: Optional[bool] = None):
         self._span_of = span_of  # the span may change while the server runs (it moves to other blocks)
+        # a round is queued before the one in flight is delivered (None: on a GPU, where a round is queued, not
+        # computed, by the thread; True on a CPU only makes the tests go through that path)
+        self.pipeline = pipeline
         self.max_batch_tokens, self.prefill_chunk_tokens = max_batch_tokens, prefill_chunk_tokens
         self._waiting: list[Job] = []
         self._wakeup = threading.Condition()
@@ -192,27 +196,39 @@ class Scheduler:
     # ------------------------------------------------------------------------------------- compute thread
 
     def _compute_until_stopped(self) -> None:
+        """Rounds one after another. On a GPU, the next round is prepared and queued behind the one in flight
+        before that one's outputs are waited for: the device never waits for the host between rounds."""
+        in_flight: Optional[Launched] = None  # queued on the device, its outputs not delivered yet
         while True:
             with self._wakeup:
-                while not self._waiting and not self._stopped:
+                while in_flight is None and not self._waiting and not self._stopped:
                     self._wakeup.wait()
-                if self._stopped:
+                if self._stopped and in_flight is None:
                     return
-                round_ = self._next_round()
-            if round_:
-                self._compute_round(round_)
+                round_ = self._next_round(busy=in_flight.jobs if in_flight else ()) if not self._stopped else []
+            launched = self._launch(round_) if round_ else None
+            if in_flight is not None:
+                self._deliver(in_flight)
+            in_flight = launched
+            if in_flight is not None and not self._pipelined(in_flight):
+                self._deliver(in_flight)
+                in_flight = None
 
-    def _next_round(self) -> list[tuple[Job, int]]:
+    def _pipelined(self, launched: "Launched") -> bool:
+        return self.pipeline if self.pipeline is not None else launched.ready is not None
+
+    def _next_round(self, busy=()) -> list[tuple[Job, int]]:
         """(job, positions to compute now) for one forward: the oldest job's block range; short steps first (decode
         and verify steps, whole), then prefill chunks and cache-less forwards within the token budget. Jobs no
-        longer wanted are dropped here."""
-        for job in [job for job in self._waiting if not job.wanted]:
+        longer wanted are dropped here; `busy` ones (in the round in flight) wait for it."""
+        for job in [job for job in self._waiting if not job.wanted and job not in busy]:
             self._waiting.remove(job)
             job.resolve(error=ServerUnavailableError("the session ended or moved before its step ran"))
-        if not self._waiting:
+        ready = [job for job in self._waiting if job not in busy]
+        if not ready:
             return []
-        first = self._waiting[0]
-        same_range = [job for job in self._waiting if (job.start, job.end) == (first.start, first.end)]
+        first = ready[0]
+        same_range = [job for job in ready if (job.start, job.end) == (first.start, first.end)]
         round_, tokens = [], 0
         for job in (job for job in same_range if job.short):  # whole, never cut
             if tokens + job.rows * job.remaining > self.max_batch_tokens and round_:
@@ -232,10 +248,16 @@ class Scheduler:
         return round_
 
     def _compute_round(self, round_: list[tuple[Job, int]]) -> None:
+        launched = self._launch(round_)
+        if launched is not None:
+            self._deliver(launched)
+
+    def _launch(self, round_: list[tuple[Job, int]]) -> Optional["Launched"]:
+        """The round's forward queued on the span's device (computed, on a CPU); None if it failed at once."""
         span = self._span_of()
         round_ = self._without_stale(round_, span)
         if not round_:
-            return
+            return None
         first = round_[0][0]
         try:
             segments, pieces = [], []
@@ -243,13 +265,23 @@ class Scheduler:
                 segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache, job.adapter))
                 pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
             packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
-            output = to_host(span.forward_packed(packed, segments, first.start, first.end)[0])
+            return Launched(round_, segments, *_copied_to_host(span.forward_packed(packed, segments, first.start,
+                                                                                   first.end)[0]))
         except Exception as error:  # a bug or out of memory: every job of the round fails, the thread goes on
+            self._fail(round_, error)
+            return None
+
+    def _deliver(self, launched: "Launched") -> None:
+        """The round's outputs, once on the host, to its jobs; a job whose last positions they are is done."""
+        round_, segments, output = launched.round_, launched.segments, launched.output
+        try:
+            if launched.ready is not None:
+                launched.ready.synchronize()  # yields the thread, where a plain .to("cpu") spins a core
+        except Exception as error:  # a device error surfaces here: the round's jobs fail, the thread goes on
             self._fail(round_, error)
             return
         metrics.BATCH_SIZE.observe(sum(job.rows for job, _ in round_))
-        offset = 0
-        finished = []
+        offset, finished = 0, []
         for (job, positions), segment in zip(round_, segments):
             job.outputs.append(output[offset : offset + segment.tokens].view(job.rows, positions, -1))
             offset += segment.tokens
@@ -290,14 +322,28 @@ class Scheduler:
             job.resolve(error=failure)
 
 
-def to_host(output: torch.Tensor) -> torch.Tensor:
-    """A round's outputs on the CPU. From a GPU: copied into pinned memory behind the round's kernels, then
-    waited for on an event that yields the thread (a plain .to("cpu") spins a core for the whole round)."""
+@dataclass
+class Launched:
+    """A round whose forward is queued on the device: its outputs land in `output` (host memory) once `ready`
+    (None: computed already, on a CPU)."""
+
+    round_: list[tuple[Job, int]]
+    segments: list[Segment]
+    output: torch.Tensor
+    ready: Optional["torch.cuda.Event"]
+
+    @property
+    def jobs(self) -> set[Job]:
+        return {job for job, _ in self.round_}
+
+
+def _copied_to_host(output: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
+    """A round's outputs on their way to the host: from a GPU, copied into pinned memory behind the round's
+    kernels, with the event that says they are there."""
     if output.device.type != "cuda":
-        return output
+        return output, None
     host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
     host.copy_(output, non_blocking=True)
-    done = torch.cuda.Event(blocking=True)
-    done.record()
-    done.synchronize()
-    return host
+    ready = torch.cuda.Event(blocking=True)
+    ready.record()
+    return host, ready

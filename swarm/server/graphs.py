@@ -152,24 +152,25 @@ class CapturedRound:
     (or, with capture=False, run eagerly over the same tensors)."""
 
     def __init__(self, template: RoundTensors, hidden_size: int, dtype, forward: Callable, device, capture: bool,
-                 memory_pool=None):
+                 memory_pool=None, stream=None):
         self.inputs = RoundTensors(**{field.name: getattr(template, field.name).to(device)
                                       for field in fields(template)})
-        # the host side of the inputs' copies: pinned, so that they go to the device without a host stall
-        self.staging = RoundTensors(**{field.name: _staging(getattr(template, field.name), device)
-                                       for field in fields(template)})
+        # the host side of the inputs' copies: pinned, so that they go to the device without a host stall; two,
+        # used in turn, since the next round is staged while the one before may not have read its copy yet
+        self.stagings = [RoundTensors(**{field.name: _staging(getattr(template, field.name), device)
+                                         for field in fields(template)}) for _ in range(2)]
+        self.staged: list = [None, None]  # each staging's event: recorded once its copy to the device is queued
         # padding rows keep whatever finite values an earlier round left: their outputs are dropped
         self.hidden = torch.zeros(1, template.positions.shape[0], hidden_size, dtype=dtype, device=device)
         self.forward, self.graph = lambda: forward(self.hidden, self.inputs), None
         if capture:
-            self.graph, self.output = _captured(self.forward, device, memory_pool)
+            self.graph, self.output = _captured(self.forward, device, memory_pool, stream)
 
     def replay(self, hidden: torch.Tensor, inputs: RoundTensors, slots: Optional[torch.Tensor]) -> torch.Tensor:
         """The round's outputs (1, tokens, hidden) for its packed tokens `hidden` (1, tokens, hidden), token i
         in slot `slots[i]` (None: slot i)."""
         tokens = hidden.shape[1]
-        self.staging.copy_from(inputs)
-        self.inputs.copy_from(self.staging)
+        self._stage(inputs)
         if slots is None:
             self.hidden[:, :tokens].copy_(hidden)
         else:
@@ -183,15 +184,28 @@ class CapturedRound:
         return output[:, :tokens] if slots is None else output.index_select(1, slots)
 
 
+    def _stage(self, inputs: RoundTensors) -> None:
+        staging, staged = self.stagings[0], self.staged[0]
+        if staged is not None:
+            staged.synchronize()  # the device has read this staging since (a round ago): no wait in practice
+        staging.copy_from(inputs)
+        self.inputs.copy_from(staging)
+        if self.hidden.device.type == "cuda":
+            self.staged[0] = torch.cuda.Event()
+            self.staged[0].record()
+        self.stagings.reverse()
+        self.staged.reverse()
+
+
 def _staging(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.pin_memory() if torch.device(device).type == "cuda" else tensor.clone()
 
 
-def _captured(forward: Callable[[], torch.Tensor], device, memory_pool):
+def _captured(forward: Callable[[], torch.Tensor], device, memory_pool, side=None):
     """`forward` captured as a CUDA graph, and its output (in the graph's memory: each replay overwrites it).
     Not torch.cuda.graph: when ending a capture raises, its exit leaves the thread on the capture stream;
     here the stream comes back whatever happens, and a started capture is always ended."""
-    side = torch.cuda.Stream(device)
+    side = side or torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm-up runs: lazy initializations must not happen while capturing
         for _ in range(2):
@@ -226,6 +240,8 @@ class DecodeGraphs:
         self.other_ranges: OrderedDict[tuple[int, int], None] = OrderedDict()  # least recently used first
         self.other_captures = 0
         self.memory_pool = torch.cuda.graph_pool_handle() if capture else None  # shared by every graph
+        # and one side stream for every capture: each stream would keep cached blocks of its own
+        self.capture_stream = torch.cuda.Stream(device) if capture else None
         self.failed = capture and capture_disabled()  # a capture failed: every round runs eagerly
 
     def capture_ahead(self, hidden_size: int, max_tokens: int, max_keys: int) -> int:
@@ -302,7 +318,7 @@ class DecodeGraphs:
         start, end = key[:2]
         try:
             self.rounds[key] = CapturedRound(inputs, hidden_size, self.dtype, self._forward(start, end),
-                                             self.device, self.capture, self.memory_pool)
+                                             self.device, self.capture, self.memory_pool, self.capture_stream)
             return True
         except Exception:  # a layer that cannot be captured (a host sync in it), out of memory: eager from now on
             logger.warning("could not capture a decode round as a CUDA graph; running rounds eagerly from now on",

@@ -103,14 +103,17 @@ def run_alone(span, prompt, steps) -> list[torch.Tensor]:
     return outputs
 
 
-def test_concurrent_sessions_batch_and_equal_each_alone(llama_span):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one round at a time", "pipelined"])
+def test_concurrent_sessions_batch_and_equal_each_alone(llama_span, pipeline):
+    """Also pipelined, as on a GPU: each round is queued before the one in flight is delivered (a prompt's next
+    chunk waits for its last one)."""
     span = llama_span
     sessions = [(batch_hidden(span, 1, length), [batch_hidden(span, 1, 1) for _ in range(12)])
                 for length in (3, 9, 17, 5, 1, 30)]
     before = histogram(metrics.BATCH_SIZE)
 
     async def all_at_once():
-        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=8)
+        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=8, pipeline=pipeline)
         try:
             return await asyncio.gather(*(run_session(scheduler, span, *session) for session in sessions))
         finally:
@@ -126,13 +129,14 @@ def test_concurrent_sessions_batch_and_equal_each_alone(llama_span):
     assert after["single"] - before["single"] < rounds
 
 
-def test_a_long_prompt_runs_in_chunks_and_keeps_its_outputs(llama_span):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one round at a time", "pipelined"])
+def test_a_long_prompt_runs_in_chunks_and_keeps_its_outputs(llama_span, pipeline):
     span = llama_span
     prompt = batch_hidden(span, 1, 37)
     decoding = (batch_hidden(span, 1, 4), [batch_hidden(span, 1, 1) for _ in range(6)])
 
     async def scenario():
-        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=4)
+        scheduler = Scheduler(lambda: span, prefill_chunk_tokens=4, pipeline=pipeline)
         try:
             return await asyncio.gather(run_session(scheduler, span, *decoding), run_session(scheduler, span, prompt, []))
         finally:

@@ -39,9 +39,9 @@ def made(monkeypatch) -> list[tuple]:
     """The (start, end) of every round DecodeGraphs makes (captures, on a GPU)."""
     rounds, captured_round = [], graphs_module.CapturedRound
 
-    def counted(inputs, hidden_size, dtype, forward, device, capture, memory_pool=None):
+    def counted(inputs, hidden_size, dtype, forward, device, capture, *args):
         rounds.append(forward)
-        return captured_round(inputs, hidden_size, dtype, forward, device, capture, memory_pool)
+        return captured_round(inputs, hidden_size, dtype, forward, device, capture, *args)
 
     monkeypatch.setattr(graphs_module, "CapturedRound", counted)
     return rounds
