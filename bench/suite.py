@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -132,14 +133,16 @@ def run_variant(options: Options, model: Benchmarked, cache_dir: Path, dtype: st
         memory, peaks_reset, single, concurrency = measure_swarm(
             options, model, prompts, local, remote, gateway,
             watch(swarm, gateway.process.process.pid, gpu=options.device != "cpu"))
+        announced = [announced_gpu_bytes(server.ready_line) for server in swarm.servers]
     return {
         "device": options.device,
         "decode_rounds": rounds,
         "cache_tokens": cache_tokens,
         "single_session": {name: summarize_runs(runs) for name, runs in single.items()},
         "concurrency": concurrency,
-        "memory": [memory_entry(budget, peaks_reset[index], {moment: samples[index] for moment, samples in memory.items()})
-                   for index, budget in enumerate(budgets)],
+        "memory": [{**memory_entry(budget, peaks_reset[index],
+                                   {moment: samples[index] for moment, samples in memory.items()}),
+                    "announced_gpu_bytes": announced[index]} for index, budget in enumerate(budgets)],
     }
 
 
@@ -220,6 +223,13 @@ def cache_tokens_needed(options: Options, prompts: Prompts) -> int:
     single = max(session_length(prompts.chat, options.tokens), session_length(prompts.long, 1))
     needed = max(options.concurrency) * session_length(prompts.chat, options.concurrency_tokens) + single
     return max(needed, SwarmSettings.cache_tokens)
+
+
+def announced_gpu_bytes(ready_line: Optional[str]) -> Optional[int]:
+    """What a server on a GPU says it holds there (its ready line: weights, cache, graphs and CUDA context), in
+    bytes; None on a CPU."""
+    found = re.search(r", GPU memory ([0-9.]+) GiB", ready_line or "")
+    return int(float(found.group(1)) * 2**30) if found else None
 
 
 def memory_entry(budget: ServerBudget, peaks_reset: bool, samples: dict) -> dict:

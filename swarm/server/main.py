@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -225,13 +226,30 @@ def _graphs_description(captured: Optional[GraphsCaptured]) -> str:
 
 def device_memory(span: BlockSpan, captured: Optional[GraphsCaptured]) -> dict[str, int]:
     """What a server on a GPU holds there, in bytes: its weights, its cache pool, its graphs, and what torch's
-    allocator does not see (the CUDA context, libraries' workspaces: the device's used memory past what torch
-    reserved, with the other processes on the device counted in). What it needs in all is their sum."""
-    free, total = torch.cuda.mem_get_info(span.device)
+    allocator does not see (the CUDA context, libraries' workspaces): this process's memory on the device past
+    what torch reserved, as NVML counts it (pynvml), else the device's used memory past it (an upper bound where
+    other processes share the device). What it needs in all is their sum."""
     pool = span.pool.keys.numel() * span.pool.keys.element_size() * 2 if span.pool is not None else 0
     held = {"weights": span.weight_bytes(), "cache": pool, "graphs": captured.memory_bytes if captured else 0}
-    held["context"] = max(total - free - torch.cuda.memory_reserved(span.device), 0)
+    used = _process_device_bytes(span.device)
+    if used is None:
+        free, total = torch.cuda.mem_get_info(span.device)
+        used = total - free
+    held["context"] = max(used - torch.cuda.memory_reserved(span.device), 0)
     return held
+
+
+def _process_device_bytes(device: torch.device) -> Optional[int]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        mine = [process.usedGpuMemory for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if process.pid == os.getpid()]
+        return mine[0] if mine and mine[0] else None
+    except Exception:  # no pynvml, or NVML cannot see this process's (a container's own pid namespace)
+        return None
 
 
 def _memory_description(span: BlockSpan, captured: Optional[GraphsCaptured]) -> str:

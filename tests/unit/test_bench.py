@@ -163,6 +163,23 @@ def test_on_a_gpu_a_server_is_judged_by_its_gpu_memory(tmp_path):
     assert (tmp_path / "gpu.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_on_a_gpu_a_server_is_judged_against_what_it_announces_it_needs():
+    """Its ready line's GPU memory (weights, cache, graphs captured ahead, CUDA context) is the budget."""
+    from bench.suite import announced_gpu_bytes
+
+    line = ("ready: blocks 0:11 of tinyllama as peer Qm1, bfloat16 (1000 MiB of weights) on cuda:0, 1.0 tokens/s, "
+            "cache 32768 tokens, 210 CUDA graphs of its rounds captured in 6.1 s, holding 300 MiB, GPU memory "
+            "2.50 GiB (weights 0.98, cache 0.35, graphs 0.29, context 0.88)")
+    assert announced_gpu_bytes(line) == int(2.5 * 2**30) and announced_gpu_bytes("ready: ... on cpu") is None
+    results = with_decode_rounds(results_with(20.0, 25.0, True), {"1": 2.0, "64": 5.0}, device="cuda")
+    variant = results["variants"]["float32"]
+    variant["memory"][0]["after_concurrency"] = {**variant["memory"][0]["after_concurrency"], "gpu": 1200}
+    variant["memory"][0]["announced_gpu_bytes"] = 1000
+    memory_target = next(target for target in targets(variant) if "block server" in target.name)
+    assert "what it announces it needs" in memory_target.name and memory_target.ratio == pytest.approx(1.2)
+    assert memory_target.verdict == "PASS"
+
+
 def test_gpu_memory_is_nvidia_smi_s_figure_for_the_process(monkeypatch):
     listing = "4242, 1536\n77, 10\n"
     monkeypatch.setattr(bench_memory.subprocess, "run",
