@@ -23,9 +23,6 @@ from swarm.server.warm import WarmSessions
 MAX_BATCH_SIZE = 64
 # what hidden states may travel as (config.WIRE_DTYPES); any other dtype is refused before it reaches a batch
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# hidden states past this many values are scanned for NaN and infinity on a thread: a long prompt's scan takes
-# milliseconds that the event loop (every other session's steps) should not wait for
-FINITE_SCAN_OFF_LOOP_VALUES = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -318,37 +315,24 @@ class Backend:
         if tokens > self.limits.max_request_tokens:
             raise BadRequestError(f"a request of {hidden.shape[0]} x {hidden.shape[1]} tokens is over this server's "
                                   f"limit of {self.limits.max_request_tokens} tokens per request")
-        big = hidden.numel() > FINITE_SCAN_OFF_LOOP_VALUES
-        if not (await asyncio.to_thread(all_finite, hidden) if big else all_finite(hidden)):
-            # it would poison the session's cache, and anything computed after
-            raise BadRequestError("hidden states must be finite (no NaN or infinity)")
-        return hidden.detach()  # a request may say requires_grad: nothing here needs a graph
+        # whether it is finite is checked on the device, in its round (batching.py); a request may say
+        # requires_grad: nothing here needs a graph
+        return hidden.detach()
 
 
-async def finite_steps(tensors: list, steps: list) -> list:
-    """A message's steps (views of its one tensor, `tensors`), each refused in its place if it holds NaN or
-    infinity: one scan of the whole message, and a scan per step only when that one finds some."""
-    if not tensors or isinstance(tensors[0], SwarmError):
+def typed_steps(tensors: list, steps: list) -> list:
+    """A message's steps (views of its one tensor, `tensors`), each refused in its place unless its tensor is of
+    a dtype hidden states travel as; whether they are finite is checked on the device, in their round."""
+    if not tensors or isinstance(tensors[0], SwarmError) or tensors[0].dtype in HIDDEN_DTYPES:
         return steps
-    whole = tensors[0]
-    if whole.dtype not in HIDDEN_DTYPES:
-        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
-        refusal = BadRequestError(f"hidden states must be floating point ({names}), got {whole.dtype}")
-        return [refusal if not isinstance(step, SwarmError) else step for step in steps]
-    big = whole.numel() > FINITE_SCAN_OFF_LOOP_VALUES
-    if await asyncio.to_thread(all_finite, whole) if big else all_finite(whole):
-        return steps
-    return [BadRequestError("hidden states must be finite (no NaN or infinity)")
-            if not isinstance(step, SwarmError) and not all_finite(step) else step for step in steps]
+    names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
+    refusal = BadRequestError(f"hidden states must be floating point ({names}), got {tensors[0].dtype}")
+    return [refusal if not isinstance(step, SwarmError) else step for step in steps]
 
 
 def check_rows(hidden: torch.Tensor, batch_size: int) -> None:
     if hidden.shape[0] != batch_size:
         raise BadRequestError(f"this session has batch size {batch_size}, got {hidden.shape[0]}")
-
-
-def all_finite(hidden: torch.Tensor) -> bool:
-    return bool(torch.isfinite(hidden).all())
 
 
 def _fork_length(fork, max_length: int) -> int:

@@ -36,7 +36,7 @@ from swarm.server import metrics
 from swarm.server.attention import Segment
 from swarm.server.cache import SessionCache
 from swarm.server.span import BlockSpan
-from swarm.protocol import InternalServerError, ServerUnavailableError, SwarmError
+from swarm.protocol import BadRequestError, InternalServerError, ServerUnavailableError, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -264,9 +264,13 @@ class Scheduler:
             for job, positions in round_:
                 segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache, job.adapter))
                 pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
-            packed = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None]
-            return Launched(round_, segments, *_copied_to_host(span.forward_packed(packed, segments, first.start,
-                                                                                   first.end)[0]))
+            packed = span.on_device((pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None])
+            # checked on the device, without waiting for it: a token that is not finite is zeroed (nothing not
+            # finite reaches a cache page, where a masked NaN still poisons attention), and its job fails on delivery
+            finite = torch.isfinite(packed[0]).all(dim=-1)  # (tokens,)
+            packed = torch.nan_to_num(packed, 0.0, 0.0, 0.0)
+            output = span.forward_packed(packed, segments, first.start, first.end)[0]
+            return Launched(round_, segments, *_copied_to_host(output, finite))
         except Exception as error:  # a bug or out of memory: every job of the round fails, the thread goes on
             self._fail(round_, error)
             return None
@@ -281,16 +285,21 @@ class Scheduler:
             self._fail(round_, error)
             return
         metrics.BATCH_SIZE.observe(sum(job.rows for job, _ in round_))
-        offset, finished = 0, []
+        offset, finished, refused = 0, [], []
         for (job, positions), segment in zip(round_, segments):
-            job.outputs.append(output[offset : offset + segment.tokens].view(job.rows, positions, -1))
+            if not launched.finite[offset : offset + segment.tokens].all():
+                refused.append(job)
+            else:
+                job.outputs.append(output[offset : offset + segment.tokens].view(job.rows, positions, -1))
+                job.computed += positions
+                if job.remaining == 0:
+                    finished.append(job)
             offset += segment.tokens
-            job.computed += positions
-            if job.remaining == 0:
-                finished.append(job)
         with self._wakeup:
-            for job in finished:
+            for job in finished + refused:
                 self._waiting.remove(job)
+        for job in refused:
+            job.resolve(error=BadRequestError("hidden states must be finite (no NaN or infinity)"))
         for job in finished:
             outputs = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs, dim=1)
             job.resolve(outputs.to(job.hidden.dtype))
@@ -330,6 +339,7 @@ class Launched:
     round_: list[tuple[Job, int]]
     segments: list[Segment]
     output: torch.Tensor
+    finite: torch.Tensor  # (tokens,) bool, in host memory: which of the round's input tokens were finite
     ready: Optional["torch.cuda.Event"]
 
     @property
@@ -337,13 +347,15 @@ class Launched:
         return {job for job, _ in self.round_}
 
 
-def _copied_to_host(output: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
-    """A round's outputs on their way to the host: from a GPU, copied into pinned memory behind the round's
-    kernels, with the event that says they are there."""
+def _copied_to_host(output: torch.Tensor, finite: torch.Tensor) -> tuple:
+    """A round's outputs and its tokens' finite flags on their way to the host: from a GPU, copied into pinned
+    memory behind the round's kernels, with the event that says they are there."""
     if output.device.type != "cuda":
-        return output, None
-    host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
-    host.copy_(output, non_blocking=True)
+        return output, finite, None
+    copies = []
+    for tensor in (output, finite):
+        copies.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True))
+        copies[-1].copy_(tensor, non_blocking=True)
     ready = torch.cuda.Event(blocking=True)
     ready.record()
-    return host, ready
+    return *copies, ready

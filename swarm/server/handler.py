@@ -29,7 +29,7 @@ from swarm.protocol import (
     error_to_wire,
 )
 from swarm.server import metrics
-from swarm.server.backend import check_rows, finite_steps
+from swarm.server.backend import check_rows, typed_steps
 from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
@@ -137,7 +137,7 @@ class BlockHandler(BlockRPC):
             pushes = metadata.get("pushes")
             if not isinstance(pushes, list) or len(pushes) > self.backend.limits.max_sessions_per_peer:
                 raise BadRequestError("field 'pushes' must be a list of maps, one per step")
-            steps = await finite_steps(tensors, unstacked(tensors, pushes))
+            steps = typed_steps(tensors, unstacked(tensors, pushes))
             refusals = self.backend.accept_pushes(list(zip(steps, pushes)))
             return reply(metadata={"results": [wire_error(error) if error is not None else {} for error in refusals]})
         except Exception as error:
@@ -232,7 +232,7 @@ class BlockHandler(BlockRPC):
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
-            steps = await finite_steps(tensors, unstacked(tensors, entries))
+            steps = typed_steps(tensors, unstacked(tensors, entries))
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
         self.counters["step_messages"] += 1

@@ -138,7 +138,7 @@ class BlockSpan(nn.Module):
         if not self.start <= start < end <= self.end:
             raise BadRequestError(f"blocks {start}:{end} are outside this server's span {self.start}:{self.end}")
         self.check_caches(segments)
-        hidden = _to_device(hidden, self.device, self.dtype)
+        hidden = self.on_device(hidden)
         if self.graphs is not None:
             output = self.graphs.replay(hidden, segments, start, end)
             if output is not None:
@@ -149,6 +149,10 @@ class BlockSpan(nn.Module):
             metrics.EAGER_ROUNDS.labels("no graphs").inc()
         return self.forward_batch(hidden, PackedBatch.of(segments, self.pool, start - self.start, self.device),
                                   start, end)
+
+    def on_device(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states on the span's device, in its dtype (from the host, through pinned memory)."""
+        return _to_device(hidden, self.device, self.dtype)
 
     def check_caches(self, segments: list[Segment]) -> None:
         """Refuse a round that would write through page numbers of another pool (the server moved to other

@@ -52,8 +52,6 @@ def run_backend(span):
     ([torch.zeros(1, 2, HIDDEN, dtype=torch.int64)], "floating point"),
     ([torch.zeros(1, 2, HIDDEN, dtype=torch.float8_e4m3fn)], "floating point"),
     ([torch.zeros(5, 13, HIDDEN)], "limit of 64 tokens per request"),
-    ([torch.full((1, 2, HIDDEN), float("nan"))], "finite"),
-    ([torch.zeros(1, 2, HIDDEN).index_fill(2, torch.tensor([3]), float("-inf"))], "finite"),
 ])
 def test_hidden_states_a_span_cannot_run_are_refused(span, tensors, refusal):
     backend = Backend(span, CacheBudget(PAGE_TOKENS), LIMITS)
@@ -64,28 +62,32 @@ def test_hidden_states_a_span_cannot_run_are_refused(span, tensors, refusal):
         backend.close()
 
 
-def test_a_long_request_is_scanned_for_nan_off_the_event_loop(span, monkeypatch):
-    """Scanning a long prompt's hidden states takes the event loop's time from every other session's steps: past
-    FINITE_SCAN_OFF_LOOP_VALUES values it runs on a thread; a short one stays on the loop (a thread hop costs more)."""
-    import threading
+@pytest.mark.parametrize("poison", [float("nan"), float("-inf")])
+def test_inputs_that_are_not_finite_are_refused_by_their_round_and_poison_nothing(run_backend, span, poison):
+    """Checked on the device, in the round, with no host scan before it: the step whose inputs hold a NaN or an
+    infinity is refused, the other session's step in the same batch runs, a cache-less forward is refused too,
+    and the refused session's next step (at the same position) equals the local model's: nothing not finite
+    reached its cache."""
+    prompt, nexts = torch.randn(1, 3, HIDDEN), torch.randn(1, 2, HIDDEN)
+    bad = nexts.clone().index_fill(2, torch.tensor([3]), poison)
 
-    from swarm.server import backend as backend_module
+    async def scenario(backend):
+        sessions = [await backend.open_session(OPENING, "client") for _ in range(2)]
+        for session in sessions:
+            await session.step([prompt], {"position": 0})
+        refused, ran = await backend.run_steps([(sessions[0], bad, {"position": 3}),
+                                               (sessions[1], nexts, {"position": 3})])
+        assert isinstance(refused, BadRequestError) and "finite" in str(refused)
+        torch.testing.assert_close(ran[:, -2:], span(torch.cat([prompt, nexts], 1))[:, -2:], atol=1e-4, rtol=0)
+        # one position: the refused step's second one stays in the cache, masked (a masked NaN still poisons)
+        again = await sessions[0].step([nexts[:, :1]], {"position": 3})
+        torch.testing.assert_close(again, span(torch.cat([prompt, nexts[:, :1]], 1))[:, -1:], atol=1e-4, rtol=0)
+        with pytest.raises(BadRequestError, match="finite"):
+            await backend.forward([bad], {"start": 0, "end": 2})
+        for session in sessions:
+            session.close()
 
-    scanned_on = []
-    monkeypatch.setattr(backend_module, "FINITE_SCAN_OFF_LOOP_VALUES", 2 * HIDDEN)
-    monkeypatch.setattr(backend_module, "all_finite",
-                        lambda hidden: scanned_on.append(threading.current_thread()) or True)
-    backend = Backend(span, CacheBudget(PAGE_TOKENS), LIMITS)
-
-    async def check(length: int):
-        await backend.check_hidden_states([torch.zeros(1, length, HIDDEN)])
-        return threading.current_thread()
-
-    try:
-        assert asyncio.run(check(2)) is scanned_on[0]
-        assert asyncio.run(check(3)) is not scanned_on[1]
-    finally:
-        backend.close()
+    run_backend(scenario)
 
 
 @pytest.mark.parametrize("change, refusal", [
