@@ -303,3 +303,41 @@ def test_rounds_of_one_to_the_cap_of_sessions_never_capture_after_start_up(folde
             assert span.graphs.replay(torch.randn(1, sessions, span.config.hidden_size), segments, 0, BLOCKS) \
                 is not None
     assert not made
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [9, 5, 1]], ids=["decode", "mixed"])
+def test_a_graphed_round_reads_nothing_back_to_the_host(span, monkeypatch, lengths):
+    """What would stall the host on a GPU, reading a tensor's value (item, tolist, bool, int, nonzero, cpu ...),
+    never happens inside a graphed round's forward, decode or verify: the round's indices are all built on the
+    host before it (graphs.padded_round), and its outputs go back after it. A fake of torch's sync debug mode,
+    for a CPU; tests/integration/test_devices.py has the real one for a GPU."""
+    caches = [prefilled(span, 20) for _ in lengths]
+    span.use_graphs(capture=False)
+    span.capture_graphs_ahead(max_tokens=64, max_keys=64)
+    reads, inside = [], [False]
+    for name in HOST_READS:
+        def recorded(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kwargs):
+            if inside[0]:
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, recorded)
+    forward_batch = span.graphs.forward_batch
+
+    def watched(*args):
+        inside[0] = True
+        try:
+            return forward_batch(*args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(span.graphs, "forward_batch", watched)
+    segments = [Segment(1, length, 20, cache) for length, cache in zip(lengths, caches)]
+    assert span.graphs.replay(torch.randn(1, sum(lengths), span.config.hidden_size), segments, 0, BLOCKS) is not None
+    assert reads == []
+    inside[0] = True  # the fake sees a read when there is one
+    torch.ones(1).item()
+    assert reads == ["item"]
