@@ -75,7 +75,8 @@ def test_steps_in_flight_overlap_and_outputs_are_unchanged(client, tiny_swarm, d
     assert seconds >= ROUND_TRIP_MS / 1000
     assert seconds < 4 * ROUND_TRIP_MS / 1000  # queued one behind the other, 8 would take 8 round trips
     for delayed_output, plain_output in zip(delayed_outputs, plain_outputs):
-        torch.testing.assert_close(delayed_output, plain_output)
+        # the servers' rounds pack the eight prompts as they arrive: float32 sums in another order
+        torch.testing.assert_close(delayed_output, plain_output, atol=1e-4, rtol=0)
 
 
 def test_a_step_timeout_shorter_than_the_round_trip_stretches_once_measured(tiny_swarm, delayed):
