@@ -270,10 +270,7 @@ class Backend:
                     raise BadRequestError("no open session has this 'session_id'")
                 if isinstance(hidden, SwarmError):  # refused undecoded, or not as the message declared
                     raise hidden
-                if hidden.ndim != 3 or hidden.shape[2] != self.hidden_size:
-                    raise BadRequestError(f"hidden states must have shape (batch, length, {self.hidden_size})")
-                check_rows(hidden, session.batch_size)
-                items.append((session, hidden, entry))
+                items.append((session, self.checked_hidden(hidden, session.batch_size), entry))
                 places.append(index)
             except SwarmError as error:
                 refusals[index] = error
@@ -301,7 +298,11 @@ class Backend:
         """The one tensor of hidden states a request carries, refused unless a span can run it as it is."""
         if len(tensors) != 1:
             raise BadRequestError(f"expected one tensor of hidden states, got {len(tensors)}")
-        hidden = tensors[0]
+        return self.checked_hidden(tensors[0], batch_size)
+
+    def checked_hidden(self, hidden: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
+        """`hidden`, refused unless a span can run it as it is (of a session of `batch_size` rows, if given).
+        Whether it is finite is checked on the device, in its round (batching.py)."""
         if hidden.ndim != 3 or hidden.shape[2] != self.hidden_size or hidden.shape[1] < 1 or hidden.shape[0] < 1:
             raise BadRequestError(
                 f"hidden states must have shape (batch, length >= 1, {self.hidden_size}), got {tuple(hidden.shape)}"
@@ -309,15 +310,12 @@ class Backend:
         if batch_size is not None:
             check_rows(hidden, batch_size)
         if hidden.dtype not in HIDDEN_DTYPES:
-            names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
-            raise BadRequestError(f"hidden states must be floating point ({names}), got {hidden.dtype}")
+            raise dtype_refusal(hidden.dtype)
         tokens = hidden.shape[0] * hidden.shape[1]
         if tokens > self.limits.max_request_tokens:
             raise BadRequestError(f"a request of {hidden.shape[0]} x {hidden.shape[1]} tokens is over this server's "
                                   f"limit of {self.limits.max_request_tokens} tokens per request")
-        # whether it is finite is checked on the device, in its round (batching.py); a request may say
-        # requires_grad: nothing here needs a graph
-        return hidden.detach()
+        return hidden.detach()  # a request may say requires_grad: nothing here needs a graph
 
 
 def typed_steps(tensors: list, steps: list) -> list:
@@ -325,9 +323,13 @@ def typed_steps(tensors: list, steps: list) -> list:
     a dtype hidden states travel as; whether they are finite is checked on the device, in their round."""
     if not tensors or isinstance(tensors[0], SwarmError) or tensors[0].dtype in HIDDEN_DTYPES:
         return steps
-    names = ", ".join(str(dtype).removeprefix("torch.") for dtype in HIDDEN_DTYPES)
-    refusal = BadRequestError(f"hidden states must be floating point ({names}), got {tensors[0].dtype}")
+    refusal = dtype_refusal(tensors[0].dtype)
     return [refusal if not isinstance(step, SwarmError) else step for step in steps]
+
+
+def dtype_refusal(dtype: torch.dtype) -> BadRequestError:
+    names = ", ".join(str(allowed).removeprefix("torch.") for allowed in HIDDEN_DTYPES)
+    return BadRequestError(f"hidden states must be floating point ({names}), got {dtype}")
 
 
 def check_rows(hidden: torch.Tensor, batch_size: int) -> None:

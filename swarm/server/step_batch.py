@@ -10,11 +10,13 @@ not have now waits for it (ServerSession.begin_step_after_room). Those go in a s
 from __future__ import annotations
 
 import asyncio
+
 import torch
 
 from swarm.protocol import SwarmError
 from swarm.server.batching import Job
 from swarm.server.sessions import RoomNeeded, ServerSession
+
 
 async def run_steps(submit_batch, items: list[tuple[ServerSession, torch.Tensor, dict]]) -> list:
     """Each step's outputs (rows, length, hidden), or its error, in order. `submit_batch(jobs, on_settled)` is
