@@ -3,8 +3,11 @@ packages, and the helper modules of tests/ that tests import by name), and the s
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,5 +17,23 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _cache_of_the_suite() -> Path:
+    """A cache folder of this test process's own (its children inherit it through SWARM_CACHE_DIR), so that no test
+    writes into the user's cache: the session store `make run` opens, the servers' remembered throughputs. It reads
+    the user's converted models through a link (`make test` converts the default model there first)."""
+    from config import SwarmSettings
+
+    models = SwarmSettings.from_env().cache_dir / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="swarm-suite-cache-"))
+    (folder / "models").symlink_to(models, target_is_directory=True)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+os.environ["SWARM_CACHE_DIR"] = str(_cache_of_the_suite())
+os.environ.pop("SESSION_STORE", None)  # the default store, inside that folder
 
 pytest_plugins = ["fixtures.swarms"]
