@@ -22,7 +22,7 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       such names; a model is never loaded from a path a swarm record names
     MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
     REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT,
-    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS, MAX_LOADED_MODELS,
+    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS, HTTP_KEEPALIVE, MAX_LOADED_MODELS,
     MAX_INPUTS_PER_REQUEST, MAX_INPUT_TOKENS_PER_REQUEST, MAX_STORED_RESPONSE_BYTES
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
@@ -200,6 +200,10 @@ class Limits:
     max_body_bytes: int = 1 << 20  # an HTTP request's body; a larger one is refused with 413
     requests_per_minute: int = 600  # per client: API requests and WebSocket messages (0: no limit)
     ws_ping_interval: float = 25.0  # keep-alive pings on WebSocket connections, seconds
+    # seconds an idle keep-alive HTTP connection stays open (gunicorn's keepalive; said in each reply's Keep-Alive
+    # header): longer than common clients keep one (Node's undici 4 s, httpx 5 s), so that none reuses a connection
+    # the gateway has just closed without a word, and above a load balancer's usual 60 s
+    http_keepalive: float = 65.0
     ws_max_message_bytes: int = 1 << 20  # a larger WebSocket message closes the connection (code 1009)
     # stored replies of the Responses API (store: true), kept in this process's memory like sessions: a cap on their
     # number (the least recently used goes first) and idle expiry

@@ -11,6 +11,7 @@ gateway refuses WebSockets past MAX_WEBSOCKETS, so they can never take the threa
 An idle thread costs little: it waits in a system call, and the pool starts threads only as they are needed.
 """
 
+import math
 import os
 
 worker_class = "gthread"
@@ -53,13 +54,35 @@ def on_starting(server):
 
 def _size_for_limits(server, limits):
     """Threads for every WebSocket and session the limits allow, plus headroom (a --threads or
-    --worker-connections given on the command line may only add), and the open files their sockets take."""
+    --worker-connections given on the command line may only add), and the open files their sockets take; idle
+    keep-alive connections kept HTTP_KEEPALIVE seconds (gunicorn's default of 2 s is shorter than clients expect)."""
+    server.cfg.set("keepalive", max(server.cfg.keepalive, math.ceil(limits.http_keepalive)))
+    _say_keep_alive(math.floor(limits.http_keepalive))
     threads = max(server.cfg.threads, limits.worker_threads)
     connections = max(server.cfg.worker_connections, threads + KEEPALIVE_CONNECTIONS)
     server.cfg.set("threads", threads)
     server.cfg.set("worker_connections", connections)
     _raise_open_files(server, connections + FILES_PER_PROCESS)
     server.log.info("%d threads (MAX_WEBSOCKETS + MAX_SESSIONS + HTTP_THREADS), %d connections", threads, connections)
+
+
+def _say_keep_alive(seconds: int) -> None:
+    """A Keep-Alive: timeout=N header on each reply whose connection stays open, which undici and the browsers read
+    to close an idle connection before the gateway does. gunicorn drops the header from an app's replies (it is
+    hop-by-hop, the server's to say) and has no setting for it: its response's own headers get it, as gunicorn
+    decides the connection's fate there."""
+    from gunicorn.http import wsgi
+
+    gunicorns_headers = getattr(wsgi.Response.default_headers, "without_keep_alive", wsgi.Response.default_headers)
+
+    def default_headers(response):
+        headers = gunicorns_headers(response)
+        if not response.upgrade and not response.should_close():
+            headers.append(f"Keep-Alive: timeout={seconds}\r\n")
+        return headers
+
+    default_headers.without_keep_alive = gunicorns_headers  # a reload wraps gunicorn's own again, not this
+    wsgi.Response.default_headers = default_headers
 
 
 def _raise_open_files(server, needed: int) -> None:
