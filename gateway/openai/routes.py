@@ -194,13 +194,16 @@ def embeds():
     encoder = engine.encoders.first(fields.model)
     texts = encoder_texts(fields.input, encoder.name)
     check_input_count(engine.limits, "input", len(texts))
-    room = max(1, encoder.max_tokens - encoder.token_counts([fields.prefix])[0])
-    chunked = [encoder.chunks(text, min(fields.max_tokens, room)) for text in texts]
+    prefix_tokens = encoder.token_counts([fields.prefix])[0]  # the encoder's own tokens ([CLS], [SEP]) in
+    if prefix_tokens >= encoder.max_tokens:
+        raise BadRequest(f"prefix: {prefix_tokens} tokens with {encoder.name}'s own, which leaves no room for a chunk "
+                         f"in the {encoder.max_tokens} it reads", field="prefix")
+    chunked = [encoder.chunks(text, min(fields.max_tokens, encoder.max_tokens - prefix_tokens)) for text in texts]
     for index, chunks in enumerate(chunked):
         if not chunks:
             raise BadRequest(f"input[{index}]: has no tokens", field=f"input[{index}]")
+    check_embeds_size(engine.limits, fields.prefix, sum(len(chunks) for chunks in chunked))
     pieces = [fields.prefix + chunk for chunks in chunked for chunk in chunks]
-    check_input_count(engine.limits, "input", len(pieces))  # each chunk is an input of the encoder's
     check_input_tokens(engine.limits, "input", sum(encoder.token_counts(pieces)))
     with work_slot(engine):
         vectors = iter(encoder.encode(pieces))
@@ -208,6 +211,17 @@ def embeds():
                                                            for chunk in chunks]}
             for index, chunks in enumerate(chunked)]
     return jsonify(object="embeds", model=encoder.name, data=data)
+
+
+def check_embeds_size(limits, prefix: str, chunks: int) -> None:
+    """/embeds puts the prefix before every chunk: the chunks are counted, and the copies of the prefix capped, before
+    one is made (a long prefix before thousands of one-token chunks would be gigabytes). Capped in characters, since
+    a long word is one [UNK] token: the pieces then come to at most twice the body, whatever the tokens."""
+    check_input_count(limits, "input", chunks)  # each chunk is an input of the encoder's
+    if len(prefix) * chunks > limits.max_body_bytes:
+        raise BadRequest(f"prefix: {len(prefix)} characters before each of {chunks} chunks come to more than the "
+                         f"{limits.max_body_bytes} of a request's body (MAX_BODY_BYTES); shorten the prefix or ask "
+                         "for longer chunks (max_tokens)", field="prefix")
 
 
 def input_count(value) -> int:
