@@ -27,6 +27,7 @@ from gateway.errors import NotFound, SessionBusy, TooManySessions
 from gateway.engine.session_store import SessionStore, StoredSession
 
 logger = logging.getLogger(__name__)
+SHOWN_ID_CHARS = 64  # an unknown id is echoed this far (ours are 36-character uuids)
 
 
 def visible_to(owner: str, client: str) -> bool:
@@ -91,8 +92,9 @@ class SessionRegistry:
         if session is None and self.store is not None:
             session = self._reopen_stored(session_id, client)
         if session is None or (client is not None and not visible_to(session.owner, client)):
-            raise NotFound(f"unknown inference session {session_id!r} (closed, expired or never opened)",
-                           field="session_id")
+            shown = session_id if len(session_id) <= SHOWN_ID_CHARS else session_id[:SHOWN_ID_CHARS] + "..."
+            raise NotFound(f"unknown inference session {shown!r} (closed, expired or never opened)",
+                           field="session_id")  # the id is the client's: echoed whole, it could be the whole body
         return session
 
     def resume(self, session_id: str, client: str):

@@ -79,3 +79,14 @@ def test_a_prefix_that_leaves_no_room_for_a_chunk_is_refused(client):
     refused = client.post("/v1/embeds", json={"input": "a b", "prefix": "p " * 510})
     assert refused.status_code == 400 and refused.json["error"]["param"] == "prefix"
     assert "512 tokens" in refused.json["error"]["message"] and "no room" in refused.json["error"]["message"]
+
+
+def test_an_unknown_session_id_is_echoed_only_in_part(client):
+    """A 100,000-character id came back whole in the 404 (item 10)."""
+    long_id = "A" * 100_000
+    for path in ("/api/v1/generate", "/api/v1/close_inference_session"):
+        unknown = client.post(path, json={"session_id": long_id, "inputs": "hi"})
+        assert unknown.status_code == 404, unknown.json
+        assert len(unknown.data) < 1000 and "A" * 64 in unknown.json["error"], len(unknown.data)
+    short = client.post("/api/v1/close_inference_session", json={"session_id": "no-such-id"})
+    assert "'no-such-id'" in short.json["error"]
