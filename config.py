@@ -23,7 +23,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
     MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
     REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT,
     MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS, HTTP_KEEPALIVE, MAX_LOADED_MODELS,
-    MAX_INPUTS_PER_REQUEST, MAX_INPUT_TOKENS_PER_REQUEST, MAX_STORED_RESPONSE_BYTES
+    MAX_INPUTS_PER_REQUEST, MAX_INPUT_TOKENS_PER_REQUEST, MAX_STORED_RESPONSE_BYTES, MAX_SAVED_STATES,
+    MAX_SAVED_STATES_PER_CLIENT
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
@@ -227,7 +228,10 @@ class Limits:
     # (gateway/engine/warm.py): how many per gateway process (0: none), and per client; the least recent go first
     warm_sessions: int = 64
     warm_sessions_per_client: int = 8
-    max_saved_states_per_client: int = 8  # prefixes saved by name (POST /v1/states: engine/saved_states.py)
+    # prefixes saved by name (POST /v1/states: engine/saved_states.py), per gateway process and per client: each
+    # holds a parked session on the servers and its prefix's hidden states in the gateway, as long as it lives
+    max_saved_states: int = 64
+    max_saved_states_per_client: int = 8
     # speculative decoding (gateway/engine/speculation.py): the most tokens drafted per step, each verified by the
     # swarm in the same step; fewer when measured steps and acceptance say more would not pay; 0: one token per step
     speculative_tokens: int = 8

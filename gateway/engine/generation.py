@@ -68,7 +68,7 @@ class Engine:
                                         reopen=lambda stored: reopen_session(self, stored))
         self.stats = EngineStats()
         self.warm = WarmConversations(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
-        self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client)
+        self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client, self.limits.max_saved_states)
         self.draft_models = DraftModels(settings.swarm.cache_dir)
         # EMBEDDING_MODELS, run in this process: their folders are checked now, and each loads on first use
         self.encoders = EmbeddingModels(settings.gateway.embedding_models, settings.gateway.device)
@@ -228,17 +228,18 @@ class Engine:
         (see saved_states.py); saving a name again replaces it."""
         check_max_length(model.config, len(prompt_ids))
         key = WarmKey(model.name, owner, salt)
-        with self.sessions.reserve(owner):
+        # the caps are checked before the swarm computes anything, and the prefill holds one of the client's slots
+        with self.states.room(owner, name), self.sessions.reserve(owner):
             session = self._warm_session(model, key)
-        try:
-            self.prefill(session, prompt_ids)  # every token into the servers' caches: what forks of it share
-            # parked: a server short of room may evict it while no fork shares its pages (forks then recompute it)
-            session.inference.park()
-            state = SavedState(name, key, session, messages)
-            self.states.save(state)
-        except BaseException:
-            session.close()
-            raise
+            try:
+                self.prefill(session, prompt_ids)  # every token into the servers' caches: what forks of it share
+                # parked: a server short of room may evict it while no fork shares its pages (forks recompute it)
+                session.inference.park()
+                state = SavedState(name, key, session, messages)
+                self.states.save(state)
+            except BaseException:
+                session.close()
+                raise
         return state
 
     def finish_session(self, session: GatewaySession) -> None:

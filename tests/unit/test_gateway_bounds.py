@@ -90,3 +90,124 @@ def test_an_unknown_session_id_is_echoed_only_in_part(client):
         assert len(unknown.data) < 1000 and "A" * 64 in unknown.json["error"], len(unknown.data)
     short = client.post("/api/v1/close_inference_session", json={"session_id": "no-such-id"})
     assert "'no-such-id'" in short.json["error"]
+
+
+# ------------------------------------------------------------------------------------- saved states (item 6)
+
+
+class FakeInference:
+    def park(self):
+        pass
+
+
+class FakeSession:
+    def __init__(self):
+        self.history, self.inference, self.closed = [], FakeInference(), False
+
+    def close(self):
+        self.closed = True
+
+
+class FakeModel:
+    name, config = "m", ModelConfig("m", "m", max_session_length=64)
+
+
+def engine_with(monkeypatch, tmp_path, prefill=lambda session, ids: None, **limits):
+    """An engine whose sessions are stand-ins and whose prefills are `prefill`, each call of it counted."""
+    from gateway.engine.generation import Engine
+
+    gateway = GatewaySettings(models=(ModelConfig("m", "m"),), limits=Limits(**limits))
+    engine = Engine(Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway))
+    engine.prefills = []
+    monkeypatch.setattr(engine, "_warm_session", lambda model, key, max_length=0: FakeSession())
+
+    def counted(session, ids):
+        engine.prefills.append(ids)
+        prefill(session, ids)
+
+    monkeypatch.setattr(engine, "prefill", counted)
+    return engine
+
+
+def test_a_save_over_a_cap_is_refused_before_its_prefix_is_computed(monkeypatch, tmp_path):
+    """With both caps at 1, refused saves were computed on the swarm all the same (the cap was checked after)."""
+    from gateway.errors import TooManySessions
+
+    engine = engine_with(monkeypatch, tmp_path, max_sessions_per_client=1, max_saved_states_per_client=1,
+                         max_saved_states=2)
+    engine.save_state(FakeModel(), "first", [1, 2, 3], "key:a")
+    for name in ("b", "c", "d", "e", "f"):
+        with pytest.raises(TooManySessions, match="MAX_SAVED_STATES_PER_CLIENT"):
+            engine.save_state(FakeModel(), name, [4, 5], "key:a")
+    assert engine.prefills == [[1, 2, 3]]  # none of the refused five computed
+    engine.save_state(FakeModel(), "first", [6], "key:a")  # saving a name again takes no more room
+    engine.save_state(FakeModel(), "other", [7], "key:b")
+    with pytest.raises(TooManySessions, match="MAX_SAVED_STATES\\)"):  # the gateway's cap, over all clients
+        engine.save_state(FakeModel(), "third", [8], "key:c")
+    assert engine.prefills == [[1, 2, 3], [6], [7]]
+
+
+def test_a_saves_prefill_holds_one_of_its_clients_session_slots(monkeypatch, tmp_path):
+    """A save computed its prefix outside the client's slots: MAX_SESSIONS_PER_CLIENT=1 let prefills run at once."""
+    import threading
+
+    from gateway.errors import TooManySessions
+
+    started, finish = threading.Event(), threading.Event()
+
+    def first_waits(session, ids):
+        if ids == [1]:
+            started.set()
+            finish.wait(5)
+
+    engine = engine_with(monkeypatch, tmp_path, first_waits, max_sessions_per_client=1)
+    first = threading.Thread(target=engine.save_state, args=(FakeModel(), "a", [1], "key:a"))
+    first.start()
+    try:
+        assert started.wait(5)
+        with pytest.raises(TooManySessions, match="MAX_SESSIONS_PER_CLIENT"):
+            engine.save_state(FakeModel(), "b", [2], "key:a")
+    finally:
+        finish.set()
+        first.join(5)
+    assert engine.prefills == [[1]] and [state.name for state in engine.states.of("key:a")] == ["a"]
+
+
+def test_saves_of_one_name_at_once_leave_only_the_kept_state_pinned(tmp_path):
+    """The first save published its state, then pinned it: a second save of the name in between let it go (closed,
+    not yet pinned), and the first then pinned a closed session for good."""
+    import threading
+
+    from gateway.engine.saved_states import SavedState, SavedStates
+    from gateway.engine.warm import WarmKey
+
+    pinning, go_on = threading.Event(), threading.Event()
+
+    class Warm:
+        def __init__(self):
+            self.pinned = {}
+
+        def pin(self, key, session):
+            if session.slow:  # the first save's pin, overtaken by the second save (if the lock lets it)
+                pinning.set()
+                go_on.wait(0.5)
+            self.pinned[id(session)] = session
+
+        def unpin(self, session):
+            self.pinned.pop(id(session), None)
+
+    states, key = SavedStates(Warm(), max_per_client=4, max_total=8), WarmKey("m", "key:a")
+    first, second = FakeSession(), FakeSession()
+    first.slow, second.slow = True, False
+    saving = threading.Thread(target=states.save, args=(SavedState("n", key, first),))
+    saving.start()
+    assert pinning.wait(5)
+    overtaking = threading.Thread(target=states.save, args=(SavedState("n", key, second),))
+    overtaking.start()
+    overtaking.join(0.2)
+    go_on.set()
+    saving.join(5)
+    overtaking.join(5)
+    assert list(states.warm.pinned.values()) == [second] and first.closed and not second.closed
+    states.delete("key:a", "n")
+    assert states.warm.pinned == {} and second.closed
