@@ -3,7 +3,9 @@ messages and tools. OpenAI's chat and text completions declare them directly; th
 APIs translate their own shapes into them once.
 
 The fields are the union of OpenAI's own and those of MLC-LLM, mistral.rs and Ai00. Unknown fields are accepted and
-ignored (web/bodies.py logs each name once), as vLLM does.
+ignored (web/bodies.py logs each name once), as vLLM does. A chat message keeps only what the chat template renders
+(MessageShape): messages outlive their request (MLC's stateful conversations, a WebSocket's stored transcript), and
+a field nothing reads would grow them by whatever a client sends with each turn.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ class ExtensibleRequest(BaseModel):
     """A request shape that accepts, and ignores, fields it does not know."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class MessageShape(BaseModel):
+    """A part of a chat message: fields it does not know are accepted and dropped (see the module's docstring)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
 
 class StreamOptions(ExtensibleRequest):
     include_usage: bool = False
@@ -103,23 +112,23 @@ class SamplingFields(ExtensibleRequest):
     cache_salt: Optional[str] = Field(None, max_length=256)
 
 
-class ContentPart(ExtensibleRequest):
+class ContentPart(MessageShape):
     type: str
     text: Optional[str] = None
 
 
-class FunctionCall(ExtensibleRequest):
+class FunctionCall(MessageShape):
     name: str
     arguments: str = "{}"
 
 
-class ToolCall(ExtensibleRequest):
+class ToolCall(MessageShape):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(ExtensibleRequest):
+class ChatMessage(MessageShape):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None

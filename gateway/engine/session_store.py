@@ -4,6 +4,10 @@ transcript) kept in an SQLite file (SESSION_STORE), so that after a restart a re
 goes on exactly where it stopped: a fresh chain of servers is opened and the stored tokens replayed into its caches
 (reopen_session).
 
+A session's lists (its token ids, and lists in a dialect's state such as the chat transcript) are kept as parts,
+rows of consecutive items: a save writes only what changed since this process's last save of the session (the new
+items of a turn, or from a rewound part on), so that a turn costs its own size, however long the conversation.
+
 Every save is one transaction (WAL, synchronous=FULL): a process killed mid-write leaves the last committed state.
 One connection serves the whole process behind a lock (gunicorn's thousands of threads would otherwise hold three
 files each); other processes on the same file wait on SQLite's own locks (a busy timeout).
@@ -33,26 +37,35 @@ from gateway.engine.served import GatewaySession
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: lists were JSON columns of the sessions row, rewritten whole by every save
 BUSY_TIMEOUT_SECONDS = 10.0  # another process writing: wait this long for SQLite's lock before failing
-SCHEMA = """
+SESSIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     model TEXT NOT NULL,
     owner TEXT NOT NULL,
     max_length INTEGER NOT NULL,
-    history TEXT NOT NULL,         -- JSON token ids in the servers' caches
     pending TEXT NOT NULL,         -- JSON token ids sampled but not yet sent (the last one, or none)
     reply_start INTEGER,
-    state TEXT NOT NULL,           -- JSON: what a dialect keeps to continue (the WebSocket chat's transcript)
+    state TEXT NOT NULL,           -- JSON: what a dialect keeps to continue, but its lists (in session_parts)
     holder TEXT,                   -- the process that has it open (pid@start time); NULL: none
     last_used REAL NOT NULL,       -- Unix time
     expires_at REAL NOT NULL,      -- Unix time after which, held by no live process, it is gone
     updated_at REAL NOT NULL
 )
 """
-COLUMNS = ("id", "model", "owner", "max_length", "history", "pending", "reply_start", "state", "holder",
-           "last_used", "expires_at", "updated_at")
+PARTS_TABLE = """
+CREATE TABLE IF NOT EXISTS session_parts (
+    session_id TEXT NOT NULL,
+    list TEXT NOT NULL,            -- 'history' (token ids in the servers' caches), or 'state.KEY': a list in the state
+    start INTEGER NOT NULL,        -- the index in the list of this part's first item
+    items TEXT NOT NULL,           -- JSON list: the list's items from `start` to the next part's
+    PRIMARY KEY (session_id, list, start)
+)
+"""
+COLUMNS = ("id", "model", "owner", "max_length", "pending", "reply_start", "state", "holder", "last_used",
+           "expires_at", "updated_at")
+HISTORY, STATE_LIST = "history", "state."  # the parts' list names
 
 
 class SessionStoreError(Exception):
@@ -94,12 +107,13 @@ def holder_alive(holder: Optional[str]) -> bool:
 
 
 class SessionStore:
-    """The sessions table of one SQLite file, opened and checked at once (SessionStoreError if unusable)."""
+    """The sessions of one SQLite file, opened and checked at once (SessionStoreError if unusable)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.holder = this_process()
         self._lock = threading.Lock()
+        self._written: dict[str, _Written] = {}  # session id -> what this process last wrote of it
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None,
@@ -107,7 +121,7 @@ class SessionStore:
             self._check_and_migrate()
             logger.info("session store %s: %d stored sessions, %d of them expired and gone", self.path,
                         self.count(), self.sweep())
-        except (sqlite3.Error, OSError) as error:
+        except (sqlite3.Error, OSError, ValueError) as error:
             raise SessionStoreError(f"SESSION_STORE={self.path}: cannot use the session store ({error}); "
                                     "move the file away to start with no stored sessions, or set "
                                     "SESSION_STORE=off") from None
@@ -123,12 +137,16 @@ class SessionStore:
                                         f"{SCHEMA_VERSION})")
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before save returns
-        with self._transaction():
-            db.execute(SCHEMA)
+        with self._transaction():  # a file that is not this gateway's is left as it was
+            db.execute(SESSIONS_TABLE)
+            db.execute(PARTS_TABLE)
+            if version == 1:
+                _migrate_from_1(db)
+            columns = [row[1] for row in db.execute("PRAGMA table_info(sessions)")]
+            if tuple(columns) != COLUMNS:
+                raise sqlite3.DatabaseError(f"its sessions table is not this gateway's (columns "
+                                            f"{', '.join(columns)})")
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        columns = [row[1] for row in db.execute("PRAGMA table_info(sessions)")]
-        if tuple(columns) != COLUMNS:
-            raise sqlite3.DatabaseError(f"its sessions table is not this gateway's (columns {', '.join(columns)})")
 
     def _transaction(self):
         return _Transaction(self._db, self._lock)
@@ -136,25 +154,65 @@ class SessionStore:
     # --------------------------------------------------------------------------------- writes
 
     def save(self, session: GatewaySession, idle_timeout: float) -> None:
-        """The session as it is now, held by this process, in one transaction."""
+        """The session as it is now, held by this process, in one transaction: its row, and of its lists only the
+        parts that changed since this process last saved it."""
         now = time.time()
         last_used = now - max(time.monotonic() - session.last_used, 0.0)
-        row = (session.id, session.model.name, session.owner, session.max_length,
-               json.dumps(session.history), json.dumps(session.pending), session.reply_start,
-               json.dumps(session.state), self.holder, last_used, last_used + idle_timeout, now)
+        lists, rest = _split_state(session.state)
+        lists[HISTORY] = session.history
+        row = (session.id, session.model.name, session.owner, session.max_length, json.dumps(session.pending),
+               session.reply_start, json.dumps(rest), self.holder, last_used, last_used + idle_timeout, now)
         with self._transaction():
+            before, written = self._written_before(session.id), _Written(now)
+            for name in {*before.lists, *lists}:
+                parts = self._write_parts(session.id, name, before.lists.get(name), lists.get(name, []))
+                if name in lists:
+                    written.lists[name] = parts
             self._db.execute(f"INSERT OR REPLACE INTO sessions VALUES ({', '.join('?' * len(COLUMNS))})", row)
+            self._written[session.id] = written  # a commit that fails leaves updated_at older: _written_before
+
+    def _written_before(self, session_id: str) -> _Written:
+        """What this process last wrote of the session, if the row is still as it left it; else its parts are
+        dropped, to be written whole (its first save here, or a row another process wrote since)."""
+        written = self._written.pop(session_id, None)
+        row = self._db.execute("SELECT updated_at FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        if written is None or row is None or row[0] != written.updated_at:
+            self._db.execute("DELETE FROM session_parts WHERE session_id = ?", (session_id,))
+            return _Written(0.0)
+        return written
+
+    def _write_parts(self, session_id: str, name: str, before: Optional[tuple[list, list[int]]],
+                     items: list) -> tuple[list, list[int]]:
+        """One list's parts brought up to `items`: the parts that end within what is unchanged stay, the others go,
+        and one new part holds the rest. Returns the list's fingerprints and its parts' starts, for the next save."""
+        marks, (marks_before, starts) = _fingerprints(items), before or ([], [])
+        unchanged = _common_length(marks_before, marks)
+        ends = [*starts[1:], len(marks_before)]
+        kept = next((index for index, end in enumerate(ends) if end > unchanged), len(starts))
+        start = starts[kept] if kept < len(starts) else len(marks_before)
+        if kept < len(starts):
+            self._db.execute("DELETE FROM session_parts WHERE session_id = ? AND list = ? AND start >= ?",
+                             (session_id, name, start))
+        starts = starts[:kept]
+        if len(items) > start:
+            self._db.execute("INSERT INTO session_parts VALUES (?, ?, ?, ?)",
+                             (session_id, name, start, json.dumps(items[start:])))
+            starts.append(start)
+        return marks, starts
 
     def release(self, session_id: str, idle_timeout: float) -> None:
         """This process lets the session go but keeps it (a WebSocket gone): another may reopen it until it expires."""
         now = time.time()
         with self._transaction():
+            self._written.pop(session_id, None)
             self._db.execute("UPDATE sessions SET holder = NULL, last_used = ?, expires_at = ?, updated_at = ? "
                              "WHERE id = ? AND holder = ?", (now, now + idle_timeout, now, session_id, self.holder))
 
     def delete(self, session_id: str) -> None:
         with self._transaction():
+            self._written.pop(session_id, None)
             self._db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            self._db.execute("DELETE FROM session_parts WHERE session_id = ?", (session_id,))
 
     def claim(self, session_id: str) -> Optional[StoredSession]:
         """The stored session, now held by this process; None if there is none, it expired, or a live process
@@ -177,6 +235,7 @@ class SessionStore:
         with self._transaction():  # unless another process claimed one meanwhile
             self._db.executemany("DELETE FROM sessions WHERE id = ? AND holder IS ? AND expires_at < ?",
                                  [(session_id, holder, time.time()) for session_id, holder in gone])
+            self._db.execute("DELETE FROM session_parts WHERE session_id NOT IN (SELECT id FROM sessions)")
         return len(gone)
 
     # --------------------------------------------------------------------------------- reads
@@ -189,11 +248,16 @@ class SessionStore:
         row = self._db.execute(f"SELECT {', '.join(COLUMNS)} FROM sessions WHERE id = ?", (session_id,)).fetchone()
         if row is None:
             return None
-        values = dict(zip(COLUMNS, row))
+        values, lists = dict(zip(COLUMNS, row)), {}
+        for name, items in self._db.execute("SELECT list, items FROM session_parts WHERE session_id = ? "
+                                            "ORDER BY list, start", (session_id,)):
+            lists.setdefault(name, []).extend(json.loads(items))
+        state = json.loads(values["state"])
+        state.update({name[len(STATE_LIST):]: items for name, items in lists.items() if name.startswith(STATE_LIST)})
         return StoredSession(values["id"], values["model"], values["owner"], values["max_length"],
-                             tuple(json.loads(values["history"])), tuple(json.loads(values["pending"])),
-                             values["reply_start"], json.loads(values["state"]), values["holder"],
-                             values["last_used"], values["expires_at"])
+                             tuple(lists.get(HISTORY, ())), tuple(json.loads(values["pending"])),
+                             values["reply_start"], state, values["holder"], values["last_used"],
+                             values["expires_at"])
 
     def held_elsewhere(self, stored: StoredSession) -> bool:
         """Whether another live process (a second gunicorn worker) has the session open."""
@@ -209,6 +273,47 @@ class SessionStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+@dataclass
+class _Written:
+    """What this process last wrote of one session: its row's updated_at, and each list's fingerprints and the starts
+    of its parts (see SessionStore._write_parts)."""
+
+    updated_at: float
+    lists: dict[str, tuple[list, list[int]]] = field(default_factory=dict)
+
+
+def _split_state(state: dict) -> tuple[dict[str, list], dict]:
+    """A dialect's state as the lists kept in parts (by part name) and the rest, kept in the session's row (empty
+    lists too: a list with no parts would not come back)."""
+    lists = {STATE_LIST + key: value for key, value in state.items() if isinstance(value, list) and value}
+    return lists, {key: value for key, value in state.items() if STATE_LIST + key not in lists}
+
+
+def _fingerprints(items: list) -> list:
+    """What tells a list's items apart from what was written: a token id itself, else the hash of its JSON (only
+    ever compared within this process)."""
+    return [item if type(item) is int else hash(json.dumps(item)) for item in items]
+
+
+def _common_length(before: list, now: list) -> int:
+    """How many leading items the two lists share."""
+    if now[:len(before)] == before:  # the common case, at C speed: the list only grew
+        return len(before)
+    return next((index for index, (old, new) in enumerate(zip(before, now)) if old != new), min(len(before), len(now)))
+
+
+def _migrate_from_1(db: sqlite3.Connection) -> None:
+    """Schema 1 kept the lists in the sessions row (a history column, and the state's lists in its JSON): each of
+    them becomes one part."""
+    for session_id, history, state in db.execute("SELECT id, history, state FROM sessions").fetchall():
+        lists, rest = _split_state(json.loads(state))
+        lists[HISTORY] = json.loads(history)
+        db.executemany("INSERT INTO session_parts VALUES (?, ?, 0, ?)",
+                       [(session_id, name, json.dumps(items)) for name, items in lists.items() if items])
+        db.execute("UPDATE sessions SET state = ? WHERE id = ?", (json.dumps(rest), session_id))
+    db.execute("ALTER TABLE sessions DROP COLUMN history")
 
 
 class _Transaction:

@@ -3,6 +3,7 @@ prefix before making one (issue 32, item 5)."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
 
 import pytest
@@ -211,3 +212,31 @@ def test_saves_of_one_name_at_once_leave_only_the_kept_state_pinned(tmp_path):
     assert list(states.warm.pinned.values()) == [second] and first.closed and not second.closed
     states.delete("key:a", "n")
     assert states.warm.pinned == {} and second.closed
+
+
+# ------------------------------------------------------------------------------------- messages (item 7)
+
+
+def test_a_messages_unknown_fields_are_dropped_not_kept_with_the_conversation():
+    """Unknown fields of a message (and of its content parts and tool calls) were kept: MLC's stateful conversations
+    and the WebSocket chat's stored transcript carried them on, growing by whatever each turn sent."""
+    from gateway.openai.schemas import ChatCompletionRequest
+    from gateway.petals.schemas import WsGenerate
+    from gateway.petals.websocket import ChatTranscript
+    from gateway.web.bodies import parse
+
+    junk = "j" * 100_000
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi", "junk": junk}], "junk": junk},
+                {"role": "assistant", "content": None, "junk": junk, "tool_calls": [
+                    {"id": "c1", "type": "function", "junk": junk,
+                     "function": {"name": "f", "arguments": "{}", "junk": junk}}]}]
+    request = parse(ChatCompletionRequest, {"messages": messages, "top_level_junk": 1})
+    assert "top_level_junk" in request.model_extra  # a request's own unknown fields are still seen (and logged)
+    kept = json.dumps([message.model_dump(mode="json") for message in request.messages])
+    assert len(kept) < 1000 and "junk" not in kept, len(kept)
+    assert request.messages[1].tool_calls[0].function.name == "f" and request.messages[0].content[0].text == "hi"
+
+    transcript, session = ChatTranscript(None, list(parse(WsGenerate, {"type": "generate", "messages": messages})
+                                                     .messages)), type("Session", (), {"state": {}})()
+    transcript.keep_in(session)
+    assert len(json.dumps(session.state)) < 1000

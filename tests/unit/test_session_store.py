@@ -317,3 +317,81 @@ def test_a_websocket_replys_last_frame_leaves_once_the_reply_is_stored(tmp_path,
     replied = len(session.history + session.pending)
     # frames before the last go out as they come; the last only once the session holds the whole reply on disk
     assert stored_at_each_frame[2] == replied and stored_at_each_frame[0] < replied
+
+
+# ------------------------------------------------------------------------------------- what a save writes
+
+
+def pages_written(store: SessionStore) -> int:
+    """The pages SQLite wrote since the last call: the write-ahead log's frames; then the log is emptied."""
+    frames = store._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return frames
+
+
+def test_a_turn_writes_its_own_size_however_long_the_conversation(tmp_path):
+    """Each save rewrote the whole row (token ids and transcript): a WebSocket chat's turns cost more and more (50 MiB
+    and 246 ms a turn after 30 turns with big messages); now a turn writes its new items and the row's few fields."""
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    session = fake_session(history=(), pending=())
+    transcript, pages = [], []
+    for turn in range(30):
+        transcript += [{"role": "user", "content": f"question {turn} " + "x" * 2000},
+                       {"role": "assistant", "content": f"answer {turn} " + "y" * 2000}]
+        session.history += list(range(turn * 300, turn * 300 + 300))
+        session.state = {"chat": list(transcript), "mode": "chat"}
+        pages_written(store)
+        store.save(session, idle_timeout=60)
+        pages.append(pages_written(store))
+    assert max(pages[-10:]) <= max(pages[1:5]) + 1, pages  # flat: the 30th turn writes what the 2nd did
+    stored = SessionStore(tmp_path / "sessions.sqlite3").load("s1")
+    assert stored.history == tuple(range(9000)) and stored.state == {"chat": transcript, "mode": "chat"}
+
+
+def test_every_edit_of_a_sessions_lists_loads_back_as_it_was(tmp_path):
+    """Grown, rewound (regenerate), edited in the middle (a template that rewrote a turn), emptied: whatever the
+    lists become, the parts a save keeps and writes load as exactly that, in this process and in another."""
+    import random
+
+    rng = random.Random(7)
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    session = fake_session(history=(), pending=())
+    for step in range(150):
+        chat, kind = list(session.state.get("chat", [])), rng.choice(["grow", "grow", "rewind", "edit", "empty"])
+        if kind == "grow":
+            session.history += [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+            chat.append({"role": "user", "content": str(step)})
+        elif kind == "rewind":
+            del session.history[rng.randrange(len(session.history) + 1):]
+            chat = chat[:rng.randrange(len(chat) + 1)]
+        elif kind == "edit" and session.history:
+            session.history[rng.randrange(len(session.history))] = -step
+            chat = [{"role": "system", "content": "new"}] + chat[1:]
+        else:
+            session.history, chat = [], []
+        session.state = {"chat": chat}
+        store.save(session, idle_timeout=60)
+        for reader in (store, SessionStore(tmp_path / "sessions.sqlite3")) if step % 25 == 0 else (store,):
+            stored = reader.load("s1")
+            assert (list(stored.history), stored.state.get("chat", [])) == (session.history, chat), (step, kind)
+    store.delete("s1")
+    assert store._db.execute("SELECT COUNT(*) FROM session_parts").fetchone()[0] == 0
+
+
+def test_a_store_of_the_first_schema_is_carried_over(tmp_path):
+    """A file of schema 1 (the lists in the sessions row) opens with its sessions as they were."""
+    path = tmp_path / "sessions.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE sessions (id TEXT PRIMARY KEY, model TEXT NOT NULL, owner TEXT NOT NULL, max_length "
+               "INTEGER NOT NULL, history TEXT NOT NULL, pending TEXT NOT NULL, reply_start INTEGER, state TEXT NOT "
+               "NULL, holder TEXT, last_used REAL NOT NULL, expires_at REAL NOT NULL, updated_at REAL NOT NULL)")
+    state = {"chat": [{"role": "user", "content": "hi"}], "mode": "chat"}
+    db.execute("INSERT INTO sessions VALUES ('old', 'tiny', 'key:a', 64, '[5, 6, 7]', '[8]', 2, ?, NULL, 1, ?, 1)",
+               (json.dumps(state), time.time() + 60))
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+    store = SessionStore(path)
+    stored = store.load("old")
+    assert (stored.history, stored.pending, stored.reply_start, stored.state) == ((5, 6, 7), (8,), 2, state)
+    assert store.claim("old").owner == "key:a"
