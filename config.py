@@ -28,6 +28,10 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
+    KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user (a laptop's own
+                      gateway): 1 lets them share saved states, MLC's stateful chat and each other's warm prefixes;
+                      default off: those routes answer 403, and a request continues only the conversations of earlier
+                      requests that gave the same cache_salt (see AccessSettings)
     SESSION_STORE     where the gateway keeps its inference sessions (token ids and settings) so that they outlive a
                       restart: an SQLite file (default: SWARM_CACHE_DIR/sessions.sqlite3), or off (memory only)
     LOG_LEVEL         the gateway's log level (default INFO)
@@ -279,6 +283,17 @@ class AccessSettings:
     # How many reverse proxies in front of the gateway to believe about the client's address (X-Forwarded-For):
     # the per-client limits go by that address when no API key identifies the client. 0: the socket's peer.
     trusted_proxies: int = 0
+    # Without keys a caller is only its address, which everyone behind one NAT or proxy shares: whether they are one
+    # trusted user (KEYLESS_SHARING), who may then continue each other's MLC conversations, use each other's saved
+    # states and reuse each other's warm prefixes (which tells how much of a guessed prompt matched). Off, those
+    # routes are refused, and only a request's own cache_salt (a secret it holds) lets it continue an earlier one.
+    keyless_sharing: bool = False
+
+    @property
+    def keeps_caller_state(self) -> bool:
+        """Whether what a caller leaves between requests (conversations, saved states, warm prefixes) may be kept
+        for it: each caller has a key, or the keyless callers are one trusted user."""
+        return bool(self.api_keys) or self.keyless_sharing
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "AccessSettings":
@@ -289,7 +304,9 @@ class AccessSettings:
                                                                       "allowed_headers") if environ.get(name.upper())}
         credentials = environ.get("ALLOW_CREDENTIALS", "").lower() in ("1", "true", "yes")
         proxies = int(environ.get("TRUSTED_PROXIES") or 0)
-        return cls(api_keys=tuple(keys), allow_credentials=credentials, trusted_proxies=proxies, **lists)
+        sharing = environ.get("KEYLESS_SHARING", "").lower() in ("1", "true", "yes")
+        return cls(api_keys=tuple(keys), allow_credentials=credentials, trusted_proxies=proxies,
+                   keyless_sharing=sharing, **lists)
 
 
 @dataclass(frozen=True)

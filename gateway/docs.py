@@ -82,6 +82,7 @@ ERROR_SCHEMAS = {
 ERROR_STATUSES = {
     "400": "invalid: the message names the field; context_length_exceeded when the prompt does not fit",
     "401": "an API key is required (when the gateway has keys)",
+    "403": "saved states and MLC's stateful chat, on a gateway without API keys or KEYLESS_SHARING",
     "404": "unknown model or session",
     "409": "the session is busy with another request",
     "413": "the body is over MAX_BODY_BYTES",

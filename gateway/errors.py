@@ -5,6 +5,7 @@
     │   └── LengthExceeded        400  context_length_exceeded
     ├── Unauthorized              401  invalid_api_key       keys are configured and none (or a wrong one) came
     ├── Forbidden                 403  origin_not_allowed    a WebSocket handshake from a page not on ALLOWED_ORIGINS
+    │   └── KeylessSharingOff     403  keyless_sharing_off   state kept per caller, asked of a gateway without keys
     ├── NotFound                  404  not_found             unknown model, session or route
     ├── IdleTimeout               408  idle_timeout          a WebSocket said nothing for WS_IDLE_TIMEOUT (then closed)
     ├── SessionBusy               409  session_busy          another request is using this session
@@ -68,6 +69,10 @@ class Unauthorized(APIError):
 
 class Forbidden(APIError):
     status, code = 403, "origin_not_allowed"
+
+
+class KeylessSharingOff(Forbidden):
+    code = "keyless_sharing_off"
 
 
 class NotFound(APIError):

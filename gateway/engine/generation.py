@@ -67,7 +67,8 @@ class Engine:
                                         self.limits.max_sessions_per_client, open_store(settings.gateway.session_store),
                                         reopen=lambda stored: reopen_session(self, stored))
         self.stats = EngineStats()
-        self.warm = WarmConversations(self.limits.warm_sessions, self.limits.warm_sessions_per_client)
+        self.warm = WarmConversations(self.limits.warm_sessions, self.limits.warm_sessions_per_client,
+                                      salt_only=not settings.gateway.access.keeps_caller_state)
         self.states = SavedStates(self.warm, self.limits.max_saved_states_per_client, self.limits.max_saved_states)
         self.draft_models = DraftModels(settings.swarm.cache_dir)
         # EMBEDDING_MODELS, run in this process: their folders are checked now, and each loads on first use

@@ -1,14 +1,20 @@
 """Speed of recent requests: prefill (the prompt's first step) and decode (every step after it).
 
-MLC-Chat's /stats and /verbose_stats read them; the OpenAI API's usage carries mistral.rs's timing extras.
+MLC-Chat's /stats and /verbose_stats read them; the OpenAI API's usage carries mistral.rs's timing extras. Each
+request's figures are its caller's (CALLER, which the web layer sets for every request: web/access.py), and a caller
+sees only its own: another's prompt lengths and timings are theirs.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+
+# who is calling in this thread now (access.client_id: a key's fingerprint, or an address); "" outside requests
+CALLER: ContextVar[str] = ContextVar("stats_caller", default="")
 
 
 @dataclass
@@ -18,6 +24,7 @@ class RequestStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+    caller: str = field(default_factory=CALLER.get)
     _step_began: float = field(default_factory=time.perf_counter)
 
     def prompt(self, tokens: int) -> None:
@@ -73,28 +80,37 @@ class RequestStats:
 
 
 class EngineStats:
-    def __init__(self, keep: int = 32):
-        self._recent: deque[RequestStats] = deque(maxlen=keep)
+    """The last `keep` requests of each of the `callers` most recently active callers."""
+
+    def __init__(self, keep: int = 32, callers: int = 1024):
+        self.keep, self.callers = keep, callers
+        self._recent: OrderedDict[str, deque[RequestStats]] = OrderedDict()  # by caller, least recently active first
         self._lock = threading.Lock()
 
     def begin(self) -> RequestStats:
         stats = RequestStats()
         with self._lock:
-            self._recent.append(stats)
+            self._recent.setdefault(stats.caller, deque(maxlen=self.keep)).append(stats)
+            self._recent.move_to_end(stats.caller)
+            while len(self._recent) > self.callers:
+                self._recent.popitem(last=False)
         return stats
 
-    def summary(self) -> dict:
-        """The last finished request's speeds (MLC's /stats)."""
+    def _done(self) -> list[RequestStats]:
+        """The current caller's finished recent requests."""
         with self._lock:
-            done = [stats for stats in self._recent if stats.completion_tokens]
+            return [stats for stats in self._recent.get(CALLER.get(), ()) if stats.completion_tokens]
+
+    def summary(self) -> dict:
+        """The caller's last finished request's speeds (MLC's /stats)."""
+        done = self._done()
         last = done[-1] if done else RequestStats()
         return {"prefill_tokens_per_s": round(last.prefill_tokens_per_s, 3),
                 "decode_tokens_per_s": round(last.decode_tokens_per_s, 3)}
 
     def verbose(self) -> dict:
-        """Totals over the recent requests, and the last one's detail (MLC's /verbose_stats)."""
-        with self._lock:
-            done = [stats for stats in self._recent if stats.completion_tokens]
+        """Totals over the caller's recent requests, and the last one's detail (MLC's /verbose_stats)."""
+        done = self._done()
         prompt = sum(stats.prompt_tokens for stats in done)
         completion = sum(stats.completion_tokens for stats in done)
         prefill = sum(stats.prefill_seconds for stats in done)

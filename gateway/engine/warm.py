@@ -7,9 +7,15 @@ regenerate) sends only its new tokens instead of recomputing the whole history o
 
 Reuse never crosses keys: a key is the model, the client (its API key, or its address when the gateway has none:
 access.client_id) and the `cache_salt` a client may give, so no client is ever answered from another's cache, and
-none can learn another's prompts by timing. Within a key, the longest common prefix of token ids wins; the servers
-rewind to it (a step at an earlier position overwrites the rest), so a history edited in the middle or a divergent
-branch is computed again from where it differs, never answered from the wrong prefix.
+none can learn another's prompts by timing. An address is everyone behind one NAT or proxy, though: where it is all
+that names a client (no API keys), only requests that gave a cache_salt, a secret they hold, keep or reuse anything
+(`salt_only`), unless KEYLESS_SHARING says those behind an address are one user.
+
+Within a key, the longest common prefix of token ids wins, cut to whole pages of the servers' caches (PAGE_TOKENS):
+what a request is told it reused (`cached_tokens` in every API's usage, and the prompt tokens it says it computed)
+tells only to a page how much of it matched. The servers rewind to it (a step at an earlier position overwrites the
+rest), so a history edited in the middle or a divergent branch is computed again from where it differs, never
+answered from the wrong prefix.
 
 A session that continues a parked one whole (or but for a few tokens) is taken (it leaves the pool); one that
 shares only part of it forks it (the servers share the prefix's pages copy-on-write), leaving the parked conversation whole for its own
@@ -68,8 +74,10 @@ def shared_prefix(tokens: list[int], prompt: list[int]) -> int:
 
 
 class WarmConversations:
-    def __init__(self, max_sessions: int, max_per_client: int):
+    def __init__(self, max_sessions: int, max_per_client: int, salt_only: bool = False):
+        """`salt_only`: keep and reuse only the conversations of requests that gave a cache_salt (see above)."""
         self.max_sessions, self.max_per_client = max_sessions, max_per_client or max_sessions
+        self.salt_only = salt_only
         self._parked: OrderedDict[int, tuple[WarmKey, object]] = OrderedDict()  # id(session) -> ..., oldest first
         self._forking: Counter[int] = Counter()  # parked sessions being forked now
         self._pinned: dict[int, tuple[WarmKey, object]] = {}  # saved states (saved_states.py): only ever forked
@@ -80,13 +88,16 @@ class WarmConversations:
 
     def take(self, key: WarmKey, prompt: list[int], max_length: int) -> Optional[Reuse]:
         """A session for `prompt` (the whole request to fit in `max_length`) continuing the parked session of `key`
-        that shares the longest prefix with it (at least MIN_SHARED_TOKENS), or None."""
+        that shares the longest prefix with it (at least MIN_SHARED_TOKENS), cut to whole pages, or None."""
+        if not self._keeps(key):
+            return None
         with self._lock:
             found = self._best(key, prompt, max_length)
             if found is None:
                 return None
-            session, cached = found
-            short_tail = len(session.history) - cached <= SHORT_TAIL_TOKENS
+            session, shared = found
+            cached = shared - shared % PAGE_TOKENS
+            short_tail = len(session.history) - shared <= SHORT_TAIL_TOKENS
             if short_tail and not self._forking[id(session)] and id(session) not in self._pinned:
                 del self._parked[id(session)]  # it continues the conversation (near enough) whole: the request takes it
                 forget_after(session, cached)
@@ -114,7 +125,7 @@ class WarmConversations:
 
     def park(self, key: WarmKey, session) -> None:
         """Keep `session` for a later request of `key`; the least recently parked give way past the caps."""
-        if self.max_sessions <= 0 or session.closed or not session.history:
+        if self.max_sessions <= 0 or not self._keeps(key) or session.closed or not session.history:
             session.close()
             return
         try:
@@ -131,6 +142,9 @@ class WarmConversations:
                 evicted.append(self._parked.popitem(last=False)[1][1])
         for parked in evicted:
             parked.close()
+
+    def _keeps(self, key: WarmKey) -> bool:
+        return bool(key.salt) or not self.salt_only
 
     def pin(self, key: WarmKey, session) -> None:
         """Keep `session` for requests of `key` until unpinned: a saved state, which they only ever fork."""

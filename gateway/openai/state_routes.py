@@ -15,12 +15,13 @@ from flask import Blueprint, jsonify
 from gateway.chat.prompts import render_chat
 from gateway.errors import BadRequest
 from gateway.openai.schemas import SaveStateRequest
-from gateway.web.access import client_id
+from gateway.web.access import caller_state_guard, client_id
 from gateway.web.bodies import json_body
 from gateway.web.current_engine import get_engine
 from gateway.web.limits import check_input_tokens
 
 blueprint = Blueprint("openai_states", __name__)  # "openai...": its errors take OpenAI's envelope
+blueprint.before_request(caller_state_guard("saved states"))  # without keys: KEYLESS_SHARING
 
 
 @blueprint.post("/states")

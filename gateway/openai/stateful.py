@@ -23,12 +23,14 @@ from gateway.chat.schemas import ChatMessage
 from gateway.openai import format as wire
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.openai.translate import plan_chat
-from gateway.web.access import client_id
+from gateway.web.access import caller_state_guard, client_id
 from gateway.web.bodies import json_body, load_json
 from gateway.web.current_engine import get_engine
 from gateway.web.sse import event_stream
 
 blueprint = Blueprint("openai_mlc_chat", __name__)  # "openai...": its errors take OpenAI's envelope (routes.speaks)
+# without API keys, only where KEYLESS_SHARING says everyone behind an address is one user (web/access.py)
+blueprint.before_request(caller_state_guard("stateful conversations (MLC's /chat/completions, /chat/reset)"))
 MAX_CONVERSATIONS = 1024
 
 

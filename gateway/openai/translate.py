@@ -16,7 +16,7 @@ from gateway.engine.served import ServedModel
 from gateway.engine.saved_states import SavedState
 from gateway.errors import BadRequest
 from gateway.openai.schemas import ChatCompletionRequest
-from gateway.web.access import client_id
+from gateway.web.access import check_caller_state, client_id
 
 
 def plan_chat(engine: Engine, fields: ChatCompletionRequest, logprobs=None) -> Plan:
@@ -37,6 +37,7 @@ def plan_chat(engine: Engine, fields: ChatCompletionRequest, logprobs=None) -> P
 
 def saved_state(engine: Engine, model: ServedModel, name: str, chat: bool) -> SavedState:
     """The client's saved state named by a request's `state` field, for this model and this kind of request."""
+    check_caller_state("saved states", field="state")
     state = engine.saved_state(client_id(), name)
     if state.key.model != model.name:
         raise BadRequest(f"state: {name!r} was saved for model {state.key.model}, not {model.name}", field="state")

@@ -9,18 +9,23 @@
   Origin (not browsers) are let through, and the keys guard them.
 - A caller is its API key when keys are configured (a fingerprint, never the key itself), else its address;
   the per-client limits (web/limits.py, engine/sessions.py) count by that. Behind reverse proxies, TRUSTED_PROXIES says
-  how many X-Forwarded-For hops to believe for the address.
+  how many X-Forwarded-For hops to believe for the address. /stats and /verbose_stats show a caller its own requests.
+- An address is everyone behind one NAT or proxy: without keys, what the gateway would keep for a caller between
+  requests (MLC's stateful conversations, saved states) is refused (`caller_state_guard`) unless KEYLESS_SHARING
+  says those callers are one trusted user; the warm prefixes follow the same setting (engine/warm.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Callable
 
-from flask import Flask, g, request
+from flask import Flask, current_app, g, request
 
 from config import AccessSettings
-from gateway.errors import Forbidden, Unauthorized
+from gateway.engine.stats import CALLER
+from gateway.errors import Forbidden, KeylessSharingOff, Unauthorized
 
 # /api/version: Ollama's clients ask it first to find the server (with no key), and it tells nothing else
 OPEN_PREFIXES = ("/health", "/static/", "/docs", "/api-docs", "/openapi.json", "/api/version")
@@ -35,6 +40,8 @@ def is_open(path: str) -> bool:
 def install(app: Flask, access: AccessSettings) -> None:
     from flask_cors import CORS
 
+    app.extensions["access"] = access
+
     if access.trusted_proxies:
         from werkzeug.middleware.proxy_fix import ProxyFix
 
@@ -47,12 +54,12 @@ def install(app: Flask, access: AccessSettings) -> None:
 
     @app.before_request
     def check_caller():
-        if request.method == "OPTIONS" or is_open(request.path):
-            return
-        if _is_websocket_handshake():
-            check_origin(origins)
-        if keys:
-            g.client = "key:" + _fingerprint(check_key(keys))
+        if request.method != "OPTIONS" and not is_open(request.path):
+            if _is_websocket_handshake():
+                check_origin(origins)
+            if keys:
+                g.client = "key:" + _fingerprint(check_key(keys))
+        CALLER.set(client_id())  # whose figures this request's stats are (engine/stats.py)
 
 
 def check_key(keys: list[bytes]) -> str:
@@ -76,6 +83,20 @@ def client_id() -> str:
     """Who is calling, for the per-client limits: 'key:<fingerprint>' when keys are configured, else 'ip:<address>'.
     Without configured keys a key proves nothing, so it cannot buy a client a fresh allowance."""
     return g.get("client") or f"ip:{request.remote_addr}"
+
+
+def caller_state_guard(what: str) -> Callable[[], None]:
+    """A blueprint's before_request hook for routes that keep `what` for a caller between requests."""
+    return lambda: check_caller_state(what)
+
+
+def check_caller_state(what: str, field: str | None = None) -> None:
+    """Refuse `what` where a caller is only its address (no API keys) and KEYLESS_SHARING does not say that everyone
+    behind an address is one user: one would continue another's conversation or use their saved states."""
+    if not current_app.extensions["access"].keeps_caller_state:
+        raise KeylessSharingOff(f"{what} are off: this gateway has no API keys, so everyone behind one address would "
+                                "share them; configure API_KEYS, or set KEYLESS_SHARING=1 if everyone who can reach "
+                                "the gateway is one trusted user", field=field)
 
 
 def _presented_key() -> str | None:

@@ -1,7 +1,7 @@
 """Conversations kept on the servers (gateway/engine/warm.py), through real gunicorn and the official clients: a
 request continuing an earlier one computes only its new tokens, reports what it reused, and answers exactly as a
-recomputation would; reuse never crosses clients or salts, and a history edited in the middle is computed again
-from where it differs."""
+recomputation would; reuse goes by whole cache pages, never crosses clients or salts, and a history edited in the
+middle is computed again from where it differs."""
 
 import json
 import re
@@ -16,6 +16,7 @@ import transformers
 from gunicorn_gateway import running_gateway
 from shared_gateways import STRICT_KEYS
 from shared_swarm import TINY_PREFIX
+from swarm.protocol import PAGE_TOKENS
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers every question in one sentence."}
 
@@ -47,14 +48,19 @@ def local_reply(local, messages, count) -> tuple[str, list[int], list[int]]:
     return tokenizer.decode([token for token in generated if token != tokenizer.eos_token_id]), ids, generated
 
 
+def whole_pages(tokens: int) -> int:
+    return tokens - tokens % PAGE_TOKENS
+
+
 def expected_reuse(earlier_prompt: list[int], earlier_reply: list[int], prompt: list[int]) -> int:
-    """What a request may reuse of the earlier one's session: the servers hold its prompt and its reply but for
-    the last token (sampled, never sent), and the prompt's last token is always sent again. The random tiny model's
-    replies are not valid UTF-8 throughout, so a reply rendered back into a prompt may differ from its tokens."""
+    """What a request may reuse of the earlier one's session, by whole pages: the servers hold its prompt and its
+    reply but for the last token (sampled, never sent), and the prompt's last token is always sent again. The random
+    tiny model's replies are not valid UTF-8 throughout, so a reply rendered back into a prompt may differ from its
+    tokens."""
     held, shared = earlier_prompt + earlier_reply[:-1], 0
     while shared < min(len(held), len(prompt)) and held[shared] == prompt[shared]:
         shared += 1
-    return min(shared, len(prompt) - 1)
+    return whole_pages(min(shared, len(prompt) - 1))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +148,8 @@ def test_anthropic_reports_what_it_read_from_the_cache_and_accepts_cache_control
                                     extra_body={"temperature": 0})
     expected, prompt_length = local_greedy(local, [SYSTEM, *messages], 8)
     assert second.content[0].text == expected
-    assert second.usage.cache_read_input_tokens > first.usage.input_tokens - 2
+    assert second.usage.cache_read_input_tokens > first.usage.input_tokens - 2 - PAGE_TOKENS
+    assert second.usage.cache_read_input_tokens % PAGE_TOKENS == 0
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt_length
 
 
@@ -155,7 +162,7 @@ def test_ollama_counts_only_the_prompt_tokens_it_evaluated(reuse_gateway, local)
     second = requests.post(reuse_gateway.url + "/api/chat", json=body, headers=headers, timeout=60).json()
     expected, prompt_length = local_greedy(local, messages, 8)
     assert second["message"]["content"] == expected
-    assert second["prompt_eval_count"] < prompt_length - first["prompt_eval_count"] + 4
+    assert second["prompt_eval_count"] < prompt_length - first["prompt_eval_count"] + 4 + PAGE_TOKENS
 
 
 def test_mlc_chats_stateful_routes_keep_the_conversation_on_the_server(reuse_gateway, local):
@@ -176,7 +183,8 @@ def test_mlc_chats_stateful_routes_keep_the_conversation_on_the_server(reuse_gat
              {"role": "user", "content": "And again?"}]
     expected, prompt_length = local_greedy(local, whole, 8)
     assert text == expected and chunks[-1]["usage"]["prompt_tokens"] == prompt_length
-    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] - 2
+    reused = chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert reused > first["usage"]["prompt_tokens"] - 2 - PAGE_TOKENS
     # another client has a conversation of its own; a reset starts this one over
     other = requests.post(url + "/chat/completions", headers={"Authorization": "Bearer key-a"}, timeout=60,
                           json={**body, "messages": [{"role": "user", "content": "And again?"}]}).json()
@@ -201,10 +209,10 @@ def test_a_saved_state_is_forked_by_every_request_that_starts_with_it(reuse_gate
         expected, prompt_length = local_greedy(local, preamble + messages, 8)
         assert reply.choices[0].message.content == expected and reply.usage.prompt_tokens == prompt_length
         # the state, and past it what the first conversation shares with the second (the user's header)
-        assert saved["tokens"] <= reply.usage.prompt_tokens_details.cached_tokens < saved["tokens"] + 8
+        assert whole_pages(saved["tokens"]) <= reply.usage.prompt_tokens_details.cached_tokens < saved["tokens"] + 8
     # the same prefix without naming the state forks it too; another client's never does
     text, usage = chat(client, preamble + [{"role": "user", "content": "Hi."}])
-    assert saved["tokens"] <= usage.prompt_tokens_details.cached_tokens < saved["tokens"] + 8
+    assert whole_pages(saved["tokens"]) <= usage.prompt_tokens_details.cached_tokens < saved["tokens"] + 8
     text, usage = chat(openai_client(reuse_gateway, "key-a"), preamble + [{"role": "user", "content": "Hi."}])
     assert usage.prompt_tokens_details.cached_tokens == 0
     listed = requests.get(url + "/v1/states", headers=headers, timeout=30).json()["data"]
@@ -250,4 +258,4 @@ def test_a_responses_follow_up_continues_the_stored_conversations_caches(reuse_g
                 {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Which is longest?"}]
     expected, prompt_length = local_greedy(local, messages, 8)
     assert follow_up.output_text == expected and follow_up.usage.input_tokens == prompt_length
-    assert follow_up.usage.input_tokens_details.cached_tokens > first.usage.input_tokens - 2
+    assert follow_up.usage.input_tokens_details.cached_tokens > first.usage.input_tokens - 2 - PAGE_TOKENS

@@ -1,5 +1,6 @@
 """The gateway's pool of warm conversations (gateway/engine/warm.py), with stand-ins for sessions: which parked
-session a prompt continues, that reuse never crosses keys, forks for a partial match, and the caps."""
+session a prompt continues, by whole pages, that reuse never crosses keys (nor requests, where a key is only an
+address and the request gave no salt), forks for a partial match, and the caps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import pytest
 
 from gateway.engine.warm import MIN_SHARED_TOKENS, WarmConversations, WarmKey, shared_prefix
+from swarm.protocol import PAGE_TOKENS
 
 
 class FakeInference:
@@ -36,7 +38,7 @@ class FakeSession:
 
 
 A, B = WarmKey("tiny", "key:a"), WarmKey("tiny", "key:b")
-CONVERSATION = list(range(100, 160))  # 60 tokens
+CONVERSATION = list(range(100, 160))  # 60 tokens: 3 whole pages (48) and 12 more
 
 
 def test_shared_prefix():
@@ -48,7 +50,7 @@ def test_a_prompt_continuing_a_conversation_takes_it_whole_cut_to_the_shared_par
     pool.park(A, session)
     assert session.inference.parked == 1 and len(pool) == 1
     reuse = pool.take(A, CONVERSATION + [7, 8], max_length=100)
-    assert reuse.session is session and reuse.cached == 60 and session.history == CONVERSATION
+    assert reuse.session is session and reuse.cached == 48 and session.history == CONVERSATION[:48]
     assert session.pending == [] and len(pool) == 0  # the request's now: nobody else takes it meanwhile
 
 
@@ -57,15 +59,36 @@ def test_a_prompt_leaving_a_short_tail_takes_the_conversation_and_rewinds_it():
     pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
     reuse = pool.take(A, CONVERSATION[:-3] + [1, 2], max_length=100)
-    assert reuse.session is session and reuse.cached == 57 and session.history == CONVERSATION[:57]
+    assert reuse.session is session and reuse.cached == 48 and session.history == CONVERSATION[:48]
     assert session.inference.forks == [] and len(pool) == 0
 
 
 def test_the_prompts_last_token_is_always_computed_again():
     pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
     pool.park(A, session)
-    reuse = pool.take(A, CONVERSATION[:30], max_length=100)  # a regenerate of an earlier point: a fork
-    assert reuse.cached == 29 and reuse.session is not session and session.inference.forks == [29]
+    reuse = pool.take(A, CONVERSATION[:33], max_length=100)  # a regenerate of an earlier point: a fork
+    assert reuse.cached == 32 and reuse.session is not session and session.inference.forks == [32]
+
+
+@pytest.mark.parametrize("shared", [PAGE_TOKENS, 2 * PAGE_TOKENS - 1, 3 * PAGE_TOKENS + 5])
+def test_reuse_goes_by_whole_pages(shared):
+    """What a request reuses, and is told it reused, says only to a page how much of its prompt matched."""
+    pool, session = WarmConversations(8, 4), FakeSession(CONVERSATION)
+    pool.park(A, session)
+    reuse = pool.take(A, CONVERSATION[:shared] + [1, 2], max_length=100)
+    assert reuse.cached == shared - shared % PAGE_TOKENS and reuse.session.history == CONVERSATION[:reuse.cached]
+
+
+def test_where_a_key_is_only_an_address_only_a_salted_request_is_kept_and_reused():
+    pool = WarmConversations(8, 4, salt_only=True)
+    address, salted = WarmKey("tiny", "ip:10.0.0.1"), WarmKey("tiny", "ip:10.0.0.1", salt="secret")
+    unsalted_session, salted_session = FakeSession(CONVERSATION), FakeSession(CONVERSATION)
+    pool.park(address, unsalted_session)
+    assert unsalted_session.closed and len(pool) == 0  # nobody may continue it: closed at once
+    assert pool.take(address, CONVERSATION + [1], max_length=100) is None
+    pool.park(salted, salted_session)
+    assert pool.take(address, CONVERSATION + [1], max_length=100) is None
+    assert pool.take(salted, CONVERSATION + [1], max_length=100).session is salted_session
 
 
 def test_reuse_never_crosses_keys_models_or_salts():
@@ -91,7 +114,7 @@ def test_a_divergent_prompt_forks_leaving_the_parked_conversation_whole():
     pool.park(A, session)
     divergent = CONVERSATION[:25] + [1, 2, 3]
     reuse = pool.take(A, divergent, max_length=100)
-    assert reuse.cached == 25 and reuse.session.history == CONVERSATION[:25] and session.inference.forks == [25]
+    assert reuse.cached == 16 and reuse.session.history == CONVERSATION[:16] and session.inference.forks == [16]
     assert session.history == CONVERSATION and len(pool) == 1  # still there for its own next turn
 
 

@@ -1,0 +1,103 @@
+"""Who a caller is without API keys (issue 32, item 9): an address is everyone behind one NAT or proxy, so unless
+KEYLESS_SHARING says they are one user, nothing kept for a caller between requests is shared among them: MLC's
+stateful conversations and saved states are refused naming the setting, and a request reuses no warm prefix that
+another request left (only its own cache_salt buys reuse). Reuse goes by whole cache pages, and /stats shows a
+caller its own requests only. Through the app's test client over the tiny model run in process."""
+
+import pytest
+
+from config import AccessSettings, GatewaySettings, ModelConfig, Settings, SwarmSettings
+from gateway import create_app
+from gateway.engine.generation import Engine
+from swarm.protocol import PAGE_TOKENS
+from local_remote import LocalRemote
+
+SYSTEM = {"role": "system", "content": "You are the assistant of Ada; her password is swordfish, never tell it."}
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_llama):
+    return LocalRemote(tiny_llama)
+
+
+def app_with(access: AccessSettings, tiny_llama, remote, tmp_path):
+    gateway = GatewaySettings(models=(ModelConfig("tiny", str(tiny_llama), max_session_length=512),), access=access)
+    settings = Settings(swarm=SwarmSettings(cache_dir=tmp_path), gateway=gateway)
+    return create_app(settings, Engine(settings, connect=lambda config: remote)).test_client()
+
+
+def chat(client, messages, key=None, **fields):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    reply = client.post("/v1/chat/completions", headers=headers,
+                        json={"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0, **fields})
+    assert reply.status_code == 200, reply.get_json()
+    return reply.get_json()["usage"]
+
+
+def cached(usage) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_without_keys_stateful_chat_and_saved_states_are_refused_naming_the_setting(tiny_llama, remote, tmp_path):
+    client = app_with(AccessSettings(), tiny_llama, remote, tmp_path)
+    messages = [{"role": "user", "content": "Hi"}]
+    refused = [client.post("/chat/completions", json={"model": "tiny", "messages": messages}),
+               client.get("/chat/reset"),
+               client.post("/v1/states", json={"name": "s", "messages": messages}),
+               client.get("/v1/states"), client.get("/api/oai/v1/states"),
+               client.delete("/v1/states/s"),
+               client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "state": "s"})]
+    for reply in refused:
+        error = reply.get_json()["error"]
+        assert reply.status_code == 403 and error["code"] == "keyless_sharing_off", reply.get_json()
+        assert "KEYLESS_SHARING" in error["message"] and "API_KEYS" in error["message"]
+    assert refused[-1].get_json()["error"]["param"] == "state"
+
+
+@pytest.mark.parametrize("access", [AccessSettings(keyless_sharing=True), AccessSettings(api_keys=("k1",))])
+def test_with_keys_or_keyless_sharing_the_stateful_routes_answer(access, tiny_llama, remote, tmp_path):
+    client = app_with(access, tiny_llama, remote, tmp_path)
+    headers = {"Authorization": "Bearer k1"}
+    assert client.get("/v1/states", headers=headers).get_json() == {"object": "list", "data": []}
+    assert client.get("/chat/reset", headers=headers).status_code == 200
+
+
+def test_without_keys_a_request_never_reuses_a_prefix_another_request_left(tiny_llama, remote, tmp_path):
+    """Two people behind one address: the second one's prompt starts with the first one's system prompt, and learns
+    nothing of it from cached_tokens (nor from timing: it is computed whole)."""
+    client = app_with(AccessSettings(), tiny_llama, remote, tmp_path)
+    chat(client, [SYSTEM, {"role": "user", "content": "What is my password?"}])
+    guess = [SYSTEM, {"role": "user", "content": "Hello, who are you?"}]
+    assert cached(chat(client, guess)) == 0
+    assert cached(chat(client, guess)) == 0  # nor its own earlier request: nothing was kept
+    # a cache_salt is a secret the client holds: its own requests giving it continue each other
+    chat(client, guess, cache_salt="a secret of mine")
+    assert cached(chat(client, guess, cache_salt="a secret of mine")) > 0
+    assert cached(chat(client, guess, cache_salt="another")) == 0
+
+
+def test_with_keyless_sharing_requests_reuse_each_others_prefixes_by_whole_pages(tiny_llama, remote, tmp_path):
+    client = app_with(AccessSettings(keyless_sharing=True), tiny_llama, remote, tmp_path)
+    first = chat(client, [SYSTEM, {"role": "user", "content": "What is my password?"}])
+    assert cached(first) == 0
+    usage = chat(client, [SYSTEM, {"role": "user", "content": "Hello, who are you?"}])
+    # the shared prefix is the system prompt and a little more, never a whole number of pages by itself
+    assert cached(usage) > 0 and cached(usage) % PAGE_TOKENS == 0
+
+
+def test_stats_show_a_caller_its_own_requests_only(tiny_llama, remote, tmp_path):
+    client = app_with(AccessSettings(api_keys=("k1", "k2")), tiny_llama, remote, tmp_path)
+    chat(client, [{"role": "user", "content": "Hi"}], key="k1")
+    mine = client.get("/verbose_stats", headers={"Authorization": "Bearer k1"}).get_json()
+    assert mine["requests"] == 1 and mine["prompt_tokens"] > 0
+    theirs = client.get("/verbose_stats", headers={"Authorization": "Bearer k2"}).get_json()
+    assert theirs["requests"] == 0 and theirs["prompt_tokens"] == 0
+    assert client.get("/stats", headers={"Authorization": "Bearer k2"}).get_json() == {
+        "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0}
+    assert client.get("/stats", headers={"Authorization": "Bearer k1"}).get_json()["decode_tokens_per_s"] > 0
+
+
+def test_keyless_sharing_is_off_unless_the_environment_turns_it_on():
+    assert not AccessSettings.from_env({}).keyless_sharing and not AccessSettings.from_env({}).keeps_caller_state
+    assert AccessSettings.from_env({"KEYLESS_SHARING": "1"}).keeps_caller_state
+    assert AccessSettings.from_env({"API_KEYS": "k1"}).keeps_caller_state
