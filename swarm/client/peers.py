@@ -6,35 +6,68 @@ import threading
 import time
 from typing import Optional
 
+# a restart lifts the ban of a peer with at most this many strikes (if it answers a probe): a server that failed
+# once or twice and restarted is back at once; one that keeps failing waits out its bans
+PARDONABLE_STRIKES = 2
+
 
 class Bans:
-    """Peers left out of routing for a while. A failure (dead, stalled, cut off) bans a peer for a time that
-    doubles on each repeat, and routing still falls back on it when no other server holds its blocks; a peer
-    caught answering wrong is distrusted: never routed to until its ban ends."""
+    """Peers left out of routing for a while. A failure (dead, stalled, cut off) is a strike, and bans a peer for
+    a time that doubles with its strikes; routing still falls back on it when no other server holds its blocks. A
+    peer caught answering wrong is distrusted: never routed to until its ban ends.
 
-    def __init__(self, base_seconds: float = 30.0, max_seconds: float = 600.0):
+    Strikes fade with time only (one per `decay_seconds` without a failure), never with a restart: a restart is
+    the peer's own word (a newer `started` in its record), which a peer may announce whenever it likes, and a
+    stalling one did after each ban. A restart earns a banned peer one probe (`may_retry`), which lifts the ban if
+    it answers (`pardon`), while the peer has at most `pardonable` strikes; its strikes stay, so that each new
+    failure bans it longer."""
+
+    def __init__(self, base_seconds: float = 30.0, max_seconds: float = 600.0,
+                 decay_seconds: Optional[float] = None, pardonable: int = PARDONABLE_STRIKES):
         self.base, self.max = base_seconds, max_seconds
+        self.decay = max_seconds if decay_seconds is None else decay_seconds
+        self.pardonable = pardonable
         self._until: dict[str, float] = {}
         self._distrusted_until: dict[str, float] = {}
-        self._strikes: dict[str, int] = {}
+        self._strikes: dict[str, tuple[int, float]] = {}  # peer -> (strikes, when the last one was struck)
+        self._retried: set[str] = set()  # peers probed for a restart since their last strike
         self._lock = threading.Lock()
 
     def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False) -> None:
         """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened."""
         with self._lock:
-            strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            now = time.monotonic()
+            strikes = self._live_strikes(peer_id, now) + 1
+            self._strikes[peer_id] = (strikes, now)
+            self._retried.discard(peer_id)
             seconds = min(self.base * 2 ** (strikes - 1), self.max) if seconds is None else seconds
             for bans in (self._until, self._distrusted_until) if distrust else (self._until,):
-                bans[peer_id] = max(bans.get(peer_id, 0.0), time.monotonic() + seconds)
+                bans[peer_id] = max(bans.get(peer_id, 0.0), now + seconds)
 
-    def lift(self, peer_id: str) -> None:
-        """The peer restarted (its record shows a newer start): what it failed before says nothing of it now. A
-        distrusted peer (caught answering wrong) stays distrusted: its operator is the same."""
+    def strikes(self, peer_id: str) -> int:
+        """The peer's failures that still count (those not faded with time)."""
         with self._lock:
-            if self._distrusted_until.get(peer_id, 0.0) > time.monotonic():
-                return
-            self._until.pop(peer_id, None)
-            self._strikes.pop(peer_id, None)
+            return self._live_strikes(peer_id, time.monotonic())
+
+    def may_retry(self, peer_id: str) -> bool:
+        """The peer restarted: whether it earns a probe that lifts its ban if answered (see `pardon`). Only a peer
+        banned now for failures (not distrusted), with at most `pardonable` strikes, and once per ban: announcing
+        more restarts earns nothing more."""
+        with self._lock:
+            now = time.monotonic()
+            if self._until.get(peer_id, 0.0) <= now or self._distrusted_until.get(peer_id, 0.0) > now:
+                return False
+            if peer_id in self._retried or self._live_strikes(peer_id, now) > self.pardonable:
+                return False
+            self._retried.add(peer_id)
+            return True
+
+    def pardon(self, peer_id: str) -> None:
+        """A restarted peer answered the probe its restart earned: its failure ban ends, its strikes stay (a
+        distrusted peer stays distrusted: its operator is the same)."""
+        with self._lock:
+            if self._distrusted_until.get(peer_id, 0.0) <= time.monotonic():
+                self._until.pop(peer_id, None)
 
     def current(self) -> set[str]:
         return self._live(self._until)
@@ -46,6 +79,11 @@ class Bans:
         now = time.monotonic()
         with self._lock:
             return {peer for peer, until in bans.items() if until > now}
+
+    def _live_strikes(self, peer_id: str, now: float) -> int:
+        """Strikes less one per `decay` seconds since the last (the caller holds the lock)."""
+        strikes, last = self._strikes.get(peer_id, (0, now))
+        return max(strikes - int((now - last) / self.decay), 0) if self.decay > 0 else 0
 
 
 class PeerLoad:
@@ -76,12 +114,6 @@ class PeerLoad:
         """A call that costs the server next to nothing (rpc_info) took `seconds` there and back."""
         with self._lock:
             self.rtt[peer_id] = _average(self.rtt.get(peer_id), seconds)
-
-    def forget(self, peer_id: str) -> None:
-        """What was measured of a server that left: it may come back elsewhere, or faster."""
-        with self._lock:
-            self.rtt.pop(peer_id, None)
-            self.latency.pop(peer_id, None)
 
     def factors(self) -> dict[str, float]:
         """Multipliers of each server's estimated time: each session this client has there weighs."""

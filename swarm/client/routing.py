@@ -1,8 +1,10 @@
-"""Pure choices over what servers announced: which chain of servers serves a session."""
+"""Pure choices over what servers announced: which chain of servers serves a session, and which LoRA adapters
+of a model a client names."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional
 
@@ -17,6 +19,8 @@ class ChainLink:
     start: int
     end: int
 
+
+MAX_ADAPTERS_PER_MODEL = 32  # LoRA adapters of one model a client names (lists, serves), the best announced first
 
 # the round trip assumed of a server not measured yet, while no server is: a hop is never free (on loopback it
 # costs about a millisecond; across the internet 20-150 ms)
@@ -168,3 +172,14 @@ def longest_session(servers: Iterable[RemoteServer], num_blocks: int) -> Optiona
         for index in range(server.info.start, min(server.info.end, num_blocks)):
             best[index] = tokens if best[index] is None else max(best[index], tokens)
     return None if not best or None in best else min(best)
+
+
+def announced_adapters(servers: Iterable[RemoteServer], most: int = MAX_ADAPTERS_PER_MODEL) -> list[str]:
+    """The LoRA adapters `servers` announce, at most `most`: those with the most votes first, each server's record
+    weighing one vote in all, shared among the adapters it names (a record naming 256 adapters gives each 1/256:
+    a peer cannot crowd out the adapters of servers that name a few by naming many); on a tie, by name."""
+    votes: Counter[str] = Counter()
+    for server in servers:
+        for adapter in server.info.adapters:
+            votes[adapter] += 1 / len(server.info.adapters)
+    return sorted(votes, key=lambda adapter: (-round(votes[adapter], 9), adapter))[:most]

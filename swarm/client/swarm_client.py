@@ -18,7 +18,7 @@ from swarm import dht
 from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.probes import RoundTripProbes
-from swarm.client.routing import ChainLink, choose_chain, longest_session
+from swarm.client.routing import MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
 from swarm.client.forwards import forward_on
@@ -117,21 +117,33 @@ class SwarmClient:
         return [server for server in servers if adapter is None or adapter in server.info.adapters]
 
     def adapters(self, prefix: str, num_blocks: int) -> set[str]:
-        """The LoRA adapters of a model that some online server announces."""
-        return {adapter for server in self.servers(prefix, num_blocks) for adapter in server.info.adapters}
+        """The LoRA adapters of a model that online servers announce (at most MAX_ADAPTERS_PER_MODEL: see
+        adapter_coverage)."""
+        return set(self.adapter_coverage(prefix, num_blocks))
+
+    def adapter_coverage(self, prefix: str, num_blocks: int) -> dict[str, Coverage]:
+        """The LoRA adapters of a model that online servers announce, each with its coverage, from one lookup of
+        the model's servers: at most MAX_ADAPTERS_PER_MODEL of them, as routing.announced_adapters ranks them
+        (any peer may announce hundreds of names: a model's list, and what each name costs, stay bounded)."""
+        servers = self.servers(prefix, num_blocks)
+        coverage = {}
+        for adapter in announced_adapters(servers, MAX_ADAPTERS_PER_MODEL):
+            holders = [server for server in servers if adapter in server.info.adapters]
+            coverage[adapter] = Coverage(num_blocks, len(holders), missing_ranges(holders, num_blocks))
+        return coverage
 
     def _note_restarts(self, servers: list[RemoteServer]) -> None:
-        """A server whose record shows a newer start than before has restarted (same identity, maybe another
-        address): its ban is lifted and what was measured of it forgotten, so that routing uses it again."""
+        """A server whose record shows a newer start than before says it restarted (same identity, maybe another
+        address). Any peer may say so as often as it likes: a banned one earns one probe for it, which lifts its
+        ban if answered (Bans.may_retry); its strikes, and what was measured of it, stay."""
         for server in servers:
             started, previous = server.info.started, self._starts.get(server.peer_id)
             if started is None:
                 continue
             self._starts[server.peer_id] = started
-            if previous is not None and started > previous:
-                logger.info("server %s restarted: routing may use it again", server.peer_id)
-                self.bans.lift(server.peer_id)
-                self.load.forget(server.peer_id)
+            if previous is not None and started > previous and self.bans.may_retry(server.peer_id):
+                logger.info("server %s restarted: probing it once, routing may use it again", server.peer_id)
+                self.probes.retry(server.peer_id)
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,

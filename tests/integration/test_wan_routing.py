@@ -1,7 +1,8 @@
 """Routing over a (simulated) wide-area network, with real servers: two replicas of the whole tiny model, one
 near (no added latency) and one far (--simulated-latency 200). The client measures both round trips and routes
 to the near one; killed (kill -9), the near one leaves routing within PROBE_PERIOD + PROBE_TIMEOUT, long before
-its record expires; restarted with the same identity, it is used again at once, however long its ban; and a
+its record expires; restarted with the same identity after a failure or two, it is used again at once, however
+long its ban (the restart earns it a probe, which it answers: Bans.may_retry); and a
 session whose server leaves (SIGTERM) goes on elsewhere within a step's timeout. The tests run in order."""
 
 import signal
@@ -84,7 +85,7 @@ def test_a_killed_server_leaves_routing_before_its_record_expires(router, replic
 
 def test_a_server_restarted_with_its_identity_is_used_again_at_once(router, replicas, tiny_swarm, identity):
     old = replicas["near"]
-    router.bans.ban(old.peer_id, seconds=600)  # as after repeated failures: the longest ban there is
+    router.bans.ban(old.peer_id, seconds=600)  # its second strike (the probe it failed was the first), a long ban
     restarted = replicas["near"] = _start(tiny_swarm, "--identity", identity)
     _ready(restarted)
     assert restarted.peer_id == old.peer_id
