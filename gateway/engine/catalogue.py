@@ -8,8 +8,11 @@ count differs from that folder's config is ignored. Listing the models and their
 configs and the DHT, never any weights.
 
 Adapted: "model:adapter" names a served model through a LoRA adapter that the model's servers announce
-(python -m swarm.server --adapters); it shares the model's client half, and its sessions run only on servers
-holding the adapter. Each served model lists its adapters, each with the model as its parent.
+(python -m swarm.server --adapters); it shares the model's client half (and its grammars and draft model), and
+its sessions run only on servers holding the adapter. Each served model lists its adapters, each with the model
+as its parent. Any peer may announce hundreds of adapter names: the swarm client names a bounded number of a
+model's adapters (SwarmClient.adapter_coverage), with their coverage from one lookup, asked again every few
+seconds.
 
 Loaded: a model's client half (embeddings, LM head, tokenizer) is loaded by the first request that uses it,
 under a lock of its own (a model loading holds up no request for another), and at most `max_loaded_models`
@@ -33,6 +36,7 @@ from gateway.errors import NotFound, from_exception
 from swarm.protocol import ModelRecord, dht_prefix
 
 ADAPTER_SEPARATOR = ":"  # "model:adapter"
+ADAPTER_VIEWS = 256  # "model:adapter" views of loaded models kept (a request for another one makes it again)
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +94,12 @@ class ServedModels:
         self._loaded: OrderedDict[str, ServedModel] = OrderedDict()  # least recently used first
         self._shapes: dict[str, Shape] = {}  # of every model loaded once: listing never loads it again
         self._connecting: dict[str, threading.Lock] = {}  # one per served model: it loads once at a time
-        self._lock = threading.Lock()  # guards the three dicts; held for no load, no network call
+        self._lock = threading.Lock()  # guards these dicts and _adapted; held for no load, no network call
         self._catalogue: tuple[float, list[Discovered]] = (-math.inf, [])
         self._catalogue_lock = threading.Lock()  # one thread asks the DHT; the others use the last answer
-        self._adapters: dict[str, tuple[float, frozenset]] = {}  # model -> (when asked, the adapters announced)
-        self._adapted: dict[str, ServedModel] = {}  # "model:adapter" -> its view of the loaded model
+        self._adapters: dict[str, tuple[float, dict]] = {}  # model -> (when asked, {adapter: its Coverage})
+        # "model:adapter" -> its view of the loaded model, the least recently used first
+        self._adapted: OrderedDict[str, ServedModel] = OrderedDict()
 
     # ------------------------------------------------------------------------------- what is served
 
@@ -122,14 +127,18 @@ class ServedModels:
 
     def adapters(self, name: str) -> frozenset:
         """The LoRA adapters that the servers of a served model announce (asked again every few seconds)."""
-        asked_at, announced = self._adapters.get(name, (-math.inf, frozenset()))
+        return frozenset(self._adapter_coverage(name))
+
+    def _adapter_coverage(self, name: str) -> dict:
+        """{adapter: its swarm.client.Coverage} of a served model's adapters, asked again every few seconds."""
+        asked_at, announced = self._adapters.get(name, (-math.inf, {}))
         if time.monotonic() - asked_at >= CATALOGUE_SECONDS:
             shape = self.shape(name)
             try:
-                announced = frozenset(self._client_of(name).adapters(shape.prefix, shape.num_blocks))
+                announced = self._client_of(name).adapter_coverage(shape.prefix, shape.num_blocks)
             except Exception:  # servers unreachable now: no adapter is served until they answer
                 logger.debug("could not ask the swarm for the adapters of %s", name, exc_info=True)
-                announced = frozenset()
+                announced = {}
             self._adapters[name] = (time.monotonic(), announced)
         return announced
 
@@ -225,8 +234,12 @@ class ServedModels:
     def _adapted_model(self, config: ModelConfig, base: ServedModel, adapter: str) -> ServedModel:
         with self._lock:
             adapted = self._adapted.get(config.name)
-            if adapted is None or adapted.remote.client_modules is not base.remote.client_modules:  # base reloaded
-                adapted = self._adapted[config.name] = ServedModel(config, base.remote.with_adapter(adapter))
+            if adapted is None or adapted.parent is not base:  # base reloaded
+                adapted = ServedModel(config, base.remote.with_adapter(adapter), parent=base)
+            self._adapted[config.name] = adapted
+            self._adapted.move_to_end(config.name)
+            while len(self._adapted) > ADAPTER_VIEWS:
+                self._adapted.popitem(last=False)  # a view: its sessions keep it, a request makes it again
             return adapted
 
     def _evict(self) -> None:
@@ -275,15 +288,11 @@ class ServedModels:
     def _listed_adapters(self, parent: dict) -> list[dict]:
         """The adapters of a listed model that its servers cover (every block held by a server with it)."""
         listed = []
-        for adapter in sorted(self.adapters(parent["name"])):
-            name = f"{parent['name']}{ADAPTER_SEPARATOR}{adapter}"
-            entry = {**parent, "name": name, "parent": parent["name"], "adapter": adapter}
-            try:
-                entry.update(self.coverage(name))
-            except Exception as error:
-                entry.update(covered=False, error=from_exception(error).message)
-            if entry["covered"]:
-                listed.append(entry)
+        for adapter, coverage in sorted(self._adapter_coverage(parent["name"]).items()):
+            if coverage.covered:
+                name = f"{parent['name']}{ADAPTER_SEPARATOR}{adapter}"
+                listed.append({**parent, "name": name, "parent": parent["name"], "adapter": adapter,
+                               **_coverage_fields(coverage)})
         return listed
 
     def _session_length(self, config: ModelConfig) -> int:
@@ -305,9 +314,7 @@ class ServedModels:
         """Whether the swarm now holds every block of the model, and how many servers serve it."""
         shape = self.shape(name)
         adapter = split_adapter(self.config(name).name)[1]  # its servers: those holding the adapter
-        coverage = self._client_of(name).coverage(shape.prefix, shape.num_blocks, adapter)
-        return {"num_blocks": coverage.num_blocks, "servers": coverage.servers, "covered": coverage.covered,
-                "missing_blocks": coverage.missing_blocks}
+        return _coverage_fields(self._client_of(name).coverage(shape.prefix, shape.num_blocks, adapter))
 
     def health(self, name: Optional[str]):
         """The swarm's servers of the model (swarm.client.SwarmHealth)."""
@@ -320,3 +327,9 @@ class ServedModels:
         with self._lock:
             model = self._loaded.get(split_adapter(self.config(name).name)[0]) if name is not None else None
         return model.remote.client if model is not None else self._swarm_client()
+
+
+def _coverage_fields(coverage) -> dict:
+    """A swarm.client.Coverage as a listing shows it."""
+    return {"num_blocks": coverage.num_blocks, "servers": coverage.servers, "covered": coverage.covered,
+            "missing_blocks": coverage.missing_blocks}

@@ -80,8 +80,9 @@ class ReplyDrafts:
 
 
 class DraftModels:
-    """Each served model's draft model, loaded once on first use; a draft model that cannot load is logged once
-    and left out (replies then draft by prompt lookup alone)."""
+    """Each served model's draft model, loaded once on first use, and shared by the model's "model:adapter" views
+    (ServedModel.parent: the draft model guesses tokens, and every view has the model's tokenizer); a draft model
+    that cannot load is logged once and left out (replies then draft by prompt lookup alone)."""
 
     def __init__(self, cache_dir: Path):
         self.cache_dir = Path(cache_dir)
@@ -92,6 +93,7 @@ class DraftModels:
         name = served.configured.draft_model
         if not name:
             return None
+        served = served.parent
         with self._lock:
             if served.name not in self._loaded:
                 self._loaded[served.name] = self._load(name, served)

@@ -22,10 +22,13 @@ UNKNOWN_CONTEXT = 2048  # a model whose config names no context (BLOOM's ALiBi h
 
 
 class ServedModel:
-    """A model the gateway serves: the client half of it (embeddings, LM head, tokenizer) on the swarm."""
+    """A model the gateway serves: the client half of it (embeddings, LM head, tokenizer) on the swarm. A
+    "model:adapter" is a view of its `parent`, the model's: what depends on the tokenizer alone (its grammars, its
+    draft model: see drafts.py) is the parent's, made once however many adapters are asked for."""
 
-    def __init__(self, config: ModelConfig, remote):
+    def __init__(self, config: ModelConfig, remote, parent: Optional["ServedModel"] = None):
         self.configured, self.remote = config, remote  # remote: swarm.client.RemoteModel
+        self.parent = parent or self
         self.tokenizer = remote.tokenizer
         self.stop_ids = remote.stop_token_ids  # the one stop rule (python -m swarm.client.generate's too)
         self._grammars, self._grammars_lock = None, threading.Lock()
@@ -65,6 +68,8 @@ class ServedModel:
 
     def grammars(self):
         """What compiles grammars against this model's tokenizer, built on first use (it takes a moment)."""
+        if self.parent is not self:
+            return self.parent.grammars()
         with self._grammars_lock:
             if self._grammars is None:
                 from gateway.engine.grammar import TokenizerGrammars

@@ -27,8 +27,8 @@ class FakeSwarm:
     def coverage(self, prefix, num_blocks, adapter=None):
         return SimpleNamespace(num_blocks=num_blocks, servers=1, covered=True, missing_blocks=None)
 
-    def adapters(self, prefix, num_blocks):
-        return set()
+    def adapter_coverage(self, prefix, num_blocks):
+        return {}
 
     def longest_session(self, prefix, num_blocks):
         return 1024
