@@ -8,8 +8,8 @@ The tree is the diagram; dependencies point down it, never up (tests/unit/test_l
                  reply written in them, the error envelope), schemas (pydantic request shapes). No dialect
                  imports another.
     chat/        what the chat-shaped dialects share: the fields (schemas), params -> SamplingParams and the tool
-                 choice, prompts (chat template, tool calls), structured output, the plan (checked, session open)
-                 and the one reply assembly (reply.py: text or tool calls, held whole when tools are offered)
+                 choice, prompts (chat template), structured output, the plan (checked, session open), tool calls
+                 read as they come (tool_stream.py) and the one reply assembly (reply.py: text and tool calls)
     web/         Flask-side plumbing: request ids, access (keys, CORS, origins), limits (body, rate, WebSockets),
                  metrics, health, request bodies, held sessions, SSE and NDJSON framing, the app's engine
     engine/      the one generation loop over served models and sessions: sampling, grammar, stops, lengths,

@@ -16,7 +16,7 @@ import uuid
 from typing import Callable, Iterator, Optional
 
 from gateway.chat.plan import Plan
-from gateway.chat.reply import Finished, Piece, Replies, Reply
+from gateway.chat.reply import CallArguments, CallBegan, CallEnded, Finished, Piece, Replies, Reply
 from gateway.errors import APIError
 from gateway.web.request_ids import current as current_request_id
 
@@ -107,19 +107,6 @@ def block_stop(index: int) -> dict:
     return {"type": "content_block_stop", "index": index}
 
 
-def whole_block_events(index: int, block: dict) -> Iterator[dict]:
-    """A block known whole (a reply that was held back): its start, all of it in one delta, its stop."""
-    yield block_start(index, block)
-    if block["type"] == "tool_use":
-        yield input_json_delta(index, json.dumps(block["input"], ensure_ascii=False))
-    elif block["type"] == "thinking":
-        yield thinking_delta(index, block["thinking"])
-        yield signature_delta(index, block["signature"])
-    elif block["text"]:
-        yield text_delta(index, block["text"])
-    yield block_stop(index)
-
-
 def message_delta(stop_reason_: str, stop_sequence: Optional[str], output_tokens: int) -> dict:
     return {"type": "message_delta", "delta": {"stop_reason": stop_reason_, "stop_sequence": stop_sequence},
             "usage": {"output_tokens": output_tokens}}
@@ -138,8 +125,8 @@ def error_body(error: APIError) -> dict:
 
 
 class MessageReply:
-    """One reply in Anthropic's wire format: a message, or its events as the deltas come. With tools offered and a
-    free choice, a reply is a tool call or text, known only at its end: its blocks are then sent whole."""
+    """One reply in Anthropic's wire format: a message, or its events as the deltas come: a thinking block, a text
+    block, then a tool_use block per call, its input as input_json_delta fragments while the call is written."""
 
     def __init__(self, plan: Plan, stats):
         self.replies, self.model, self.input_tokens = Replies(plan, stats), plan.model, len(plan.prompt_ids)
@@ -153,41 +140,44 @@ class MessageReply:
                        usage(self.input_tokens, reply.tokens, self.cached_tokens))
 
     def events(self, cancelled: Callable[[], bool]) -> Iterator[dict]:
-        held, streamed = self.replies.held, StreamedBlocks()
+        streamed, plan = StreamedBlocks(), self.replies.plan
         yield message_start(self.id, self.model.name, self.input_tokens, self.cached_tokens)
-        if not held and not self.replies.plan.thinking.split:  # a reply that cannot think: all of it one text block
+        if not plan.tools and not plan.thinking.split:  # a reply that is neither calls nor thought: one text block
             yield from streamed.open("text")
         yield ping()
         reply = Reply(0)
         for event in self.replies.events(cancelled):
             if isinstance(event, Piece):
                 yield from streamed.tell(event.reasoning, event.text)
+            elif isinstance(event, CallBegan):
+                yield from streamed.open("tool_use", {"id": new_id("toolu"), "name": event.name})
+            elif isinstance(event, CallArguments):
+                yield input_json_delta(streamed.index, event.fragment)
+            elif isinstance(event, CallEnded):
+                yield from streamed.close()
             elif isinstance(event, Finished):
                 reply = event.reply
-        blocks, stop_reason_, stop_sequence = self.finish(reply)
-        if held:
-            for index, block in enumerate(blocks):
-                yield from whole_block_events(index, block)
-        else:
-            yield from streamed.end()
+        _, stop_reason_, stop_sequence = self.finish(reply)
+        yield from streamed.end()
         yield message_delta(stop_reason_, stop_sequence, reply.tokens)
         yield message_stop()
 
     @staticmethod
     def finish(reply: Reply) -> tuple[list[dict], str, Optional[str]]:
-        """The reply's content blocks (its reasoning's thinking block first; tool_use blocks when it is tool calls,
-        else a text block, unless the reply is reasoning only), stop reason and sequence."""
+        """The reply's content blocks (its reasoning's thinking block first; with tool calls, any text before them and
+        a tool_use block each, else a text block, unless the reply is reasoning only), stop reason and sequence."""
         thought = [thinking_block(reply.reasoning)] if reply.reasoning else []
         if reply.tool_calls:
             calls = [tool_use_block(name, arguments) for name, arguments in reply.tool_calls]
-            return thought + calls, "tool_use", None
+            return thought + ([text_block(reply.text)] if reply.text else []) + calls, "tool_use", None
         text = [text_block(reply.text)] if reply.text or not thought else []
         return thought + text, stop_reason(reply.finish_reason, reply.stop_sequence), reply.stop_sequence
 
 
 class StreamedBlocks:
     """A streamed reply's blocks, opened as its pieces come: a thinking block for its reasoning, then a text block
-    for its answer; a thinking block is signed as it closes. A reply that told nothing is one empty text block."""
+    for its answer, then a tool_use block per call; a thinking block is signed as it closes. A reply that told
+    nothing is one empty text block."""
 
     def __init__(self):
         self.index, self.kind, self.thinking = -1, None, ""
@@ -203,10 +193,11 @@ class StreamedBlocks:
                 yield from self.open("text")
             yield text_delta(self.index, text)
 
-    def open(self, kind: str) -> Iterator[dict]:
+    def open(self, kind: str, fields: Optional[dict] = None) -> Iterator[dict]:
+        """A new block of `kind`; `fields`: a tool_use block's id and name."""
         yield from self.close()
         self.index, self.kind = self.index + 1, kind
-        yield block_start(self.index, {"type": kind})
+        yield block_start(self.index, {"type": kind, **(fields or {})})
 
     def close(self) -> Iterator[dict]:
         if self.kind == "thinking":

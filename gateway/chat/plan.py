@@ -74,7 +74,7 @@ class Plan:
     prompt_ids: list[int]
     request: GenerationRequest  # every choice's, but for its seed
     n: int
-    tools: Optional[list[Tool]]  # a reply may be a call of these: known only at its end (reply.py holds it whole)
+    tools: Optional[list[Tool]]  # a reply may call these (reply.py reads its calls as they come: tool_stream.py)
     cache_salt: str = ""  # the client's own separation of its cached conversations (see engine/warm.py)
     thinking: Thinking = NO_THINKING  # a thinking model's reasoning is told apart from its answer (reasoning.py)
     session: GatewaySession = field(init=False)

@@ -1,4 +1,4 @@
-"""Chat messages into a prompt with the model's own chat template; tool calls out of a reply.
+"""Chat messages into a prompt with the model's own chat template.
 
 A template that knows tools (it mentions them) gets them as transformers passes them; any other template
 gets a system message that lists the functions and the JSON a call must be, so that small models can call
@@ -8,7 +8,6 @@ tools too (and with tool_choice "required" or a named function, constrained deco
 from __future__ import annotations
 
 import json
-import re
 from typing import Optional
 
 from gateway.errors import BadRequest
@@ -99,22 +98,3 @@ def _with_tools_instruction(messages: list[dict], tools: list[dict]) -> list[dic
         first = {**messages[0], "content": messages[0]["content"] + "\n\n" + instruction}
         return [first, *messages[1:]]
     return [{"role": "system", "content": instruction}, *messages]
-
-
-def parse_tool_calls(text: str, tools: list[Tool]) -> Optional[list[tuple[str, str]]]:
-    """(name, arguments as a JSON string) for each call if the reply is a tool call, else None."""
-    body = re.sub(r"^\s*<tool_call>|</tool_call>\s*$", "", text.strip()).strip()
-    if not body.startswith(("{", "[")):
-        return None
-    try:
-        parsed = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    calls = parsed if isinstance(parsed, list) else [parsed]
-    names = {tool.function.name for tool in tools}
-    result = []
-    for call in calls:
-        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments", {}), dict):
-            return None
-        result.append((call["name"], json.dumps(call.get("arguments", {}))))
-    return result or None

@@ -1,13 +1,16 @@
 """The one reply assembly of every chat-shaped dialect: a plan's deltas summed into replies, one per choice.
 
-A reply is text or tool calls. With tools offered (and a free choice), which one it is becomes known only at its
-end, so such a reply is held whole: no Piece of it is told, and its Finished carries all of it. Each dialect only
-formats what it is told:
+A reply is text, tool calls, or text then calls. With tools offered, each choice's answer goes through a
+ToolCallStream (tool_stream.py): its text is told as text and each call as it is written. Each dialect only formats
+what it is told:
 
     Began(index)      a choice's first delta came (OpenAI's role chunk)
-    Piece(index, d)   a delta of a reply that is not held, and what it tells: answer text and reasoning text
-                      (reasoning.py splits a thinking model's reply; the dialect decides what is worth a frame)
-    Finished(reply)   a choice ended: its text or tool calls, finish reason, stop sequence, tokens and logprobs
+    Piece(index, d)   a delta, and what it tells: answer text and reasoning text (reasoning.py splits a thinking
+                      model's reply; the dialect decides what is worth a frame); a call's text is not in it
+    CallBegan         a call's start: its name (tool_stream.py); then CallArguments, fragments of its arguments'
+    CallArguments     JSON text, and CallEnded: all of it, and whether it closed (always after the delta's Piece)
+    CallEnded
+    Finished(reply)   a choice ended: its text and tool calls, finish reason, stop sequence, tokens and logprobs
 
     replies = Replies(plan, stats)
     for event in replies.events(cancelled): ...      # streamed
@@ -20,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Union
 
 from gateway.chat.plan import Plan
-from gateway.chat.prompts import parse_tool_calls
 from gateway.chat.reasoning import ReasoningSplitter
+from gateway.chat.tool_stream import CallArguments, CallBegan, CallEnded, CallEvent, ToolCallStream
 from gateway.engine.generation import Delta, TokenLogprob
 
 
@@ -30,7 +33,7 @@ class Reply:
     """What one choice's deltas add up to."""
 
     index: int
-    text: str = ""  # the answer (all of the reply, unless it is a thinking model's)
+    text: str = ""  # the answer (all of the reply, unless it is a thinking model's); with calls, the text before them
     finish_reason: str = "stop"  # the engine's: "stop", "length" or "cancelled"
     stop_sequence: Optional[str] = None  # which of the request's stop sequences ended it
     tokens: int = 0
@@ -78,7 +81,7 @@ class Finished:
     reply: Reply
 
 
-ReplyEvent = Union[Began, Piece, Finished]
+ReplyEvent = Union[Began, Piece, CallBegan, CallArguments, CallEnded, Finished]
 
 
 class Replies:
@@ -86,9 +89,9 @@ class Replies:
 
     def __init__(self, plan: Plan, stats):
         self.plan, self.stats = plan, stats
-        self.held = plan.tools is not None  # with tools offered, a reply is a call or text: known at its end
         self.replies: dict[int, Reply] = {}
         self.splitters: dict[int, ReasoningSplitter] = {}
+        self.calls: dict[int, ToolCallStream] = {}  # with tools offered: each choice's calls read as they come
 
     @property
     def tokens(self) -> int:
@@ -108,14 +111,28 @@ class Replies:
             if reply is None:
                 reply = self.replies[index] = Reply(index)
                 self.splitters[index] = ReasoningSplitter(self.plan.thinking)
+                if self.plan.tools:
+                    self.calls[index] = ToolCallStream(index, self.plan.tools)
                 yield Began(index)
             reasoning, text = self.split(index, delta, reply)
-            if not self.held:
-                yield Piece(index, delta, text, reasoning)
+            text, calls = self.read_calls(index, text, delta.finish_reason is not None, reply)
+            yield Piece(index, delta, text, reasoning)
+            yield from calls
             if delta.finish_reason:
-                if self.held:
-                    reply.tool_calls = parse_tool_calls(reply.text, self.plan.tools)
                 yield Finished(reply)
+
+    def read_calls(self, index: int, text: str, last: bool, reply: Reply) -> tuple[str, list[CallEvent]]:
+        """(the text to tell, the call events) of a delta's answer `text`; at the reply's end, its text and calls as
+        parsing it whole gives them."""
+        stream = self.calls.get(index)
+        if stream is None:
+            return text, []
+        text, calls = stream.feed(text)
+        if last:
+            last_text, last_calls = stream.finish()
+            text, calls = text + last_text, calls + last_calls
+            reply.text, reply.tool_calls = stream.text, stream.calls
+        return text, calls
 
     def split(self, index: int, delta: Delta, reply: Reply) -> tuple[str, str]:
         """(reasoning, answer) that `delta` tells, added to its reply; at the reply's end, all that was held."""

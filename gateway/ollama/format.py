@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Iterable, Iterator, Optional
 
 from gateway.chat.plan import Plan
-from gateway.chat.reply import Finished, Piece, Replies, Reply
+from gateway.chat.reply import CallEnded, Finished, Piece, Replies, Reply
 from gateway.engine.stats import RequestStats
 from gateway.errors import APIError
 
@@ -90,7 +90,7 @@ def durations(stats: RequestStats, load_seconds: float) -> dict:
 
 
 def tool_call(index: int, name: str, arguments: str) -> dict:
-    """A call as Ollama sends it: arguments as an object (prompts.parse_tool_calls gives them as JSON text)."""
+    """A call as Ollama sends it: arguments as an object (chat/tool_stream.py gives them as JSON text)."""
     return {"function": {"index": index, "name": name, "arguments": json.loads(arguments)}}
 
 
@@ -193,8 +193,8 @@ def error_body(error: APIError) -> dict:
 
 class OllamaReply:
     """One reply (Ollama has no n) in Ollama's wire format: whole, or a line per delta and a last line with the counts
-    and durations. With tools offered the reply is held to its end: only then is it known to be a call or text.
-    A client that leaves closes the lines' generator, and so the session."""
+    and durations. A tool call is a line of its own once it is whole, as Ollama streams calls (its arguments an
+    object); a call cut short is not sent. A client that leaves closes the lines' generator, and so the session."""
 
     def __init__(self, shape: str, plan: Plan, stats: RequestStats, load_seconds: float, top: Optional[int] = None,
                  context: Optional[list[int]] = None):
@@ -214,18 +214,19 @@ class OllamaReply:
                 logprobs = self.logprobs(event.delta.logprobs)
                 if event.text or event.reasoning or logprobs:
                     yield part(self.shape, self.model.name, event.text, logprobs, thinking=event.reasoning)
+            elif isinstance(event, CallEnded) and event.complete:
+                call = tool_call(event.number, event.name, event.arguments)
+                yield part(self.shape, self.model.name, "", tool_calls=[call])
             elif isinstance(event, Finished):
                 reply = event.reply
-        if self.replies.held:
-            content, calls = self.message(reply)
-            yield part(self.shape, self.model.name, content, tool_calls=calls, thinking=reply.reasoning)
         yield done(self.shape, self.model.name, "", reply.ended_by, self.durations(), context=self.context(reply))
 
     @staticmethod
     def message(reply: Reply) -> tuple[str, Optional[list[dict]]]:
-        """(content, tool calls) of a whole reply."""
+        """(content, tool calls) of a whole reply: with calls, the text before them."""
         if reply.tool_calls:
-            return "", [tool_call(index, name, arguments) for index, (name, arguments) in enumerate(reply.tool_calls)]
+            calls = [tool_call(index, name, arguments) for index, (name, arguments) in enumerate(reply.tool_calls)]
+            return reply.text, calls
         return reply.text, None
 
     def logprobs(self, items) -> Optional[list[dict]]:

@@ -12,7 +12,7 @@ import uuid
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from gateway.chat.plan import Plan
-from gateway.chat.reply import Began, Finished, Piece, Replies, Reply
+from gateway.chat.reply import Began, CallArguments, CallBegan, Finished, Piece, Replies, Reply
 from gateway.engine.generation import Engine, TokenLogprob
 from gateway.errors import APIError
 
@@ -133,6 +133,14 @@ def tool_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def tool_call_delta(number: int, name: Optional[str], arguments: str) -> dict:
+    """A chunk's delta of call `number`: its first (id, type and name, as OpenAI sends them with empty arguments), or
+    a fragment of its arguments (`name` None)."""
+    if name is not None:
+        return {"tool_calls": [{"index": number, **tool_call(name, arguments)}]}
+    return {"tool_calls": [{"index": number, "function": {"arguments": arguments}}]}
+
+
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
                503: "service_unavailable"}  # any other 4xx is an invalid_request_error, any other 5xx a server_error
 
@@ -174,8 +182,12 @@ class ChatCompletionReplies:
                 yield self.chunk(event.index, {"role": "assistant", "content": ""})
             elif isinstance(event, Piece):
                 yield from self.piece_chunks(event)
-            else:
-                yield from self.last_chunks(event)
+            elif isinstance(event, CallBegan):
+                yield self.chunk(event.index, tool_call_delta(event.number, event.name, ""))
+            elif isinstance(event, CallArguments):
+                yield self.chunk(event.index, tool_call_delta(event.number, None, event.fragment))
+            elif isinstance(event, Finished):
+                yield self.chunk(event.reply.index, {}, finish_reason=event.reply.ended_by)
         if self.include_usage:
             usage_ = usage(self.prompt_tokens, self.stats.completion_tokens, self.stats.timing(), self.cached_tokens,
                            self.replies.reasoning_tokens)
@@ -190,25 +202,11 @@ class ChatCompletionReplies:
         if piece.text or (logprobs and not piece.reasoning):
             yield self.chunk(piece.index, {"content": piece.text}, logprobs=logprobs)
 
-    def last_chunks(self, finished: Finished) -> Iterator[dict]:
-        """A reply's end: the whole reply first when it was held back, then its finish_reason."""
-        reply = finished.reply
-        if self.replies.held and reply.reasoning:
-            yield self.chunk(reply.index, {"reasoning_content": reply.reasoning})
-        if self.replies.held:
-            content, calls = self.message(reply)
-            if calls:
-                yield self.chunk(reply.index, {"tool_calls": [{"index": number, **call}
-                                                              for number, call in enumerate(calls)]})
-            else:
-                yield self.chunk(reply.index, {"content": content})
-        yield self.chunk(reply.index, {}, finish_reason=reply.ended_by)
-
     @staticmethod
     def message(reply: Reply) -> tuple[Optional[str], Optional[list[dict]]]:
-        """(content, tool calls) of a whole reply."""
+        """(content, tool calls) of a whole reply: with calls, the text before them (None for none)."""
         if reply.tool_calls:
-            return None, [tool_call(name, arguments) for name, arguments in reply.tool_calls]
+            return reply.text or None, [tool_call(name, arguments) for name, arguments in reply.tool_calls]
         return reply.text, None
 
     def reasoning(self, reply: Reply) -> Optional[str]:

@@ -143,7 +143,7 @@ def test_the_reply_assembly_tells_reasoning_apart_and_counts_its_tokens():
 
 
 class ToolPlan(ThinkingPlan):
-    """A thinking reply with tools offered: held whole, its reasoning and its call known at its end."""
+    """A thinking reply with tools offered: its reasoning told, then its call."""
 
     tools, cached_tokens, model = [WEATHER], 0, SimpleNamespace(name="thinker", tokenizer=None)
 
@@ -152,7 +152,7 @@ CALL = json.dumps({"name": "weather", "arguments": {"city": "Paris"}})
 THINKING_CALL = [Delta("the user greets\n</think>\n\n", 4), Delta(CALL, 5, "stop")]
 
 
-def test_a_held_reply_tells_its_reasoning_before_its_call_in_openai_chunks():
+def test_a_reply_with_tools_tells_its_reasoning_before_its_call_in_openai_chunks():
     chunks = list(ChatCompletionReplies(ToolPlan(THINKING_CALL), None, False, None).chunks(lambda: False))
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert deltas[1] == {"reasoning_content": REASONING} and deltas[2]["tool_calls"][0]["function"]["name"] == "weather"

@@ -1,10 +1,10 @@
-"""The one reply assembly (gateway/chat/reply.py): deltas summed per choice, pieces told only for replies not held,
-a held reply (tools offered) parsed into tool calls at its end, and the finish reason as clients see it."""
+"""The one reply assembly (gateway/chat/reply.py): deltas summed per choice, a reply with tools offered told as text
+and calls as they are written (chat/tool_stream.py), and the finish reason as clients see it."""
 
 import json
 
 from gateway.chat.reasoning import NO_THINKING
-from gateway.chat.reply import Began, Finished, Piece, Replies
+from gateway.chat.reply import Began, CallArguments, CallBegan, CallEnded, Finished, Piece, Replies
 from gateway.chat.schemas import Tool
 from gateway.engine.generation import Delta, TokenLogprob
 
@@ -33,21 +33,32 @@ def test_two_choices_are_summed_apart_and_told_in_order():
     first, second = events[3].reply, events[6].reply
     assert (first.text, first.tokens, first.ended_by, first.token_ids) == ("Hello", 2, "length", [7])
     assert (second.text, second.ended_by, second.stop_sequence) == ("Bye", "stop", "\n")
-    assert replies.tokens == 3 and not replies.held
+    assert replies.tokens == 3
 
 
-def test_a_reply_with_tools_offered_is_held_whole_and_parsed_into_calls():
+def test_a_reply_with_tools_offered_tells_its_call_as_it_is_written():
     call = json.dumps({"name": "weather", "arguments": {"city": "Paris"}})
-    plan = ScriptedPlan([(0, Delta(call[:9], 1)), (0, Delta(call[9:], 1, "stop"))], tools=[WEATHER])
-    replies = Replies(plan, stats=None)
-    events = list(replies.events())
-    assert [type(event) for event in events] == [Began, Finished]  # no piece of a held reply is told
+    cut = call.index("Par")
+    plan = ScriptedPlan([(0, Delta(call[:9], 1)), (0, Delta(call[9:cut], 1)), (0, Delta(call[cut:], 1, "stop"))],
+                        tools=[WEATHER])
+    events = list(Replies(plan, stats=None).events())
+    assert [type(event) for event in events] == [Began, Piece, Piece, CallBegan, CallArguments, Piece, CallArguments,
+                                                 CallEnded, Finished]
+    assert events[3].name == "weather" and [events[4].fragment, events[6].fragment] == ['{"city": "', 'Paris"}']
     reply = events[-1].reply
-    assert reply.tool_calls == [("weather", json.dumps({"city": "Paris"}))]
-    assert reply.ended_by == "tool_calls" and reply.finish_reason == "stop" and reply.text == call
+    assert reply.tool_calls == [("weather", json.dumps({"city": "Paris"}))] == [(events[7].name, events[7].arguments)]
+    assert reply.ended_by == "tool_calls" and reply.finish_reason == "stop" and reply.text == ""
 
 
-def test_a_held_reply_that_is_text_stays_text():
+def test_text_before_a_tagged_call_is_told_as_text():
+    deltas = [(0, Delta("Let me look.\n<tool", 4)), (0, Delta('_call>{"name": "weather", "arguments": {}}', 9, "stop"))]
+    events = list(Replies(ScriptedPlan(deltas, tools=[WEATHER]), stats=None).events())
+    assert [event.text for event in events if isinstance(event, Piece)] == ["Let me look.\n", ""]
+    reply = events[-1].reply
+    assert (reply.text, reply.tool_calls) == ("Let me look.\n", [("weather", "{}")])
+
+
+def test_a_reply_with_tools_offered_that_is_text_stays_text():
     [reply] = Replies(ScriptedPlan([(0, Delta("It is sunny.", 3, "stop"))], tools=[WEATHER]), stats=None).whole()
     assert reply.tool_calls is None and reply.ended_by == "stop" and reply.text == "It is sunny."
 

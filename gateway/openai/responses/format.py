@@ -8,7 +8,7 @@ A streamed reply is, in order (each event with its sequence_number, from 0):
     (a thinking model) response.reasoning_text.done, response.content_part.done, response.output_item.done
     a message:        response.output_item.added, response.content_part.added, response.output_text.delta ...,
                       response.output_text.done, response.content_part.done, response.output_item.done
-    or each call:     response.output_item.added, response.function_call_arguments.delta,
+    then each call:   response.output_item.added, response.function_call_arguments.delta ...,
                       response.function_call_arguments.done, response.output_item.done
     response.completed (or response.incomplete: cut at max_output_tokens, or cancelled; response.failed)
 """
@@ -79,9 +79,10 @@ def reasoning_item(item_id: str, status: str, text: Optional[str] = None) -> dic
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
-def function_call_item(name: str, arguments: str) -> dict:
-    return {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": new_id("call"),
-            "name": name, "arguments": arguments}
+def function_call_item(name: str, status: str = "in_progress", arguments: str = "") -> dict:
+    """A function call; by default one just begun (its arguments come in deltas)."""
+    return {"id": new_id("fc"), "type": "function_call", "status": status, "call_id": new_id("call"), "name": name,
+            "arguments": arguments}
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
@@ -155,12 +156,16 @@ def reasoning_end(event: EventCounter, index: int, item: dict) -> list[dict]:
             event("response.output_item.done", output_index=index, item=item)]
 
 
-def function_call_events(event: EventCounter, index: int, item: dict) -> list[dict]:
-    """A whole function call's events: its arguments come as one delta (a call is known only once complete)."""
-    begun = {**item, "status": "in_progress", "arguments": ""}
-    return [event("response.output_item.added", output_index=index, item=begun),
-            event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                  delta=item["arguments"]),
-            event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+def call_start(event: EventCounter, index: int, item: dict) -> dict:
+    return event("response.output_item.added", output_index=index, item=dict(item))
+
+
+def call_arguments_delta(event: EventCounter, index: int, item_id: str, fragment: str) -> dict:
+    return event("response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=fragment)
+
+
+def call_end(event: EventCounter, index: int, item: dict) -> list[dict]:
+    """The events that close a function call, `item` being the whole of it."""
+    return [event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                   name=item["name"], arguments=item["arguments"]),
             event("response.output_item.done", output_index=index, item=item)]

@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 from flask import Blueprint, current_app, jsonify
 
 from gateway.chat.plan import Plan
-from gateway.chat.reply import Finished, Piece, Replies, Reply
+from gateway.chat.reply import CallArguments, CallBegan, CallEnded, Finished, Piece, Replies, Reply
 from gateway.errors import APIError, BadRequest, from_exception
 from gateway.openai.format import error_body
 from gateway.openai.responses import format as wire
@@ -128,18 +128,20 @@ def previous_conversation(store: ResponseStore, response_id: Optional[str]) -> l
 
 class ResponseRun:
     """One response generated: its events as they come (streamed, or run through whole), its stored record (if
-    any) kept current. With tools offered, the reply is a call or a text, known only at its end: held whole.
-    A thinking model's reasoning is a reasoning item (output 0), before the message or calls."""
+    any) kept current. Its output items, in order: a thinking model's reasoning, the message (any text), then a
+    function call per tool call, each told as it is written; the response's output is the items as told."""
 
     def __init__(self, body: dict, plan: Plan, stats):
         self.body, self.prompt_tokens, self.cached_tokens = body, len(plan.prompt_ids), plan.cached_tokens
         self.replies = Replies(plan, stats)
         self.event = wire.EventCounter()
-        self.message_id, self.reasoning_id = wire.new_id("msg"), wire.new_id("rs")
-        self.started = False  # the message item's first events have gone out
+        self.output: list[dict] = []  # the items closed so far; an item's output index is its place here
+        self.reasoning_id = wire.new_id("rs")
         self.reasoning: Optional[str] = None  # the reasoning told so far; None until the reasoning item begins
         self.reasoning_done = False
-        self.index = 0  # the message's output index: 1 after a reasoning item
+        self.message_id: Optional[str] = None  # the message item open, and its text so far
+        self.message_text = ""
+        self.call: Optional[dict] = None  # the function call item open
         self.failure: Optional[APIError] = None
         self.cancel = threading.Event()
         self.store, self.record, self.conversation = None, None, []
@@ -176,13 +178,20 @@ class ResponseRun:
                 self.store.finish(self.record)
 
     def generated(self, cancelled) -> Iterator[dict]:
-        """The text events as the deltas come (unless the reply is held whole); returns the reply."""
+        """The items' events as the reply's events come; returns the reply."""
         reply = Reply(0)
         for event in self.replies.events(cancelled):
             if isinstance(event, Piece):
                 yield from self.reasoning_events(event.reasoning)
                 if event.text:
                     yield from self.text_events(event.text)
+            elif isinstance(event, CallBegan):
+                yield from self.call_begun(event.name)
+            elif isinstance(event, CallArguments):
+                self.call["arguments"] += event.fragment
+                yield wire.call_arguments_delta(self.event, len(self.output), self.call["id"], event.fragment)
+            elif isinstance(event, CallEnded):
+                yield from self.call_ended("completed" if event.complete else "incomplete")
             elif isinstance(event, Finished):
                 reply = event.reply
         return reply
@@ -191,7 +200,7 @@ class ResponseRun:
         if not text:
             return
         if self.reasoning is None:
-            self.reasoning, self.index = "", 1
+            self.reasoning = ""
             yield from wire.reasoning_start(self.event, 0, self.reasoning_id)
         self.reasoning += text
         yield wire.reasoning_delta(self.event, 0, self.reasoning_id, text)
@@ -200,35 +209,50 @@ class ResponseRun:
         """The reasoning item's last events (once, before the first of the message's or calls')."""
         if self.reasoning is not None and not self.reasoning_done:
             self.reasoning_done = True
-            yield from wire.reasoning_end(self.event, 0, wire.reasoning_item(self.reasoning_id, "completed",
-                                                                                self.reasoning))
+            item = wire.reasoning_item(self.reasoning_id, "completed", self.reasoning)
+            self.output.append(item)
+            yield from wire.reasoning_end(self.event, 0, item)
 
     def text_events(self, text: str) -> Iterator[dict]:
         yield from self.reasoning_end()
-        if not self.started:
-            self.started = True
-            yield from wire.message_start(self.event, self.index, self.message_id)
+        if self.message_id is None:
+            self.message_id, self.message_text = wire.new_id("msg"), ""
+            yield from wire.message_start(self.event, len(self.output), self.message_id)
+        self.message_text += text
         if text:
-            yield wire.text_delta(self.event, self.index, self.message_id, text)
+            yield wire.text_delta(self.event, len(self.output), self.message_id, text)
+
+    def message_end(self, status: str) -> Iterator[dict]:
+        if self.message_id is not None:
+            item = wire.message_item(self.message_id, status, self.message_text)
+            self.message_id = None
+            self.output.append(item)
+            yield from wire.message_end(self.event, len(self.output) - 1, item)
+
+    def call_begun(self, name: str) -> Iterator[dict]:
+        """A function call's item opens: whatever came before it is closed."""
+        yield from self.reasoning_end()
+        yield from self.message_end("completed")
+        self.call = wire.function_call_item(name)
+        yield wire.call_start(self.event, len(self.output), self.call)
+
+    def call_ended(self, status: str) -> Iterator[dict]:
+        item, self.call = {**self.call, "status": status}, None
+        self.output.append(item)
+        yield from wire.call_end(self.event, len(self.output) - 1, item)
 
     def finished(self, reply: Reply) -> Iterator[dict]:
-        """The output items' last events, then the response's: completed, or incomplete (cut short, cancelled)."""
-        text, finish_reason, calls = reply.text, reply.finish_reason, reply.tool_calls
-        if self.replies.held:  # nothing of it told yet: its reasoning, whole
-            yield from self.reasoning_events(reply.reasoning)
+        """The output items' last events, then the response's: completed, or incomplete (cut short, cancelled).
+        A reply that told neither text nor calls is an empty message."""
         yield from self.reasoning_end()
-        thought = [wire.reasoning_item(self.reasoning_id, "completed", reply.reasoning)] if reply.reasoning else []
-        if calls:
-            items = [wire.function_call_item(name, arguments) for name, arguments in calls]
-            for index, item in enumerate(items, start=self.index):
-                yield from wire.function_call_events(self.event, index, item)
-        else:
-            items = [wire.message_item(self.message_id, "completed" if finish_reason == "stop" else "incomplete", text)]
-            yield from self.text_events(text if self.replies.held else "")
-            yield from wire.message_end(self.event, self.index, items[0])
-        status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[finish_reason]
-        self.conversation = self.conversation + [reply_message(text, items if calls else None)]
-        self.update(status=status, output=thought + items, usage=self.usage(), completed_at=wire.now(),
+        calls = [item for item in self.output if item["type"] == "function_call" and item["status"] == "completed"]
+        if not calls and self.message_id is None and all(item["type"] == "reasoning" for item in self.output):
+            yield from self.text_events("")
+        yield from self.message_end("completed" if reply.finish_reason == "stop" or calls else "incomplete")
+        status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[reply.finish_reason]
+        told = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "message")
+        self.conversation = self.conversation + [reply_message(told if calls else reply.text, calls)]
+        self.update(status=status, output=list(self.output), usage=self.usage(), completed_at=wire.now(),
                     incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None)
         yield self.event(wire.FINAL_EVENTS[status], response=self.body)
 
@@ -244,9 +268,10 @@ class ResponseRun:
 
 
 def reply_message(text: str, calls: Optional[list[dict]]) -> dict:
-    """The reply as the chat message that a follow-up's conversation holds."""
+    """The reply as the chat message that a follow-up's conversation holds (a call cut short is left out: its text
+    is the message's, as the model wrote it)."""
     if not calls:
         return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": None, "tool_calls": [
+    return {"role": "assistant", "content": text or None, "tool_calls": [
         {"id": call["call_id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
         for call in calls]}
