@@ -13,8 +13,9 @@ call, engine/grammar.tool_call_spec, writes it; templates that know tools, Herme
 A call is told as it is written once its head `{"name": "<a tool offered>", "arguments": {` has come. Its arguments
 are re-written as json.dumps writes them (", " and ": " between items, ASCII escapes, numbers as Python reads them)
 so that the fragments add up to the arguments that parsing the whole reply gives (`parse_calls`): the same call,
-streamed or not. Whatever else begins like a call (keys in another order, a tool not offered, a key beside the two)
-is held to the reply's end and parsed whole, as every call was before: told then as whole calls, or as text.
+streamed or not (but for an object that names a key twice: its fragments hold both, json.loads keeps the last).
+Whatever else begins like a call (keys in another order, a tool not offered, another key first) is held to the
+reply's end and parsed whole, as every call was before: told then as whole calls, or as text.
 
 The reply's outcome (`text`, `calls` once finished) is always that of parsing it whole: the text before its calls and
 the calls, or all of it text when its call part does not parse. Only a call already told that turns out broken (cut
@@ -25,7 +26,7 @@ complete False when its arguments never closed).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import regex  # for partial matches: whether the text so far can still become a call's head
@@ -104,6 +105,16 @@ def calls_of(value, names: set[str]) -> Optional[list[tuple[str, str]]]:
 
 # ------------------------------------------------------------------------------------------ a reply as it comes
 
+
+@dataclass
+class OpenCall:
+    """A call being told: its name, its arguments read so far and what they were written as."""
+
+    name: str
+    rewriter: "JsonRewriter" = field(default_factory=lambda: JsonRewriter())
+    arguments: str = ""
+
+
 HEAD = r'\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*\{'
 # what may come next in each state of the call part, and the state each leads to ("call": a call's head, told)
 MOVES = {
@@ -127,11 +138,13 @@ class ToolCallStream:
         self.raw, self.position = "", 0  # all the text fed, and how far it is read
         self.told, self.shown = 0, 0  # how far it is text to tell, and how far that was told
         self.state, self.segment = "start", None  # where the call part begins, once it has
-        self.in_list, self.number, self.call = False, 0, None  # the call being told: (name, JsonRewriter, arguments)
+        self.in_list, self.number = False, 0  # in a JSON list of calls; how many calls were told
+        self.call: Optional[OpenCall] = None
         self.text: Optional[str] = None  # the outcome, once finished: the text, and the calls (None: it is text)
         self.calls: Optional[list[tuple[str, str]]] = None
 
     def feed(self, text: str) -> tuple[str, list[CallEvent]]:
+        """More of the answer: (the text to tell now, the call events it completes)."""
         self.raw += text
         events: list[CallEvent] = []
         while self.step(events):
@@ -146,8 +159,7 @@ class ToolCallStream:
             self.text, self.calls = self.raw, None
             return self.new_text(), events
         if self.call is not None:  # its arguments never closed
-            name, _, arguments = self.call
-            events.append(CallEnded(self.index, self.number, name, arguments, complete=False))
+            events.append(CallEnded(self.index, self.number, self.call.name, self.call.arguments, complete=False))
         calls = parse_calls(self.raw[self.segment:], self.tools)
         if calls is None:
             self.text = self.raw
@@ -197,6 +209,8 @@ class ToolCallStream:
         return True
 
     def move(self, events: list[CallEvent]) -> bool:
+        """The call part between calls' arguments: the state's first move that the text makes whole; to wait while
+        the text may still make one, else "unsure"."""
         waiting = False
         for pattern, state in MOVES[self.state]:
             found = pattern.match(self.raw, self.position, partial=True)
@@ -226,22 +240,22 @@ class ToolCallStream:
         self.in_list = head.group(1) is not None  # "[" opened a list here, "" is a list's next element
         events.append(CallBegan(self.index, self.number, name))
         self.position -= 1  # the arguments' "{" is theirs to read
-        self.call, self.state = (name, JsonRewriter(), ""), "arguments"
+        self.call, self.state = OpenCall(name), "arguments"
         return True
 
     def read_arguments(self, events: list[CallEvent]) -> bool:
-        name, rewriter, arguments = self.call
-        written, used = rewriter.feed(self.raw[self.position:])
+        """The open call's arguments, as far as they came; once they close, the call ends."""
+        call = self.call
+        written, used = call.rewriter.feed(self.raw[self.position:])
         self.position += used
         if written:
+            call.arguments += written
             events.append(CallArguments(self.index, self.number, written))
-        arguments += written
-        self.call = (name, rewriter, arguments)
-        if rewriter.broken:
-            self.state = "unsure"
+        if call.rewriter.broken:
+            self.state = "unsure"  # told as far as it went: the reply's end closes it
             return False
-        if rewriter.done:
-            events.append(CallEnded(self.index, self.number, name, arguments))
+        if call.rewriter.done:
+            events.append(CallEnded(self.index, self.number, call.name, call.arguments))
             self.call, self.number, self.state = None, self.number + 1, "object_end"
             return True
         return False
