@@ -29,7 +29,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
-PROTOCOL_VERSION = "0.4.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages; 0.4: a message's steps stacked in one tensor
+PROTOCOL_VERSION = "0.5.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages; 0.4: a message's steps stacked in one tensor
+# 0.5: openings and steps declare their next step's positions (next_positions): servers compute pushes only within
 # servers keep attention caches in pages of this many positions, and grow a session's cache a page at a time:
 # a new session needs room for one page (what the client asks of the servers it routes to), not its max_length
 PAGE_TOKENS = 16
@@ -135,7 +136,9 @@ MAX_BLOCKS = 1 << 16  # blocks of a model
 MAX_VERSION_CHARS = 32
 MAX_NAME_CHARS = 1024  # a model's name, DHT prefix or source (a known name or a folder path)
 MAX_STARTED = 1e11  # a server's start, in seconds since the epoch: past the year 5000
-MAX_ADAPTERS = 256  # LoRA adapters one server announces
+# LoRA adapters one server announces: a server refuses more at start (--adapters), so a record naming more is
+# malformed, and one hostile record lists no more names than a client keeps per model
+MAX_ADAPTERS = 32
 # an adapter's name (its folder's name on the server): clients ask for it as "model:adapter", so never a colon
 ADAPTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from swarm.protocol import MAX_ADAPTERS
 from swarm.server.latency import SimulatedLatency
 
 if TYPE_CHECKING:
@@ -209,6 +210,8 @@ def _check(parser, args) -> None:
     for flag in ("simulated_latency", "simulated_latency_jitter"):
         if not 0 <= getattr(args, flag) <= 60000:  # NaN fails too
             parser.error(f"--{flag.replace('_', '-')} must be between 0 and 60000 ms, got {getattr(args, flag):g}")
+    if len(args.adapters) > MAX_ADAPTERS:
+        parser.error(f"--adapters: at most {MAX_ADAPTERS} adapters per server, got {len(args.adapters)}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be a TCP port (0 for off), got {args.metrics_port}")
     if not args.initial_peers:

@@ -26,7 +26,7 @@ def server(peer, adapters):
 
 @pytest.fixture
 def lookups(monkeypatch):
-    """The DHT: an honest server with one adapter, and a peer whose record names 256; each lookup counted."""
+    """The DHT: an honest server with one adapter, and a peer whose record names as many as a record may; each lookup counted."""
     asked = []
 
     async def fetch_servers(node, prefix, num_blocks, allowed=()):
@@ -65,7 +65,7 @@ def test_a_record_of_hundreds_of_adapters_costs_a_listing_one_lookup_and_lists_a
     # the model's coverage, its longest session, and all its adapters' coverage: one lookup each
     assert len(lookups) <= 3
     adapters = [entry["name"] for entry in listed if "parent" in entry]
-    assert len(adapters) == MAX_ADAPTERS_PER_MODEL and "first:real" in adapters  # not crowded out by the 256
+    assert len(adapters) == MAX_ADAPTERS_PER_MODEL and "first:real" in adapters  # not crowded out by the fakes
     assert all(entry["covered"] and entry["servers"] == 1 for entry in listed if "parent" in entry)
     lookups.clear()
     models.listed()
@@ -78,3 +78,16 @@ def test_every_adapter_of_a_model_shares_its_one_draft_model(lookups, tmp_path, 
     draft = drafts.of(models.get("first"))
     assert all(drafts.of(models.get(f"first:{adapter}")) is draft for adapter in ["real", *FAKES[:5]])
     assert loads == ["first"]
+
+
+def test_a_server_announces_at_most_as_many_adapters_as_a_record_may_name(capsys, tmp_path):
+    """A record names no more adapters than a client keeps per model: a server refuses more at start, naming the
+    flag, rather than announce a record every client would drop."""
+    from swarm.server.settings import parse_settings
+
+    peer = ["--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"]
+    folders = [str(tmp_path / f"adapter-{index}") for index in range(MAX_ADAPTERS + 1)]
+    with pytest.raises(SystemExit):
+        parse_settings(["--blocks", "0:1", *peer, "--adapters", *folders])
+    assert f"--adapters: at most {MAX_ADAPTERS} adapters per server, got {MAX_ADAPTERS + 1}" in capsys.readouterr().err
+    assert MAX_ADAPTERS <= MAX_ADAPTERS_PER_MODEL
