@@ -15,6 +15,7 @@ from swarm.client import metrics
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
 from swarm.client.spot_check import LIAR_BAN_SECONDS, SpotChecker
+from swarm.client.step_channel import NEXT_STEP_POSITIONS
 from swarm.client.stubs import InferenceStream, MalformedOutputsError, StepChannels, checked_outputs
 from swarm.dht import EventLoop
 from swarm.protocol import (
@@ -74,8 +75,10 @@ class Hop:
     Inputs are kept as the chunks they were sent in: a step appends one (never copying what came before, so a
     reply's record costs its own size), a rewind drops chunks from the end, and reading them joins them once."""
 
-    def __init__(self, link: ChainLink, stream: InferenceStream, inputs: Optional[torch.Tensor] = None):
+    def __init__(self, link: ChainLink, stream: InferenceStream, inputs: Optional[torch.Tensor] = None,
+                 declared: int = NEXT_STEP_POSITIONS):
         self.link, self.stream = link, stream
+        self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
         self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
         self._length = 0  # positions recorded
         if inputs is not None:
@@ -111,6 +114,10 @@ class RemoteSession:
     of its blocks, it waits up to the client's block_wait for one (SwarmClient.wait_for_chain), telling
     `on_wait(message)`, if set, once per wait.
 
+    Each server of the chain pushes a step's outputs on to the next one, which starts at once; a server computes
+    a push only up to the positions the session declared its next step there may carry (`next_positions`, at
+    the opening and in each step: a short step by default), so a step longer than that is not asked to be pushed.
+
     A session kept for reuse while it has no step to send is parked (park): its servers may then close it to
     make room, and its next step recomputes it (replay) where they did. A fork (fork) continues from its first
     positions in a new session whose servers share their pages of them with this one's (copy-on-write).
@@ -122,6 +129,7 @@ class RemoteSession:
         self.services, self.route, self.max_length, self.batch_size = services, route, max_length, batch_size
         self.on_wait = on_wait
         self.position = 0  # tokens already in the servers' caches
+        self.next_positions = NEXT_STEP_POSITIONS  # what it declares its next step may carry (see step_async)
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
         self.hops: list[Hop] = []
         try:
@@ -171,11 +179,11 @@ class RemoteSession:
             inputs = hop.inputs[:, :length] if hop.inputs is not None else None
             stream = InferenceStream(services.p2p, hop.link.peer_id, hop.link.start, hop.link.end,
                                      services.open_timeout, services.step_channels)
-            forked = Hop(hop.link, stream, inputs)
+            forked = Hop(hop.link, stream, inputs, self.next_positions)
             services.load.opened(hop.link.peer_id)
             try:
                 services.loop.run(stream.open(self.max_length, self.batch_size, fork=(hop.stream, length),
-                                              adapter=self.route.adapter))
+                                              adapter=self.route.adapter, next_positions=self.next_positions))
                 self.hops.append(forked)
                 continue
             except Exception as error:  # gone, full, or the source session closed there: recompute
@@ -188,15 +196,23 @@ class RemoteSession:
                 self._replay(replacement, inputs)
         self.position = length
 
-    def step(self, hidden: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, position: Optional[int] = None,
+             next_positions: Optional[int] = None) -> torch.Tensor:
         """Run new positions (batch, length, hidden) through every server; `position` < current rewinds.
         Call it from any thread but the client's event loop (see step_async)."""
-        return self.services.loop.run(self.step_async(hidden, position))
+        return self.services.loop.run(self.step_async(hidden, position, next_positions))
 
-    async def step_async(self, hidden: torch.Tensor, position: Optional[int] = None) -> torch.Tensor:
+    async def step_async(self, hidden: torch.Tensor, position: Optional[int] = None,
+                         next_positions: Optional[int] = None) -> torch.Tensor:
         """`step` on the client's event loop: the gateway's engine loop starts the steps of all its sessions
         this way without a thread each. The steady path never leaves the loop; a failover (routing, waiting,
-        backoff, replay) and a spot check run on a worker thread, so that they hold up no other session."""
+        backoff, replay) and a spot check run on a worker thread, so that they hold up no other session.
+        `next_positions`: the most positions the session's next step will carry, if the caller knows (a prompt's
+        next chunk); it is declared from now on (servers compute pushes of no longer steps)."""
+        if next_positions is not None:
+            if next_positions < 0:
+                raise ValueError(f"next_positions must be >= 0, got {next_positions}")
+            self.next_positions = next_positions
         position = self.position if position is None else position
         end = position + hidden.shape[1]
         if end > self.max_length:
@@ -211,6 +227,8 @@ class RemoteSession:
             hop = self.hops[index]
             hop.record(output, position)
             following = self.hops[index + 1] if index + 1 < len(self.hops) else None
+            if following is not None and output.shape[1] > following.declared:  # its server would not compute it
+                following = None
             try:
                 hop_output = await self._step_hop_async(hop, output, position, following)
                 if check is not None and check.link == hop.link:  # raises if the hop lied
@@ -233,7 +251,8 @@ class RemoteSession:
         timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
         began = time.perf_counter()
         push_to = following.stream if following is not None else None
-        output = await hop.stream.step(hidden, position, timeout, self._steps, push_to)
+        output = await hop.stream.step(hidden, position, timeout, self._steps, push_to, self.next_positions)
+        hop.declared = self.next_positions
         output = checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
         if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
             self.services.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
@@ -309,9 +328,10 @@ class RemoteSession:
                 for link in chain:
                     stream = InferenceStream(services.p2p, link.peer_id, link.start, link.end, services.open_timeout,
                                              services.step_channels)
-                    hops.append(Hop(link, stream))
+                    hops.append(Hop(link, stream, declared=self.next_positions))
                     services.load.opened(link.peer_id)
-                    services.loop.run(stream.open(self.max_length, self.batch_size, adapter=self.route.adapter))
+                    services.loop.run(stream.open(self.max_length, self.batch_size, adapter=self.route.adapter,
+                                                  next_positions=self.next_positions))
                 return hops
             except BaseException as error:
                 for hop in hops:  # the servers already opened free their cache at once

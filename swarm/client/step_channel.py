@@ -23,6 +23,10 @@ from swarm.wire import BlockRPC, pack, stacked, step_shape, unpack, unstacked
 # a step of more positions travels alone (it would hold up the others' reply): a decode step, or 1 + a draft
 # being verified (config.MAX_SPECULATIVE_TOKENS), goes with the others
 MULTIPLEX_MAX_POSITIONS = 33
+# what a session declares, at its opening and in each step, that its next step to a server may carry, unless its
+# caller says (RemoteSession.next_positions): a short step, decode or 1 + a draft. A server computes a step pushed
+# by the previous server of the chain only up to what was declared (see swarm/server/sessions.py)
+NEXT_STEP_POSITIONS = MULTIPLEX_MAX_POSITIONS
 # tokens (rows x positions) of short steps in one message: servers refuse a message of more tokens than one
 # request may carry (--max-request-tokens, 8,192 by default); the steps past it go in the next message
 MULTIPLEX_MAX_TOKENS = 1024
@@ -49,7 +53,7 @@ async def until_none(requests: asyncio.Queue):
 @dataclass
 class _Step:
     hidden: torch.Tensor  # (batch, positions, hidden)
-    entry: dict  # its line of the message's steps: {session_id, position, step_id, push_to?}
+    entry: dict  # its line of the message's steps: {session_id, position, step_id, next_positions, push_to?}
     timeout: float
     blocks: str  # named in errors
     result: asyncio.Future

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, MalformedOutputsError, StepChannels, until_none
+from swarm.client.step_channel import (MULTIPLEX_MAX_POSITIONS, NEXT_STEP_POSITIONS, MalformedOutputsError,
+                                       StepChannels, until_none)
 from swarm.protocol import ServerUnavailableError
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
 
@@ -86,16 +87,17 @@ class InferenceStream:
         self._responses = None
 
     async def open(self, max_length: int, batch_size: int, fork: Optional[tuple["InferenceStream", int]] = None,
-                   adapter: Optional[str] = None) -> None:
+                   adapter: Optional[str] = None, next_positions: int = NEXT_STEP_POSITIONS) -> None:
         """Open the session (through the LoRA `adapter`, if any); with `fork` (a stream of this server's, a
-        length), as a fork of that stream's session sharing the cache of its first `length` positions."""
+        length), as a fork of that stream's session sharing the cache of its first `length` positions. Its first
+        step may be pushed by the previous server with at most `next_positions` positions."""
         stub = BlockRPC.get_stub(self.p2p, PeerID.from_base58(self.peer_id))
         try:
             self._responses = await asyncio.wait_for(stub.rpc_inference(self._iterate_requests()), self.timeout)
         except Exception as error:
             raise ServerUnavailableError(f"server {self.peer_id} could not be reached: {error!r}") from None
         opening = {"start": self.start, "end": self.end, "max_length": max_length, "batch_size": batch_size,
-                   "session_id": self.session_id}
+                   "session_id": self.session_id, "next_positions": next_positions}
         if fork is not None:
             opening["fork"] = {"session_id": fork[0].session_id, "length": fork[1]}
         if adapter is not None:
@@ -107,12 +109,15 @@ class InferenceStream:
         await self._exchange(pack(metadata={"park": True}), timeout or self.timeout)
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None, step_id: int = 0,
-                   push_to: Optional["InferenceStream"] = None) -> torch.Tensor:
+                   push_to: Optional["InferenceStream"] = None, next_positions: int = NEXT_STEP_POSITIONS
+                   ) -> torch.Tensor:
         """The outputs for these positions; a server silent for `timeout` seconds counts as failed (after a
         timeout the session must not be stepped here again: the server may have run the step, or may yet).
         With `push_to`, the server also pushes the outputs to that stream's server, which starts step `step_id`
-        before the client sends it."""
-        entry = {"session_id": self.session_id, "position": position, "step_id": step_id}
+        before the client sends it. The server computes a push of the step after this one only if it carries at
+        most `next_positions` positions (see swarm/server/sessions.py)."""
+        entry = {"session_id": self.session_id, "position": position, "step_id": step_id,
+                 "next_positions": next_positions}
         if push_to is not None:
             entry["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
         channel = self.channels.get(self.peer_id)

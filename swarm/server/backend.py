@@ -14,7 +14,7 @@ import torch
 from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError, SwarmError
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, SessionCache, pages_for
-from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, int_field, is_int
+from swarm.server.sessions import OpenSessions, ServerServices, ServerSession, declared_positions, int_field, is_int
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
 from swarm.server.step_batch import run_steps, start_pushed
@@ -38,7 +38,8 @@ class Backend:
         self.max_positions = span.max_positions
         self.scheduler = Scheduler(lambda: self.span, **batching)
         self.sessions = OpenSessions()
-        self.warm = WarmSessions(self.sessions, budget, limits.warm_cache_share)  # parked sessions (see warm.py)
+        # parked sessions (see warm.py): all of them hold pages of the span's pool (move_to evicts them)
+        self.warm = WarmSessions(budget, limits.warm_cache_share, lambda: self.span.pool)
         self.cache_by_peer: Counter[str] = Counter()  # cache slots each peer's sessions hold or wait for (> 0)
         # forwards longer than a chunk run one at a time: each holds a temporary cache (see _forward_in_chunks)
         self._long_forwards = asyncio.Semaphore(1)
@@ -48,6 +49,7 @@ class Backend:
         pool comes first: if it cannot be had (out of memory), nothing has changed and the old span serves on.
         Work submitted for the old span fails with an error the client retries (Scheduler._without_stale)."""
         span.new_pool(self.budget.total)  # the evicted sessions give their pages back to the old span's pool
+        self.warm.close_all()  # parked: nobody is stepping them, and none can step here again
         for session in list(self.sessions):
             session.evicted = True
         self.span = span
@@ -67,7 +69,7 @@ class Backend:
             "cache_tokens_free": self.budget.free,
             "cache_pages_used": self.span.pool.pages - self.span.pool.free_pages,
             "cache_pages_shared": self.span.pool.shared_pages,  # held by several sessions (forks): copy-on-write
-            "parked_sessions": len(self.warm.parked()),
+            "parked_sessions": self.warm.count,
             "parked_tokens": self.warm.parked_tokens(),
             "positions_served": self.sessions.positions_served,
             "steps_pushed": self.sessions.steps_pushed,
@@ -126,6 +128,7 @@ class Backend:
         adapter = self._adapter(metadata)
         max_length = int_field(metadata, "max_length", 1, self.max_positions)
         batch_size = int_field(metadata, "batch_size", 1, MAX_BATCH_SIZE)
+        next_positions = declared_positions(metadata, max_length)  # what its first step may be pushed with
         session_id = metadata.get("session_id")
         if session_id is not None and not (isinstance(session_id, str) and 16 <= len(session_id) <= 64):
             raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
@@ -142,9 +145,9 @@ class Backend:
             cache, length = self.span.new_cache(batch_size), 0
         services = ServerServices(self.sessions, self.check_hidden_states, self.run_steps, self.take_cache,
                                   self.take_cache_now, self.give_back_cache, self.limits.session_idle_timeout,
-                                  self.warm.trim)
+                                  self.warm)
         session = ServerSession(services, cache, start, end, max_length, batch_size, peer_id, session_id, length,
-                                adapter)
+                                adapter, next_positions)
         try:
             if not cache.pages:  # its first page (a fork pays for its pages as it writes)
                 await session.reserve(0, 1)

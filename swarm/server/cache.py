@@ -18,6 +18,10 @@ pages of positions [0, L) of the source's tables instead of copies. A shared pag
 step writes positions [p, end), SessionCache.prepare replaces each shared page covering them by a private copy
 (on the event loop, like every page taken). The budget counts physical pages: a page's slots come back when
 its last holder lets go (release returns how many pages that freed).
+
+The pool also keeps, as pages are taken, shared, given back and parked, how many pages only parked sessions
+hold (what evicting every parked session would free, see swarm/server/warm.py) and how many are shared: each
+count changes by one page at a time, so parking a session costs its own pages, and reading a count nothing.
 """
 
 from __future__ import annotations
@@ -100,19 +104,30 @@ class KVPool:
             tensor[:, self.zero_slot : self.scratch_slot].zero_()  # padding reads it: finite (0 x NaN is NaN)
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
         self._holders = [0] * pages  # how many page tables hold each page (0: free)
+        self._parked = [0] * pages  # how many of them are parked sessions' (SessionCache.set_parked)
+        self.shared_pages = 0  # pages that more than one page table holds
+        self.parked_only_pages = 0  # pages that only parked sessions' tables hold: evicting them frees these
         self._free_lock = threading.Lock()  # a caller on another thread must never get a page handed out twice
 
     @property
     def free_pages(self) -> int:
         return len(self._free)
 
-    @property
-    def shared_pages(self) -> int:
-        """Pages that more than one page table holds."""
-        return sum(1 for holders in self._holders if holders > 1)
-
     def holders(self, page: int) -> int:
         return self._holders[page]
+
+    def parked_only(self, page: int) -> bool:
+        """Whether only parked sessions hold `page` (evicting them would free it)."""
+        return 0 < self._holders[page] == self._parked[page]
+
+    def _hold(self, page: int, holders: int, parked: int) -> None:
+        """`holders` more holders of `page`, `parked` of them parked (either may be negative), and the counts
+        kept; under the lock."""
+        was_shared, was_parked_only = self._holders[page] > 1, self.parked_only(page)
+        self._holders[page] += holders
+        self._parked[page] += parked
+        self.shared_pages += (self._holders[page] > 1) - was_shared
+        self.parked_only_pages += self.parked_only(page) - was_parked_only
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values, (slots, kv_heads, head_dim) each."""
@@ -123,11 +138,12 @@ class KVPool:
         return torch.tensor([table[:pages] + [self.zero_page] * (pages - len(table)) for table in tables])
 
     def take_page(self) -> int:
+        """A free page, for one holder (one in use: see SessionCache.prepare)."""
         with self._free_lock:
             if not self._free:  # the budget keeps this from happening; a bug must not corrupt another session
                 raise CacheFullError("the server's cache pool has no free page")
             page = self._free.pop()
-            self._holders[page] = 1
+            self._hold(page, 1, 0)
         # attention reads whole pages, masking the positions past a sequence's length: those must hold finite
         # values (a masked 0 x NaN is still NaN), and memory never written may hold anything
         for tensor in (self.keys, self.values):
@@ -143,24 +159,31 @@ class KVPool:
             tensor[:, target] = tensor[:, source]
         return copy
 
-    def share(self, pages: list[int]) -> None:
-        """One more holder for each of these pages (held already)."""
+    def share(self, pages: list[int], parked: bool = False) -> None:
+        """One more holder (a parked one, if `parked`) for each of these pages (held already)."""
         with self._free_lock:
             for page in pages:
                 if self._holders[page] < 1:
                     raise RuntimeError(f"page {page} is free: it cannot be shared")
-                self._holders[page] += 1
+                self._hold(page, 1, 0)
 
-    def give_back(self, pages: list[int]) -> int:
-        """One holder less for each of these pages; those nobody holds any more are free again. Returns how many."""
+    def give_back(self, pages: list[int], parked: bool = False) -> int:
+        """One holder less (a parked one, if `parked`) for each of these pages; those nobody holds any more are
+        free again. Returns how many."""
         freed = 0
         with self._free_lock:
             for page in pages:
-                self._holders[page] -= 1
+                self._hold(page, -1, -parked)
                 if self._holders[page] == 0:
                     self._free.append(page)
                     freed += 1
         return freed
+
+    def park(self, pages: list[int], parked: bool) -> None:
+        """A holder of these pages was parked (`parked`), or is no longer."""
+        with self._free_lock:
+            for page in pages:
+                self._hold(page, 0, 1 if parked else -1)
 
     def slot_map(self, tables: list[list[int]], positions: int) -> torch.Tensor:
         """(sequences, positions): the pool slot of each position 0..positions-1 of each page table (past a
@@ -180,6 +203,18 @@ class SessionCache:
         self.pool, self.rows = pool, rows
         self.tables: list[list[int]] = [[] for _ in range(rows)]
         self.released = False
+        self.parked = False  # its session is parked: the pool counts its pages as a parked holder's
+
+    def set_parked(self, parked: bool) -> None:
+        """Its session was parked, or is no longer: the pool's counts of parked pages follow (its pages only)."""
+        if parked != self.parked:
+            self.parked = parked
+            for table in self.tables:
+                self.pool.park(table, parked)
+
+    def holds_parked_only(self) -> bool:
+        """Whether it holds a page that only parked sessions hold: evicting them all would free something."""
+        return any(self.pool.parked_only(page) for table in self.tables for page in table)
 
     @property
     def pages(self) -> int:
@@ -206,6 +241,14 @@ class SessionCache:
         replaced by private copies. Returns how many pages it took."""
         if self.released:
             raise ServerUnavailableError("this session's cache was given back: the session has ended")
+        parked = self.parked  # (a push may start a parked session's step) counted as a holder in use's meanwhile
+        self.set_parked(False)
+        try:
+            return self._prepare(start, end)
+        finally:
+            self.set_parked(parked)
+
+    def _prepare(self, start: int, end: int) -> int:
         first, last = start // PAGE_TOKENS, pages_for(end)
         taken = 0
         for table in self.tables:
@@ -233,7 +276,7 @@ class SessionCache:
         """Let go of the pages past positions 0..positions-1 (a rewind: rejected draft tokens, a regenerate).
         Returns how many that freed (shared ones stay with their other holders)."""
         keep = pages_for(positions)
-        freed = sum(self.pool.give_back(table[keep:]) for table in self.tables)
+        freed = sum(self.pool.give_back(table[keep:], self.parked) for table in self.tables)
         self.tables = [table[:keep] for table in self.tables]
         return freed
 
@@ -251,7 +294,7 @@ class SessionCache:
     def release(self) -> int:
         """Let go of every page; only once no round can write them any more (see ServerSession). Returns how
         many pages that freed (shared ones stay with their other holders)."""
-        freed = sum(self.pool.give_back(table) for table in self.tables)
+        freed = sum(self.pool.give_back(table, self.parked) for table in self.tables)
         self.tables = [[] for _ in range(self.rows)]
-        self.released = True
+        self.released, self.parked = True, False
         return freed

@@ -4,6 +4,9 @@ ServerSession.pushed). Only to servers that announce the blocks the step goes on
 node finds them (a client names the peer, and could otherwise make the server send its outputs to any peer at
 the server's expense), and PUSHES_IN_FLIGHT messages at most on their way: past that, pushes are skipped (they
 only save time; the clients send the same inputs).
+
+On the receiving server, a push starts an early step (EarlyStep) of its session, if the session takes it (see
+ServerSession.pushed: only what the client's own next step will ask for).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Collection, Optional
 
 import torch
@@ -19,6 +23,7 @@ from hivemind.p2p import PeerID
 
 from swarm.protocol import SwarmError, error_from_wire
 from swarm.server import metrics
+from swarm.server.batching import Job
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
 
@@ -30,6 +35,27 @@ PUSHES_IN_FLIGHT = 64  # push messages on their way at once
 WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
 # how long the servers found under a block are trusted, and how often a peer not among them sends for a new look
 TARGETS_TTL, TARGETS_MISS_REFRESH, TARGETS_LOOKUP_TIMEOUT = 60.0, 5.0, 10.0
+
+
+@dataclass
+class EarlyStep:
+    """A step started from the previous server's push, before the client's own copy of its inputs came."""
+
+    step_id: int
+    hidden: torch.Tensor  # what the push carried
+    position: int
+    result: asyncio.Future  # its outputs, or its error (set once the compute thread is done with it)
+    job: Optional[Job] = None  # what the compute thread computes
+
+    def answers(self, hidden: torch.Tensor, metadata: dict) -> bool:
+        """Whether it computed these inputs, successfully: then its result is the client's step's result."""
+        if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
+            return False
+        position = metadata.get("position")
+        if type(position) is not int or position != self.position:  # msgpack's true is a Python int too
+            return False
+        pushed = self.hidden
+        return pushed.dtype == hidden.dtype and pushed.shape == hidden.shape and torch.equal(pushed, hidden)
 
 
 class PushTargets:

@@ -19,6 +19,7 @@ from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClose
 from swarm.server import metrics
 from swarm.server.batching import Job
 from swarm.server.cache import PAGE_TOKENS, SessionCache
+from swarm.server.pushes import EarlyStep
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,20 @@ class OpenSessions:
         return len(self._all)
 
 
+class Parking:
+    """Told when a session parks, stops being parked, or closes: swarm/server/warm.py keeps the parked sessions'
+    counts as they change (this one keeps nothing)."""
+
+    def on_park(self, session: "ServerSession") -> None:
+        pass
+
+    def on_unpark(self, session: "ServerSession") -> None:
+        pass
+
+    def on_close(self, session: "ServerSession") -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class ServerServices:
     """What a session uses of its server; the backend builds it."""
@@ -66,32 +81,11 @@ class ServerServices:
     take_cache_now: Callable[[str, int], bool]  # the same, where it needs no wait and nobody made to leave
     give_back_cache: Callable[[str, int], None]
     idle_timeout: float  # --session-idle-timeout (0: never)
-    # told when a session parks or closes: the parked sessions' share of the cache may have grown (see warm.py)
-    parked_changed: Callable[[], None] = lambda: None
+    parking: Parking = Parking()  # told when a session parks, un-parks or closes (see warm.py)
+
 
 class RoomNeeded(Exception):
     """A step's pages need more of the cache budget than is free now: the step waits for room (reserve)."""
-
-
-@dataclass
-class EarlyStep:
-    """A step started from the previous server's push, before the client's own copy of its inputs came."""
-
-    step_id: int
-    hidden: torch.Tensor  # what the push carried
-    position: int
-    result: asyncio.Future  # its outputs, or its error (set once the compute thread is done with it)
-    job: Optional[Job] = None  # what the compute thread computes
-
-    def answers(self, hidden: torch.Tensor, metadata: dict) -> bool:
-        """Whether it computed these inputs, successfully: then its result is the client's step's result."""
-        if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
-            return False
-        position = metadata.get("position")
-        if not is_int(position) or position != self.position:
-            return False
-        pushed = self.hidden
-        return pushed.dtype == hidden.dtype and pushed.shape == hidden.shape and torch.equal(pushed, hidden)
 
 
 class ServerSession:
@@ -104,6 +98,13 @@ class ServerSession:
     continues the session where it is (never rewinds it), and a pushed step whose inputs differ from the
     client's copy (a server that pushes other outputs than it returns to the client) runs again from the
     client's copy. Steps of a session never overlap, whoever sends them.
+
+    Whoever knows the session's id (the chain's previous server) can push, so a push is computed only where it
+    is what the client's own next step will ask for: at the session's length, and of no more positions than the
+    client declared, at the opening and in each of its steps, its next step may carry (field 'next_positions':
+    1 for a decode step, 1 + a draft while drafting, a prompt's size). Until the client's copy of a pushed step
+    comes (and declares anew), no other push is computed. Any other push is refused, and the client's copy runs:
+    a hostile peer can make a session compute at most one step of the client's own size per step of the client.
 
     The server closes a session that has had no step for --session-idle-timeout seconds, or, idle, to make
     room for another peer when its peer holds at least as much of the cache (Backend.take_cache): its cache
@@ -121,13 +122,14 @@ class ServerSession:
 
     def __init__(self, server: ServerServices, cache: SessionCache, start: int, end: int, max_length: int,
                  batch_size: int, peer_id: str, session_id: Optional[str] = None, length: int = 0,
-                 adapter: Optional[str] = None):
+                 adapter: Optional[str] = None, next_positions: int = 0):
         self.server, self.start, self.end = server, start, end
         self.adapter = adapter  # the LoRA adapter every step of it goes through (None: the base model)
         self.max_length, self.batch_size, self.peer_id, self.id = max_length, batch_size, peer_id, session_id
         self.cache = cache  # empty, or a fork's shared pages: it takes pages as it grows
         self.length = length  # positions filled in the cache
         self.parked = False  # its client keeps it warm for reuse: the server may close it to make room
+        self.push_allowance = next_positions  # the most positions a push may carry now (see the class)
         self._closed = False
         self.closed_because: Optional[str] = None  # "idle", "reclaimed" or "evicted" when the server closed it
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
@@ -161,10 +163,11 @@ class ServerSession:
     def take_early(self, metadata: dict) -> Optional[EarlyStep]:
         """The client's copy of a step came: the pushed step started before it, if any (then forgotten). The
         step waits for it (steps never overlap), and takes its result if it computed the same inputs."""
-        self.parked = False  # at once: no eviction may close it while the step waits its turn
         step_id = metadata.get("step_id")
         if step_id is not None and not is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        self.push_allowance = declared_positions(metadata, self.max_length)  # for the step after this one
+        self._unpark()  # at once: no eviction may close it while the step waits its turn
         early, self._early = self._early, None
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
@@ -218,22 +221,32 @@ class ServerSession:
     def pushed(self, hidden: torch.Tensor, metadata: dict) -> Optional[EarlyStep]:
         """A step's inputs pushed by the previous server: an early step, its job to start now; None where the
         client's copy will do (it came first, or an earlier push awaits it, or the push would not continue the
-        session where it is: an honest one only rewinds it when the client does)."""
+        session where it is: an honest one only rewinds it when the client does). Refused (BadRequestError)
+        where it carries more positions than the client declared its next step may (see the class)."""
         step_id = metadata.get("step_id")
         if not is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
         if step_id <= self._newest_step or self._early is not None or metadata.get("position") != self.length \
                 or self.stepping:
             return None
+        if hidden.shape[1] > self.push_allowance:
+            raise BadRequestError(self._over_allowance(hidden.shape[1]))
         try:
             job = self.begin_step(hidden, metadata)
         except RoomNeeded:
             return None
         self._newest_step = step_id
-        self.parked = False
+        self._unpark()
         self.server.open_sessions.steps_pushed += 1
         self._early = EarlyStep(step_id, hidden, self.length, asyncio.get_running_loop().create_future(), job)
         return self._early
+
+    def _over_allowance(self, positions: int) -> str:
+        if not self.push_allowance:
+            return ("a pushed step is computed only where the client declared its next step (field "
+                    "'next_positions'), and it declared none; the client's own copy will run")
+        return (f"a pushed step of {positions} positions is over the {self.push_allowance} the client declared its "
+                f"next step may carry (field 'next_positions'): not computed; the client's own copy will run")
 
     def early_settled(self, early: EarlyStep, result) -> None:
         """A pushed step's job is done: the session's step ends, and its result awaits the client's copy."""
@@ -306,10 +319,16 @@ class ServerSession:
         return self.cache.fork(length)
 
     def park(self) -> None:
-        """Its client keeps it for reuse, idle: the server may close it to make room (see warm.py)."""
-        if not self._closed:
+        """Its client keeps it for reuse, idle: the server may close it to make room (see warm.py). A session of
+        blocks the server no longer serves is not kept: its client's next step goes elsewhere anyway."""
+        if not (self._closed or self.evicted or self.parked):
             self.parked = True
-            self.server.parked_changed()
+            self.server.parking.on_park(self)
+
+    def _unpark(self) -> None:
+        if self.parked:
+            self.parked = False
+            self.server.parking.on_unpark(self)
 
     def _wanted(self) -> bool:
         return not (self._closed or self.evicted)
@@ -341,7 +360,7 @@ class ServerSession:
     def close(self, reason: Optional[str] = None) -> None:
         """End the session: by its client (reason None), or by the server ("idle", "reclaimed", "evicted")."""
         if not self._closed:
-            self._closed, self.closed_because = True, reason
+            self._closed, self.closed_because, self.parked = True, reason, False
             if reason is not None:
                 metrics.SESSIONS_CLOSED.labels(reason).inc()
                 logger.info("closed a session of peer %s (%s), freeing %d cache tokens", self.peer_id, reason,
@@ -356,11 +375,20 @@ class ServerSession:
                 self._give_back_cache()
             self.server.open_sessions.discard(self)
             metrics.SESSIONS.dec()
-            self.server.parked_changed()  # pages it shared with parked sessions may now be theirs alone
+            self.server.parking.on_close(self)
 
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # msgpack's true is a Python int too
+
+
+def declared_positions(metadata: dict, max_length: int) -> int:
+    """What a client's opening or step declares its next step may carry (field 'next_positions'; none: 0), up
+    to the session's max_length (no step is longer)."""
+    value = metadata.get("next_positions", 0)
+    if not is_int(value) or value < 0:
+        raise BadRequestError(f"field 'next_positions' must be an integer >= 0, got {value!r:.80}")
+    return min(value, max_length)
 
 
 def int_field(metadata: dict, name: str, low: int, high: int) -> int:

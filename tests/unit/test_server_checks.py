@@ -129,8 +129,8 @@ def test_a_push_that_differs_from_the_clients_copy_is_run_again(run_backend, spa
     copy of the inputs is what the session runs."""
     prompt, forged = torch.randn(1, 3, HIDDEN), torch.randn(1, 3, HIDDEN)
 
-    async def scenario(backend):
-        session = await backend.open_session({**OPENING, "session_id": "s" * 32}, "client")
+    async def scenario(backend):  # the opening declares a first step of 3 positions: a push of 3 is computed
+        session = await backend.open_session({**OPENING, "session_id": "s" * 32, "next_positions": 3}, "client")
         assert backend.accept_pushes([(forged, {"session_id": "s" * 32, "step_id": 1, "position": 0})]) == [None]
         output = await session.step([prompt], {"step_id": 1, "position": 0})
         torch.testing.assert_close(output, span(prompt), atol=1e-4, rtol=0)
