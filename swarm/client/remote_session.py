@@ -124,12 +124,15 @@ class RemoteSession:
     """
 
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
-                 on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None):
-        """`forked`: (a session, a length) to start as a fork of (see fork), else the session starts empty."""
+                 on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None,
+                 first_positions: int = NEXT_STEP_POSITIONS):
+        """`forked`: (a session, a length) to start as a fork of (see fork), else the session starts empty.
+        `first_positions`: the most its first step will carry (a prompt's length, if known), which its servers
+        are told at the opening (see step_async)."""
         self.services, self.route, self.max_length, self.batch_size = services, route, max_length, batch_size
         self.on_wait = on_wait
         self.position = 0  # tokens already in the servers' caches
-        self.next_positions = NEXT_STEP_POSITIONS  # what it declares its next step may carry (see step_async)
+        self.next_positions = first_positions  # what it declares its next step may carry (see step_async)
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
         self.hops: list[Hop] = []
         try:
