@@ -128,7 +128,8 @@ class BlockHandler(BlockRPC):
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Sessions' steps, pushed by the previous server of their clients' chains: it may name a session only
-        by its random id, which the client gave only to that server. Started at once, as one batch."""
+        by its random id, which the client gave only to that server. Started at once, as one batch, those that
+        are what the client's own next step will ask for (ServerSession.pushed); the others are refused."""
         try:
             self._check_caller(context)
             unpack_metadata(request, self._max_metadata_bytes())
