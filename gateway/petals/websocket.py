@@ -119,6 +119,7 @@ class Connection:
         if raw is None:
             self.send(error_body(IdleTimeout(f"closing the connection after {self.idle_timeout:g} s without a "
                                              "message (WS_IDLE_TIMEOUT); reconnect to go on")))
+            self.leave_session()  # before the close frame: a client that saw it finds the session's caches freed
             self.ws.close(reason=CloseReason.NORMAL_CLOSURE, message="idle timeout")
         return raw
 
