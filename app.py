@@ -90,6 +90,9 @@ def _parser():
     parser.add_argument("--allowed-methods", "--allow-methods", nargs="+", help="CORS methods (default: *)")
     parser.add_argument("--allowed-headers", "--allow-headers", nargs="+", help="CORS headers (default: *)")
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--keyless-sharing", action="store_true", help="without API keys, everyone who reaches the "
+                        "gateway is one trusted user (a laptop's own gateway): saved states, MLC's stateful chat and "
+                        "prefix reuse across requests are on (KEYLESS_SHARING)")
     parser.add_argument("--trusted-proxies", type=int, help="reverse proxies in front whose X-Forwarded-For "
                         "names the client (default: 0)")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default: INFO")
@@ -121,6 +124,7 @@ def main(argv=None) -> None:
         "ALLOWED_METHODS": ",".join(args.allowed_methods or []),
         "ALLOWED_HEADERS": ",".join(args.allowed_headers or []),
         "ALLOW_CREDENTIALS": "true" if args.allow_credentials else "",
+        "KEYLESS_SHARING": "1" if args.keyless_sharing else "",
         "TRUSTED_PROXIES": args.trusted_proxies,
         "LOG_LEVEL": args.log_level,
         "SESSION_STORE": args.session_store,

@@ -101,3 +101,23 @@ def test_keyless_sharing_is_off_unless_the_environment_turns_it_on():
     assert not AccessSettings.from_env({}).keyless_sharing and not AccessSettings.from_env({}).keeps_caller_state
     assert AccessSettings.from_env({"KEYLESS_SHARING": "1"}).keeps_caller_state
     assert AccessSettings.from_env({"API_KEYS": "k1"}).keeps_caller_state
+
+
+
+def test_python_app_py_keyless_sharing_flag_hands_the_setting_to_gunicorn():
+    """`python app.py --keyless-sharing` (a laptop's own gateway) sets KEYLESS_SHARING for gunicorn's worker (in a
+    process of its own: app.py configures the process's logging)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import runpy, sys, gunicorn.app.wsgiapp as wsgiapp; wsgiapp.run = lambda: print(sys.argv); "
+              "sys.argv = ['app.py', *sys.argv[1:]]; runpy.run_path('app.py', run_name='__main__')")
+    root = Path(__file__).resolve().parents[2]
+
+    def gunicorn_argv(*flags: str) -> str:
+        return subprocess.run([sys.executable, "-c", script, *flags], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=120).stdout
+
+    assert "KEYLESS_SHARING=1" in gunicorn_argv("--keyless-sharing")
+    assert "KEYLESS_SHARING" not in gunicorn_argv()
