@@ -29,8 +29,9 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
-PROTOCOL_VERSION = "0.5.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages; 0.4: a message's steps stacked in one tensor
+PROTOCOL_VERSION = "0.6.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages; 0.4: a message's steps stacked in one tensor
 # 0.5: openings and steps declare their next step's positions (next_positions): servers compute pushes only within
+# it; 0.6: flowing steps (a step's entry may await its inputs pushed by the previous server: 'await_push')
 # servers keep attention caches in pages of this many positions, and grow a session's cache a page at a time:
 # a new session needs room for one page (what the client asks of the servers it routes to), not its max_length
 PAGE_TOKENS = 16
@@ -76,6 +77,13 @@ class SessionClosedError(ServerUnavailableError):
     so the client goes on elsewhere (or there again) without holding it against the server."""
 
     code = "session_closed"
+
+
+class NoPushError(SwarmError):
+    """A step that waited for its inputs to be pushed by the previous server (a flowing step) got none in time:
+    the client sends them itself."""
+
+    code = "no_push"
 
 
 class NotAllowedError(SwarmError):

@@ -12,10 +12,11 @@ from typing import Callable, Collection, Optional
 import torch
 
 from swarm.client import metrics
+from swarm.client.flowing import FLOW_GRACE, Flow, flowing_by_default
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
 from swarm.client.spot_check import LIAR_BAN_SECONDS, SpotChecker
-from swarm.client.step_channel import NEXT_STEP_POSITIONS
+from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, NEXT_STEP_POSITIONS
 from swarm.client.stubs import InferenceStream, MalformedOutputsError, StepChannels, checked_outputs
 from swarm.dht import EventLoop
 from swarm.protocol import (
@@ -117,11 +118,18 @@ class RemoteSession:
     Each server of the chain pushes a step's outputs on to the next one, which starts at once; a server computes
     a push only up to the positions the session declared its next step there may carry (`next_positions`, at
     the opening and in each step: a short step by default), so a step longer than that is not asked to be pushed.
+    With `flowing` (the FLOWING_STEPS setting by default), a short step goes to every server at once, its inputs
+    only to the first, and flows down the chain by the pushes (swarm/client/flowing.py); else the client relays
+    each hop's outputs to the next.
 
     A session kept for reuse while it has no step to send is parked (park): its servers may then close it to
     make room, and its next step recomputes it (replay) where they did. A fork (fork) continues from its first
     positions in a new session whose servers share their pages of them with this one's (copy-on-write).
     """
+
+    flowing = False  # see swarm/client/flowing.py (a session's default: the FLOWING_STEPS setting)
+    flow_grace = FLOW_GRACE
+    pushes_missed = 0  # flowing steps whose push did not come in time: the client sent their inputs
 
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
                  on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None,
@@ -134,6 +142,7 @@ class RemoteSession:
         self.position = 0  # tokens already in the servers' caches
         self.next_positions = first_positions  # what it declares its next step may carry (see step_async)
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
+        self.flowing = flowing_by_default()
         self.hops: list[Hop] = []
         try:
             if forked is None:
@@ -143,6 +152,10 @@ class RemoteSession:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def step_id(self) -> int:
+        return self._steps
 
     @property
     def chain(self) -> list[ChainLink]:
@@ -226,21 +239,34 @@ class RemoteSession:
         self._steps += 1
         spot_checks = self.services.spot_checks
         check = await asyncio.to_thread(spot_checks.plan, self.route, self.chain) if spot_checks.rate > 0 else None
-        while index < len(self.hops):
-            hop = self.hops[index]
-            hop.record(output, position)
-            following = self.hops[index + 1] if index + 1 < len(self.hops) else None
-            if following is not None and output.shape[1] > following.declared:  # its server would not compute it
-                following = None
-            try:
-                hop_output = await self._step_hop_async(hop, output, position, following)
-                if check is not None and check.link == hop.link:  # raises if the hop lied
-                    await asyncio.to_thread(spot_checks.verify, check, hop.inputs, hop_output)
-                output = hop_output
-                index += 1
-            # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
-            except (*SERVER_FAULTS, CacheFullError) as error:
-                output, index = await asyncio.to_thread(self._fail_over, index, error, output.shape[1])
+        flow = None
+        if self.flowing and len(self.hops) > 1 and output.shape[1] <= MULTIPLEX_MAX_POSITIONS:
+            timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * output.shape[1]
+            flow = Flow(self, output, position, timeout, self.flow_grace)
+        try:
+            while index < len(self.hops):
+                hop = self.hops[index]
+                hop.record(output, position)
+                following = self.hops[index + 1] if index + 1 < len(self.hops) else None
+                if following is not None and output.shape[1] > following.declared:  # it would not compute it
+                    following = None
+                try:
+                    if flow is not None and flow.flows_to(hop):
+                        hop_output = await flow.output(hop, output, position, following)
+                    else:
+                        hop_output = await self._step_hop_async(hop, output, position, following)
+                    if check is not None and check.link == hop.link:  # raises if the hop lied
+                        await asyncio.to_thread(spot_checks.verify, check, hop.inputs, hop_output)
+                    output = hop_output
+                    index += 1
+                # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
+                except (*SERVER_FAULTS, CacheFullError) as error:
+                    if flow is not None:  # the rest of the step is relayed
+                        flow.abandon()
+                    output, index = await asyncio.to_thread(self._fail_over, index, error, output.shape[1])
+        finally:
+            if flow is not None:  # a step cancelled or failed: nothing is left waiting for it
+                flow.abandon()
         self.position = end
         return output.to(hidden.dtype)
 

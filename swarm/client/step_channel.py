@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -52,11 +52,33 @@ async def until_none(requests: asyncio.Queue):
 
 @dataclass
 class _Step:
-    hidden: torch.Tensor  # (batch, positions, hidden)
+    hidden: Optional[torch.Tensor]  # (batch, positions, hidden); None: a flowing step, whose inputs come pushed
     entry: dict  # its line of the message's steps: {session_id, position, step_id, next_positions, push_to?}
     timeout: float
     blocks: str  # named in errors
     result: asyncio.Future
+
+    @property
+    def shape(self) -> dict:
+        """Its rows and length: of its inputs, or as a flowing step's entry declares them."""
+        if self.hidden is None:
+            return {"rows": self.entry["rows"], "length": self.entry["length"]}
+        return step_shape(self.hidden)
+
+    @property
+    def tokens(self) -> int:
+        return self.shape["rows"] * self.shape["length"]
+
+
+@dataclass
+class _Lane:
+    """Short steps of one kind (sent, or flowing) that travel together: while its message is in flight, the next
+    ones wait for its reply. Flowing steps have a lane of their own: their message waits for pushes, and must
+    not hold up the steps sent meanwhile (a lost push's copy among them)."""
+
+    queue: list = field(default_factory=list)  # steps waiting for the lane's message's reply
+    batching: bool = False  # the lane's message is in flight
+    flush_due: bool = False  # a send of the queued steps is scheduled on the loop
 
 
 @dataclass
@@ -64,7 +86,7 @@ class _Message:
     stream: "_StepStream"
     steps: list[_Step]
     expiry: asyncio.TimerHandle
-    batched: bool  # the channel's message of short steps (while it is in flight, short steps wait)
+    lane: Optional[_Lane]  # the lane whose message of short steps it is (while it is in flight, they wait)
 
 
 class _StepStream:
@@ -113,28 +135,28 @@ class StepChannel:
         self.p2p, self.peer_id, self.connect_timeout = p2p, peer_id, connect_timeout
         self.messages_sent = self.steps_sent = 0
         self._stream: Optional[_StepStream] = None
-        self._queue: list[_Step] = []  # short steps waiting for the batched message's reply
+        self._lanes = (_Lane(), _Lane())  # short steps sent, and flowing steps
         self._messages: dict[int, _Message] = {}  # in flight, by message id
-        self._batching = False  # the message of short steps is in flight
-        self._flush_due = False  # a send of the queued steps is scheduled on the loop
         self._ids = itertools.count()
 
-    async def step(self, hidden: torch.Tensor, entry: dict, timeout: float, blocks: str) -> torch.Tensor:
+    async def step(self, hidden: Optional[torch.Tensor], entry: dict, timeout: float, blocks: str) -> torch.Tensor:
+        """A step's outputs; `hidden` None: a flowing step, whose entry says its rows and length."""
         step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future())
-        if hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
+        if step.shape["length"] > MULTIPLEX_MAX_POSITIONS:
             message_id = next(self._ids)
-            if hidden.numel() > PACK_OFF_LOOP_VALUES:
+            if hidden is not None and hidden.numel() > PACK_OFF_LOOP_VALUES:
                 message = await asyncio.to_thread(_pack, [step], message_id)
             else:
                 message = _pack([step], message_id)
-            self._send([step], batched=False, message_id=message_id, message=message)
+            self._send([step], lane=None, message_id=message_id, message=message)
         else:
-            self._queue.append(step)
-            if not self._batching and not self._flush_due:
+            lane = self._lanes[hidden is None]
+            lane.queue.append(step)
+            if not lane.batching and not lane.flush_due:
                 # sent once the loop has run what is ready now: the steps that sessions hand over in the same
                 # turn of the loop (all the steps an engine tick starts, or that one reply resumes) leave together
-                self._flush_due = True
-                asyncio.get_running_loop().call_soon(self._flush)
+                lane.flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush, lane)
         try:
             return await asyncio.wait_for(step.result, timeout)  # on a timeout, a queued step is dropped
         except asyncio.TimeoutError:
@@ -155,9 +177,9 @@ class StepChannel:
             return  # else a late reply to a message given up on
         self._forget(message_id)
         _deliver(message.steps, tensors, metadata, self.peer_id)
-        if message.batched:
-            self._batching = False
-            self._send_queued()
+        if message.lane is not None:
+            message.lane.batching = False
+            self._send_queued(message.lane)
 
     def broken(self, stream: _StepStream, reason: str, error_type: type = ServerUnavailableError) -> None:
         """Fail every step in flight on `stream`; the steps that come later go on a new one."""
@@ -169,35 +191,39 @@ class StepChannel:
                 self._forget(message_id)
                 for step in message.steps:
                     _fail(step, error_type(f"server {self.peer_id} {reason} ({step.blocks})"))
-                self._batching = self._batching and not message.batched
-        if not self._batching:
-            self._send_queued()
+                if message.lane is not None:
+                    message.lane.batching = False
+        for lane in self._lanes:
+            if not lane.batching:
+                self._send_queued(lane)
 
     def close(self) -> None:
         if self._stream is not None:
             self.broken(self._stream, "is no longer used: the client closed")
-        for step in self._queue:
-            _fail(step, ServerUnavailableError("the client closed"))
-        self._queue = []
+        for lane in self._lanes:
+            for step in lane.queue:
+                _fail(step, ServerUnavailableError("the client closed"))
+            lane.queue = []
 
-    def _flush(self) -> None:
-        self._flush_due = False
-        if not self._batching:
-            self._send_queued()
+    def _flush(self, lane: _Lane) -> None:
+        lane.flush_due = False
+        if not lane.batching:
+            self._send_queued(lane)
 
-    def _send_queued(self) -> None:
-        waiting = [step for step in self._queue if not step.result.done()]
+    def _send_queued(self, lane: _Lane) -> None:
+        waiting = [step for step in lane.queue if not step.result.done()]
         taken, tokens = 0, 0
         for step in waiting:  # the first always goes
-            tokens += step.hidden.shape[0] * step.hidden.shape[1]
+            tokens += step.tokens
             if taken and tokens > MULTIPLEX_MAX_TOKENS:
                 break
             taken += 1
-        self._queue = waiting[taken:]
+        lane.queue = waiting[taken:]
         if taken:
-            self._send(waiting[:taken], batched=True)
+            self._send(waiting[:taken], lane=lane)
 
-    def _send(self, steps: list[_Step], batched: bool, message_id: Optional[int] = None, message=None) -> None:
+    def _send(self, steps: list[_Step], lane: Optional[_Lane], message_id: Optional[int] = None,
+              message=None) -> None:
         """Send these steps as one message (`message`, if packed already with `message_id`)."""
         if self._stream is None:
             self._stream = _StepStream(self)
@@ -207,8 +233,9 @@ class StepChannel:
         self._stream.send(message)
         deadline = max(step.timeout for step in steps) + EXPIRY_SLACK
         expiry = asyncio.get_running_loop().call_later(deadline, self._expired, message_id)
-        self._messages[message_id] = _Message(self._stream, steps, expiry, batched)
-        self._batching = self._batching or batched
+        self._messages[message_id] = _Message(self._stream, steps, expiry, lane)
+        if lane is not None:
+            lane.batching = True
         self.messages_sent += 1
         self.steps_sent += len(steps)
 
@@ -240,8 +267,9 @@ class StepChannels:
 
 def _pack(steps: list[_Step], message_id: int):
     """The steps as one message: their hidden states stacked in one tensor (swarm/wire.py)."""
-    entries = [{**step.entry, **step_shape(step.hidden)} for step in steps]
-    return pack(stacked([step.hidden for step in steps]), {"message_id": message_id, "steps": entries})
+    entries = [{**step.entry, **step.shape} for step in steps]
+    sent = [step.hidden for step in steps if step.hidden is not None]  # flowing steps' inputs come pushed
+    return pack(stacked(sent), {"message_id": message_id, "steps": entries})
 
 
 def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, peer_id: str) -> None:
@@ -249,7 +277,7 @@ def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, pe
     in one tensor."""
     errors = _step_errors(metadata, len(steps), peer_id)
     try:
-        outputs = iter(unstacked(tensors, [step_shape(step.hidden) for step, error in zip(steps, errors) if not error]))
+        outputs = iter(unstacked(tensors, [step.shape for step, error in zip(steps, errors) if not error]))
     except SwarmError as error:
         reason = f"server {peer_id} answered with outputs that are not its steps' ({error})"
         outputs, errors = None, [MalformedOutputsError(reason) for _ in steps]

@@ -123,6 +123,20 @@ class InferenceStream:
         channel = self.channels.get(self.peer_id)
         return await channel.step(hidden, entry, timeout or self.timeout, f"blocks {self.start}:{self.end}")
 
+    async def flowing_step(self, shape: tuple[int, int], position: int, push_wait: float, timeout: float,
+                           step_id: int, push_to: Optional["InferenceStream"] = None,
+                           next_positions: int = NEXT_STEP_POSITIONS) -> torch.Tensor:
+        """`step` of inputs the client does not send: the previous server of the chain pushes them (a flowing
+        step). `shape`: their (rows, length). The server answers once it has computed the pushed step, or with
+        NoPushError if no push of it came within `push_wait` seconds (or the client's own copy came first)."""
+        entry = {"session_id": self.session_id, "position": position, "step_id": step_id,
+                 "next_positions": next_positions, "await_push": True, "push_wait": push_wait,
+                 "rows": shape[0], "length": shape[1]}
+        if push_to is not None:
+            entry["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
+        channel = self.channels.get(self.peer_id)
+        return await channel.step(None, entry, timeout, f"blocks {self.start}:{self.end}")
+
     async def close(self) -> None:
         self._requests.put_nowait(None)  # ends the request stream: the server frees the cache
         if self._responses is not None:  # read to its end in the background: closing never waits on a server

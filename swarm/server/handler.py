@@ -233,7 +233,7 @@ class BlockHandler(BlockRPC):
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
-            steps = typed_steps(tensors, unstacked(tensors, entries))
+            steps = _with_flowing(entries, typed_steps(tensors, unstacked(tensors, _sent(entries))))
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
         self.counters["step_messages"] += 1
@@ -260,8 +260,11 @@ class BlockHandler(BlockRPC):
                 push_to = _push_target(entry)  # checked first: a step must not run, then be refused
                 if isinstance(step, SwarmError):  # refused undecoded
                     raise step
-                check_rows(step, session.batch_size)
-                items.append((index, session, step.detach(), entry, push_to))
+                if step is None:  # a flowing step: its inputs come pushed (swarm/server/pushes.awaited_push)
+                    _check_flowing_shape(entry, session.batch_size)
+                else:
+                    check_rows(step, session.batch_size)
+                items.append((index, session, step.detach() if step is not None else None, entry, push_to))
             except SwarmError as error:
                 refusals[index] = error
         return refusals, items
@@ -352,6 +355,29 @@ async def _linger(requests: AsyncIterator) -> None:
 
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(drain(), REFUSAL_LINGER)
+
+
+def _flowing(entry) -> bool:
+    return isinstance(entry, dict) and entry.get("await_push") is True
+
+
+def _sent(entries: list) -> list:
+    """The entries of the steps whose inputs the message carries (a flowing step's come pushed)."""
+    return [entry for entry in entries if not _flowing(entry)]
+
+
+def _with_flowing(entries: list, sent_steps: list) -> list:
+    """Each entry's step: its inputs, or None for a flowing step."""
+    sent = iter(sent_steps)
+    return [None if _flowing(entry) else next(sent) for entry in entries]
+
+
+def _check_flowing_shape(entry: dict, batch_size: int) -> None:
+    rows, length = entry.get("rows"), entry.get("length")
+    if not (is_int(rows) and is_int(length) and length >= 1):
+        raise BadRequestError("a flowing step must say its 'rows' and 'length' (integers >= 1)")
+    if rows != batch_size:
+        raise BadRequestError(f"this session has batch size {batch_size}, got {rows}")
 
 
 def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:

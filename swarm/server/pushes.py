@@ -21,7 +21,7 @@ from typing import Collection, Optional
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.protocol import SwarmError, error_from_wire
+from swarm.protocol import BadRequestError, NoPushError, ServerUnavailableError, SwarmError, error_from_wire
 from swarm.server import metrics
 from swarm.server.batching import Job
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
@@ -35,6 +35,7 @@ PUSHES_IN_FLIGHT = 64  # push messages on their way at once
 WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
 # how long the servers found under a block are trusted, and how often a peer not among them sends for a new look
 TARGETS_TTL, TARGETS_MISS_REFRESH, TARGETS_LOOKUP_TIMEOUT = 60.0, 5.0, 10.0
+MAX_PUSH_WAIT = 600.0  # seconds a flowing step may wait for its push (field 'push_wait')
 
 
 @dataclass
@@ -183,6 +184,35 @@ def _under(pushes: list[tuple[dict, torch.Tensor]], most: int) -> list[list[tupl
         messages[-1].append(push)
         size += _push_bytes(push[1])
     return messages
+
+
+async def awaited_push(session, metadata: dict) -> torch.Tensor:
+    """A flowing step (field 'await_push'): the client sent no inputs, only the step's id, position and shape;
+    its inputs come pushed by the previous server of its chain, which starts the step (ServerSession.pushed).
+    Its outputs once computed, or NoPushError where no push of it came within 'push_wait' seconds (or the
+    client's own copy of the step came first): the client then sends the inputs itself."""
+    step_id, wait = metadata.get("step_id"), metadata.get("push_wait")
+    if type(step_id) is not int:  # msgpack's true is a Python int too
+        raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r:.80}")
+    if type(wait) not in (int, float) or not 0 <= wait <= MAX_PUSH_WAIT:
+        raise BadRequestError(f"field 'push_wait' must be a number of seconds in [0, {MAX_PUSH_WAIT:g}], got "
+                              f"{wait!r:.80}")
+    if session.early_step(step_id) is None and session.push_may_come(step_id) and session.push_arrival is None:
+        arrival = session.push_arrival = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait([arrival], timeout=wait)
+        finally:
+            session.push_arrival = None
+            arrival.cancel()
+    early = session.early_step(step_id)
+    if early is None or early.position != metadata.get("position") or \
+            list(early.hidden.shape[:2]) != [metadata.get("rows"), metadata.get("length")]:
+        raise NoPushError(f"no push of step {step_id} came within {wait:g} s: send its inputs")
+    session.take_early(metadata)  # it is this step's: taken, and the step's declaration counts from now
+    await asyncio.wait([early.result])
+    if early.result.cancelled():
+        raise ServerUnavailableError("this session has ended")
+    return early.result.result()  # raises the step's error
 
 
 def push_of(target: tuple[PeerID, str], block: int, metadata: dict,

@@ -135,6 +135,7 @@ class ServerSession:
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
         self._newest_step = -1  # the highest step id started
         self._early: Optional[EarlyStep] = None
+        self.push_arrival: Optional[asyncio.Future] = None  # a flowing step waiting (see pushes.awaited_push)
         self.stepping = False  # a step of it is being computed, or waits for room: one at a time
         self._idle = asyncio.Event()  # set while it is not busy: what a fork of it waits for
         self._idle.set()
@@ -168,6 +169,7 @@ class ServerSession:
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
         self.push_allowance = declared_positions(metadata, self.max_length)  # for the step after this one
         self._unpark()  # at once: no eviction may close it while the step waits its turn
+        self._push_came()  # a flowing step still waiting for its push is answered: this copy supersedes it
         early, self._early = self._early, None
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
@@ -239,7 +241,20 @@ class ServerSession:
         self._unpark()
         self.server.open_sessions.steps_pushed += 1
         self._early = EarlyStep(step_id, hidden, self.length, asyncio.get_running_loop().create_future(), job)
+        self._push_came()
         return self._early
+
+    def early_step(self, step_id: int) -> Optional[EarlyStep]:
+        """The pushed step of this id, started and not yet taken by a client's step; else None."""
+        return self._early if self._early is not None and self._early.step_id == step_id else None
+
+    def push_may_come(self, step_id: int) -> bool:
+        """Whether a push of step `step_id` may still be taken (no step of this id or later has started)."""
+        return step_id > self._newest_step and not self._closed
+
+    def _push_came(self) -> None:
+        if self.push_arrival is not None and not self.push_arrival.done():
+            self.push_arrival.set_result(None)
 
     def _over_allowance(self, positions: int) -> str:
         if not self.push_allowance:

@@ -11,17 +11,46 @@ from __future__ import annotations
 
 import asyncio
 
+from typing import Optional
+
 import torch
 
 from swarm.protocol import SwarmError
 from swarm.server.batching import Job
+from swarm.server.pushes import awaited_push
 from swarm.server.sessions import RoomNeeded, ServerSession
 
 
-async def run_steps(submit_batch, items: list[tuple[ServerSession, torch.Tensor, dict]]) -> list:
+async def run_steps(submit_batch, items: list[tuple[ServerSession, Optional[torch.Tensor], dict]]) -> list:
     """Each step's outputs (rows, length, hidden), or its error, in order. `submit_batch(jobs, on_settled)` is
-    the scheduler's."""
+    the scheduler's. A flowing step (hidden None: its inputs come pushed, see pushes.awaited_push) waits for its
+    push beside the others."""
     results: list = [None] * len(items)
+    flowing = [index for index, (_, hidden, _) in enumerate(items) if hidden is None]
+    if not flowing:
+        await _run_sent(submit_batch, items, list(range(len(items))), results)
+        return results
+    sent = [index for index, (_, hidden, _) in enumerate(items) if hidden is not None]
+    outputs = await asyncio.gather(_run_sent(submit_batch, items, sent, results),
+                                   *(awaited_push(items[index][0], items[index][2]) for index in flowing),
+                                   return_exceptions=True)
+    for index, output in zip(flowing, outputs[1:]):
+        results[index] = output
+    if isinstance(outputs[0], BaseException):
+        raise outputs[0]
+    return results
+
+
+async def _run_sent(submit_batch, all_items: list, indices: list[int], all_results: list) -> None:
+    """The steps whose inputs came with them, their results into `all_results` at their indices."""
+    items = [all_items[index] for index in indices]
+    results: list = [None] * len(items)
+    await _run_planned(submit_batch, items, results)
+    for index, result in zip(indices, results):
+        all_results[index] = result
+
+
+async def _run_planned(submit_batch, items: list, results: list) -> None:
     planned, apart = _plan(items, results)
     if planned:
         await _computed(submit_batch, planned, results)
@@ -29,7 +58,6 @@ async def run_steps(submit_batch, items: list[tuple[ServerSession, torch.Tensor,
         later = await _after_waiting(items, apart, results)
         if later:
             await _computed(submit_batch, later, results)
-    return results
 
 
 def start_pushed(enqueue_batch, items: list[tuple[ServerSession, torch.Tensor, dict]]) -> list:

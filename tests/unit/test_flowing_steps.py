@@ -1,0 +1,166 @@
+"""Flowing steps without the network. The server's side (swarm/server/pushes.py's awaited_push): a step whose
+entry awaits its inputs pushed by the previous server is answered by the pushed step's outputs, or with
+NoPushError where no push came in time or the client's own copy came first. The client's side
+(swarm/client/flowing.py): a step goes once to each hop, its inputs only to the first; a hop whose push is lost
+is sent its inputs after the grace; a hop's fault fails it over."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarm.protocol import PAGE_TOKENS, BadRequestError, NoPushError, ServerUnavailableError
+from swarm.server.backend import Backend
+from swarm.server.cache import CacheBudget
+from test_push_declared import HIDDEN, LIMITS, OPENING, SESSION, push, span  # noqa: F401 (span: a fixture)
+
+
+def flowing(step_id: int, position: int, length: int = 1, wait: float = 5.0) -> dict:
+    return {"session_id": SESSION, "step_id": step_id, "position": position, "await_push": True,
+            "push_wait": wait, "rows": 1, "length": length, "next_positions": 1}
+
+
+def server_run(span, scenario):
+    async def body():
+        backend = Backend(span, CacheBudget(16 * PAGE_TOKENS), LIMITS)
+        try:
+            relayed = await backend.open_session({**OPENING, "session_id": "r" * 32, "next_positions": 8}, "client")
+            session = await backend.open_session({**OPENING, "next_positions": 8}, "client")
+            await scenario(backend, session, relayed)
+        finally:
+            for session in list(backend.sessions):
+                session.close()
+            backend.close()
+
+    asyncio.run(body())
+
+
+def test_a_flowing_step_is_answered_by_its_push_with_a_relayed_steps_outputs(span):
+    prompt = torch.randn(1, 5, HIDDEN)
+
+    async def scenario(backend, session, relayed):
+        waiting = asyncio.ensure_future(backend.run_steps([(session, None, flowing(1, 0, 5))]))
+        await asyncio.sleep(0.05)  # the flowing step waits: the push comes after it
+        assert not waiting.done()
+        assert push(backend, prompt, 1, 0) is None
+        [output] = await waiting
+        [expected] = await backend.run_steps([(relayed, prompt, {"position": 0, "step_id": 1})])
+        assert torch.equal(output, expected)
+        assert session.length == 5 and backend.sessions.steps_pushed == 1
+        # the push came first this time: answered at once
+        decode = torch.randn(1, 1, HIDDEN)
+        assert push(backend, decode, 2, 5) is None
+        [output] = await backend.run_steps([(session, None, flowing(2, 5))])
+        [expected] = await backend.run_steps([(relayed, decode, {"position": 5, "step_id": 2})])
+        assert torch.equal(output, expected) and session.length == 6
+
+    server_run(span, scenario)
+
+
+def test_a_flowing_step_whose_push_never_comes_answers_no_push_and_the_clients_copy_runs(span):
+    prompt = torch.randn(1, 5, HIDDEN)
+
+    async def scenario(backend, session, relayed):
+        [answer] = await backend.run_steps([(session, None, flowing(1, 0, 5, wait=0.1))])
+        assert isinstance(answer, NoPushError)
+        # waiting again, until the client's own copy comes: that supersedes it at once
+        waiting = asyncio.ensure_future(backend.run_steps([(session, None, flowing(1, 0, 5))]))
+        await asyncio.sleep(0.05)
+        [output] = await backend.run_steps([(session, prompt, {"position": 0, "step_id": 1})])
+        [answer] = await asyncio.wait_for(waiting, 1.0)
+        assert isinstance(answer, NoPushError)
+        [expected] = await backend.run_steps([(relayed, prompt, {"position": 0, "step_id": 1})])
+        assert torch.equal(output, expected) and session.length == 5
+        [refusal] = await backend.run_steps([(session, None, flowing(2, 5, wait=-1))])
+        assert isinstance(refusal, BadRequestError) and "push_wait" in str(refusal)
+
+    server_run(span, scenario)
+
+
+class Stream:
+    """A fake server of one block: outputs = inputs + its index; flowing steps answered as told."""
+
+    def __init__(self, index: int, flowing_answer: str = "push"):
+        self.index, self.flowing_answer, self.calls = index, flowing_answer, []
+        self.pushed: asyncio.Future = None
+        self.name = f"server{index}"
+
+    async def step(self, hidden, position, timeout, step_id, push_to, next_positions):
+        self.calls.append(("step", hidden.shape[1]))
+        return await self._computed(hidden, push_to)
+
+    async def flowing_step(self, shape, position, push_wait, timeout, step_id, push_to, next_positions):
+        self.calls.append(("flowing", shape[1]))
+        if self.flowing_answer == "never":
+            await asyncio.sleep(60)
+        if self.flowing_answer == "no_push":
+            raise NoPushError("no push came")
+        if self.flowing_answer == "fault":
+            raise ServerUnavailableError("gone")
+        return await self._computed(await self.pushed, push_to)
+
+    async def _computed(self, hidden, push_to):
+        output = hidden + self.index
+        if push_to is not None and push_to.pushed is not None and not push_to.pushed.done():
+            push_to.pushed.set_result(output)
+        return output
+
+
+def client_session(streams, grace=5.0):
+    from swarm.client.remote_session import Hop, RemoteSession
+    from swarm.client.routing import ChainLink
+
+    session = RemoteSession.__new__(RemoteSession)  # its chain by hand: no network
+    session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0),
+                                       step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None))
+    session.max_length, session.position, session._steps, session.next_positions = 100, 0, 0, 8
+    session.flowing, session.flow_grace = True, grace
+    session.hops = [Hop(ChainLink(stream.name, index, index + 1), stream, declared=8)
+                    for index, stream in enumerate(streams)]
+    return session
+
+
+def flowing_step(streams, grace=5.0):
+    session = client_session(streams, grace)
+
+    async def scenario():
+        for stream in streams:
+            stream.pushed = asyncio.get_running_loop().create_future()
+        return await session.step_async(torch.zeros(1, 2, HIDDEN))
+
+    return asyncio.run(scenario()), session
+
+
+def test_a_flowing_step_goes_once_to_each_hop_with_inputs_only_to_the_first():
+    streams = [Stream(index) for index in range(3)]
+    output, session = flowing_step(streams)
+    assert torch.equal(output, torch.full((1, 2, HIDDEN), 3.0))
+    assert [stream.calls for stream in streams] == [[("step", 2)], [("flowing", 2)], [("flowing", 2)]]
+    assert torch.equal(session.hops[2].inputs, torch.full((1, 2, HIDDEN), 1.0))  # kept for a replay
+    assert session.pushes_missed == 0
+
+
+@pytest.mark.parametrize("answer", ["never", "no_push"])
+def test_a_hop_whose_push_is_lost_is_sent_its_inputs(answer):
+    streams = [Stream(0), Stream(1, answer), Stream(2)]
+    output, session = flowing_step(streams, grace=0.05)
+    assert torch.equal(output, torch.full((1, 2, HIDDEN), 3.0))
+    assert streams[1].calls == [("flowing", 2), ("step", 2)]
+    assert session.pushes_missed == 1
+
+
+def test_a_hop_at_fault_in_a_flowing_step_fails_over(monkeypatch):
+    from swarm.client.remote_session import RemoteSession
+
+    streams = [Stream(0), Stream(1, "fault"), Stream(2)]
+    failed = []
+
+    def fail_over(self, index, error, positions):
+        failed.append((index, type(error)))
+        raise RuntimeError("failed over")
+
+    monkeypatch.setattr(RemoteSession, "_fail_over", fail_over)
+    with pytest.raises(RuntimeError, match="failed over"):
+        flowing_step(streams)
+    assert failed == [(1, ServerUnavailableError)]
