@@ -38,6 +38,7 @@ BlockRPC (swarm/server/handler.py); clients call it through BlockRPC.get_stub (s
 
 from __future__ import annotations
 
+import hashlib
 from typing import AsyncIterator, Callable, Optional
 
 import torch
@@ -199,6 +200,13 @@ def unstacked(tensors: list, entries: list) -> list:
         steps.append(whole[0, offset : offset + rows * length].view(rows, length, whole.shape[-1]))
         offset += rows * length
     return steps
+
+
+def inputs_digest(hidden: torch.Tensor) -> str:
+    """What a server answering a flowing step says its pushed inputs were (field 'pushed' of its result): the
+    client compares it with the previous server's outputs, which a server could push otherwise than it returns."""
+    data = hidden.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(f"{hidden.dtype}{tuple(hidden.shape)}".encode() + data).hexdigest()[:32]
 
 
 def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None):

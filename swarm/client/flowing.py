@@ -12,6 +12,12 @@ a server's outputs have reached the client and the next server has not answered 
 answered NoPushError: its `push_wait` passed, or the push was not what the step declared), the client sends it
 the inputs itself, as a relayed step; the server's flowing step then ends, superseded. A failover ends the flow:
 the rest of the step is relayed.
+
+A server whose push was lost is relayed to for the next RELAYED_AFTER_LOST_PUSH steps.
+
+A server answers a flowing step with what its push carried (a digest): where it is not the previous server's
+outputs as they came to the client (a server that pushes otherwise than it returns), the client sends the inputs
+itself, and that copy, rewinding the step, is what counts, as with relayed steps.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS
 from swarm.client.stubs import checked_outputs
 from swarm.protocol import CacheFullError, InternalServerError, ServerUnavailableError
+from swarm.wire import inputs_digest
 
 if TYPE_CHECKING:
     from swarm.client.remote_session import Hop
@@ -32,6 +40,10 @@ if TYPE_CHECKING:
 # before the client sends them itself: a push leaves its server as the outputs do, so it is late past a
 # network's jitter and a step's compute
 FLOW_GRACE = 1.0
+# steps relayed to a server after a push to it was lost, before the next flowing one: a server that never takes
+# pushes from the previous one (a private server, or one whose previous server does not find it announced) costs
+# a grace every this many steps, not every step
+RELAYED_AFTER_LOST_PUSH = 16
 # faults of the server itself, which fail the hop over (any other answer to a flowing step, NoPushError above
 # all, is answered by sending the inputs)
 HOP_FAULTS = (ServerUnavailableError, InternalServerError, CacheFullError)
@@ -51,6 +63,9 @@ class Flow:
         self._waiting: dict[int, asyncio.Task] = {}  # by id(hop): each hop's flowing step
         hops, length = session.hops, hidden.shape[1]
         for index in range(1, len(hops)):
+            if hops[index].relayed_steps > 0:  # a push to it was lost lately: it may never take any
+                hops[index].relayed_steps -= 1
+                continue
             if hops[index].declared < length:  # its previous server would not compute a push of it
                 continue
             following = hops[index + 1] if index + 1 < len(hops) and hops[index + 1].declared >= length else None
@@ -61,6 +76,13 @@ class Flow:
             task = asyncio.ensure_future(step)
             task.add_done_callback(_retrieved)
             self._waiting[id(hops[index])] = task
+
+    @classmethod
+    def of_step(cls, session, hidden: torch.Tensor, position: int, timeout: float) -> Optional["Flow"]:
+        """The step's flow, where the session flows its steps and this one is short; else None (relayed)."""
+        if not session.flowing or len(session.hops) < 2 or hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
+            return None
+        return cls(session, hidden, position, timeout, session.flow_grace)
 
     def flows_to(self, hop: "Hop") -> bool:
         return id(hop) in self._waiting
@@ -73,13 +95,14 @@ class Flow:
         await asyncio.wait({task}, timeout=self.grace)
         if task.done() and not task.cancelled():
             error = task.exception()
-            if error is None:
+            output, pushed = task.result() if error is None else (None, None)
+            if error is None and pushed == inputs_digest(hidden):
                 hop.declared = self.session.next_positions
-                return checked_outputs(task.result(), hidden, hop.link.peer_id,
-                                       f"blocks {hop.link.start}:{hop.link.end}")
+                return checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
             if isinstance(error, HOP_FAULTS):
                 raise error
         self.session.pushes_missed += 1
+        hop.relayed_steps = RELAYED_AFTER_LOST_PUSH
         return await self.session._step_hop_async(hop, hidden, position, following)
 
     def abandon(self) -> None:

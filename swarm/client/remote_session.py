@@ -16,7 +16,7 @@ from swarm.client.flowing import FLOW_GRACE, Flow, flowing_by_default
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
 from swarm.client.spot_check import LIAR_BAN_SECONDS, SpotChecker
-from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, NEXT_STEP_POSITIONS
+from swarm.client.step_channel import NEXT_STEP_POSITIONS
 from swarm.client.stubs import InferenceStream, MalformedOutputsError, StepChannels, checked_outputs
 from swarm.dht import EventLoop
 from swarm.protocol import (
@@ -80,6 +80,7 @@ class Hop:
                  declared: int = NEXT_STEP_POSITIONS):
         self.link, self.stream = link, stream
         self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
+        self.relayed_steps = 0  # steps still relayed to it, not flowing, after a push to it was lost (flowing.py)
         self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
         self._length = 0  # positions recorded
         if inputs is not None:
@@ -118,19 +119,16 @@ class RemoteSession:
     Each server of the chain pushes a step's outputs on to the next one, which starts at once; a server computes
     a push only up to the positions the session declared its next step there may carry (`next_positions`, at
     the opening and in each step: a short step by default), so a step longer than that is not asked to be pushed.
-    With `flowing` (the FLOWING_STEPS setting by default), a short step goes to every server at once, its inputs
-    only to the first, and flows down the chain by the pushes (swarm/client/flowing.py); else the client relays
-    each hop's outputs to the next.
+    With `flowing`, a short step goes to every server at once, its inputs only to the first, and flows down the
+    chain by the pushes (swarm/client/flowing.py); else the client relays each hop's outputs to the next.
 
     A session kept for reuse while it has no step to send is parked (park): its servers may then close it to
     make room, and its next step recomputes it (replay) where they did. A fork (fork) continues from its first
     positions in a new session whose servers share their pages of them with this one's (copy-on-write).
     """
 
-    flowing = False  # see swarm/client/flowing.py (a session's default: the FLOWING_STEPS setting)
-    flow_grace = FLOW_GRACE
+    flowing, flow_grace = False, FLOW_GRACE  # see swarm/client/flowing.py (flowing: FLOWING_STEPS by default)
     pushes_missed = 0  # flowing steps whose push did not come in time: the client sent their inputs
-
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
                  on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None,
                  first_positions: int = NEXT_STEP_POSITIONS):
@@ -153,9 +151,7 @@ class RemoteSession:
             self.close()
             raise
 
-    @property
-    def step_id(self) -> int:
-        return self._steps
+    step_id = property(lambda self: self._steps)  # the current step's id (servers tell steps apart by it)
 
     @property
     def chain(self) -> list[ChainLink]:
@@ -239,10 +235,8 @@ class RemoteSession:
         self._steps += 1
         spot_checks = self.services.spot_checks
         check = await asyncio.to_thread(spot_checks.plan, self.route, self.chain) if spot_checks.rate > 0 else None
-        flow = None
-        if self.flowing and len(self.hops) > 1 and output.shape[1] <= MULTIPLEX_MAX_POSITIONS:
-            timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * output.shape[1]
-            flow = Flow(self, output, position, timeout, self.flow_grace)
+        timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * output.shape[1]
+        flow = Flow.of_step(self, output, position, timeout)  # None: the step is relayed
         try:
             while index < len(self.hops):
                 hop = self.hops[index]

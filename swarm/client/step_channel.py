@@ -281,11 +281,15 @@ def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, pe
     except SwarmError as error:
         reason = f"server {peer_id} answered with outputs that are not its steps' ({error})"
         outputs, errors = None, [MalformedOutputsError(reason) for _ in steps]
-    for step, error in zip(steps, errors):
+    results = metadata.get("results")
+    results = results if isinstance(results, list) and len(results) == len(steps) else [{}] * len(steps)
+    for step, error, result in zip(steps, errors, results):
         if error is not None:
             _fail(step, error)
         else:
             output = next(outputs)
+            if step.hidden is None:  # a flowing step: with what its server says its push carried
+                output = (output, result.get("pushed"))
             if not step.result.done():  # else its session gave up waiting
                 step.result.set_result(output)
 

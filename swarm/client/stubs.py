@@ -128,14 +128,15 @@ class InferenceStream:
                            next_positions: int = NEXT_STEP_POSITIONS) -> torch.Tensor:
         """`step` of inputs the client does not send: the previous server of the chain pushes them (a flowing
         step). `shape`: their (rows, length). The server answers once it has computed the pushed step, or with
-        NoPushError if no push of it came within `push_wait` seconds (or the client's own copy came first)."""
+        NoPushError if no push of it came within `push_wait` seconds (or the client's own copy came first).
+        (outputs, what the server says the push carried: swarm/wire.py's inputs_digest)."""
         entry = {"session_id": self.session_id, "position": position, "step_id": step_id,
                  "next_positions": next_positions, "await_push": True, "push_wait": push_wait,
                  "rows": shape[0], "length": shape[1]}
         if push_to is not None:
             entry["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
         channel = self.channels.get(self.peer_id)
-        return await channel.step(None, entry, timeout, f"blocks {self.start}:{self.end}")
+        return await channel.step(None, entry, timeout, f"blocks {self.start}:{self.end}")  # type: ignore
 
     async def close(self) -> None:
         self._requests.put_nowait(None)  # ends the request stream: the server frees the cache

@@ -34,8 +34,8 @@ from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.sessions import is_int
-from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, misshapen_hidden, reply, split_parts, stacked,
-                        unpack, unpack_metadata, unstacked)
+from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, inputs_digest, misshapen_hidden, reply,
+                        split_parts, stacked, unpack, unpack_metadata, unstacked)
 
 logger = logging.getLogger(__name__)
 
@@ -240,13 +240,17 @@ class BlockHandler(BlockRPC):
         self.counters["steps_received"] += len(entries)
         results, items = self._sessions_of(entries, steps, peer_id)
         outputs = await self.backend.run_steps([(session, step, entry) for _, session, step, entry, _ in items])
-        pushes = []
+        pushes, answers = [], [{} for _ in results]
         for (index, session, _, entry, push_to), output in zip(items, outputs):
+            if isinstance(output, tuple):  # a flowing step's: the client checks what its push carried
+                output, pushed = output
+                answers[index] = {"pushed": inputs_digest(pushed)}
             results[index] = output
             if push_to is not None and not isinstance(output, BaseException):
                 pushes.append(push_of(push_to, session.end, entry, output))
         self.pusher.push(pushes)
-        answers = [wire_error(result) if isinstance(result, BaseException) else {} for result in results]
+        answers = [wire_error(result) if isinstance(result, BaseException) else answer
+                   for result, answer in zip(results, answers)]
         return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
                      {"message_id": message_id, "results": answers})
 

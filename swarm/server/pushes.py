@@ -186,11 +186,12 @@ def _under(pushes: list[tuple[dict, torch.Tensor]], most: int) -> list[list[tupl
     return messages
 
 
-async def awaited_push(session, metadata: dict) -> torch.Tensor:
+async def awaited_push(session, metadata: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A flowing step (field 'await_push'): the client sent no inputs, only the step's id, position and shape;
     its inputs come pushed by the previous server of its chain, which starts the step (ServerSession.pushed).
     Its outputs once computed, or NoPushError where no push of it came within 'push_wait' seconds (or the
-    client's own copy of the step came first): the client then sends the inputs itself."""
+    client's own copy of the step came first): the client then sends the inputs itself. (outputs, the inputs
+    the push carried)."""
     step_id, wait = metadata.get("step_id"), metadata.get("push_wait")
     if type(step_id) is not int:  # msgpack's true is a Python int too
         raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r:.80}")
@@ -212,7 +213,7 @@ async def awaited_push(session, metadata: dict) -> torch.Tensor:
     await asyncio.wait([early.result])
     if early.result.cancelled():
         raise ServerUnavailableError("this session has ended")
-    return early.result.result()  # raises the step's error
+    return early.result.result(), early.hidden  # raises the step's error
 
 
 def push_of(target: tuple[PeerID, str], block: int, metadata: dict,

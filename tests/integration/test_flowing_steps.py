@@ -91,7 +91,7 @@ def test_a_flowing_step_sends_the_client_message_once_per_hop_with_inputs_only_t
 
 def test_a_lost_push_costs_a_round_trip_not_the_session(model, relayed, monkeypatch):
     """The first server is never asked to push: the second server's flowing step gets no push, and the client
-    sends it the inputs itself once the grace has passed."""
+    sends it the inputs itself once the grace has passed (then relays to it for a while)."""
     step = InferenceStream.step
 
     async def never_pushing(self, hidden, position, timeout=None, step_id=0, push_to=None, *args):
@@ -101,7 +101,8 @@ def test_a_lost_push_costs_a_round_trip_not_the_session(model, relayed, monkeypa
     tokens, logits, missed = generate(model, flowing=True, grace=0.2)
     assert tokens == relayed[None][0]
     assert torch.equal(logits, relayed[None][1])
-    assert missed == NEW_TOKENS + 1, "every step's push to the second hop was lost (the prompt's too), and recovered"
+    # the prompt's push to the second hop was lost and recovered; the next steps were relayed to it
+    assert missed == 1
 
 
 def test_failover_in_the_middle_of_a_flowing_chain_replays_exactly(model, relayed, tiny_swarm):

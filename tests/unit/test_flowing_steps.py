@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from swarm.client.flowing import RELAYED_AFTER_LOST_PUSH
 from swarm.protocol import PAGE_TOKENS, BadRequestError, NoPushError, ServerUnavailableError
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
+from swarm.wire import inputs_digest
 from test_push_declared import HIDDEN, LIMITS, OPENING, SESSION, push, span  # noqa: F401 (span: a fixture)
 
 
@@ -44,14 +46,15 @@ def test_a_flowing_step_is_answered_by_its_push_with_a_relayed_steps_outputs(spa
         await asyncio.sleep(0.05)  # the flowing step waits: the push comes after it
         assert not waiting.done()
         assert push(backend, prompt, 1, 0) is None
-        [output] = await waiting
+        [(output, pushed)] = await waiting
+        assert torch.equal(pushed, prompt)  # what the server tells the client its push carried
         [expected] = await backend.run_steps([(relayed, prompt, {"position": 0, "step_id": 1})])
         assert torch.equal(output, expected)
         assert session.length == 5 and backend.sessions.steps_pushed == 1
         # the push came first this time: answered at once
         decode = torch.randn(1, 1, HIDDEN)
         assert push(backend, decode, 2, 5) is None
-        [output] = await backend.run_steps([(session, None, flowing(2, 5))])
+        [(output, _)] = await backend.run_steps([(session, None, flowing(2, 5))])
         [expected] = await backend.run_steps([(relayed, decode, {"position": 5, "step_id": 2})])
         assert torch.equal(output, expected) and session.length == 6
 
@@ -98,13 +101,16 @@ class Stream:
             raise NoPushError("no push came")
         if self.flowing_answer == "fault":
             raise ServerUnavailableError("gone")
-        return await self._computed(await self.pushed, push_to)
+        pushed = await self.pushed
+        return await self._computed(pushed, push_to), inputs_digest(pushed)
 
     async def _computed(self, hidden, push_to):
         output = hidden + self.index
+        if self.flowing_answer == "lying pusher":  # returns its outputs, pushes others
+            hidden, output = output, output + 100
         if push_to is not None and push_to.pushed is not None and not push_to.pushed.done():
             push_to.pushed.set_result(output)
-        return output
+        return hidden if self.flowing_answer == "lying pusher" else output
 
 
 def client_session(streams, grace=5.0):
@@ -148,6 +154,24 @@ def test_a_hop_whose_push_is_lost_is_sent_its_inputs(answer):
     assert torch.equal(output, torch.full((1, 2, HIDDEN), 3.0))
     assert streams[1].calls == [("flowing", 2), ("step", 2)]
     assert session.pushes_missed == 1
+
+    async def next_step():  # relayed to the hop that lost its push, flowing to the others
+        for stream in streams:
+            stream.calls, stream.pushed = [], asyncio.get_running_loop().create_future()
+        return await session.step_async(torch.zeros(1, 2, HIDDEN))
+
+    assert torch.equal(asyncio.run(next_step()), torch.full((1, 2, HIDDEN), 3.0))
+    assert [stream.calls for stream in streams] == [[("step", 2)], [("step", 2)], [("flowing", 2)]]
+    assert session.hops[1].relayed_steps == RELAYED_AFTER_LOST_PUSH - 1
+
+
+def test_a_push_other_than_the_previous_servers_outputs_is_not_used():
+    streams = [Stream(0, "lying pusher"), Stream(1), Stream(2)]
+    output, session = flowing_step(streams)
+    assert torch.equal(output, torch.full((1, 2, HIDDEN), 3.0))  # from the outputs server 0 returned
+    # the second server computed the wrong push, and pushed its outputs on: both are sent their inputs
+    assert streams[1].calls == streams[2].calls == [("flowing", 2), ("step", 2)]
+    assert session.pushes_missed == 2
 
 
 def test_a_hop_at_fault_in_a_flowing_step_fails_over(monkeypatch):
