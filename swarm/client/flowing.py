@@ -50,8 +50,8 @@ HOP_FAULTS = (ServerUnavailableError, InternalServerError, CacheFullError)
 
 
 def flowing_by_default() -> bool:
-    """Sessions flow their steps where the FLOWING_STEPS setting is 1 (RemoteSession.flowing says per session)."""
-    return os.environ.get("FLOWING_STEPS", "0").strip() == "1"
+    """Sessions flow their steps unless the FLOWING_STEPS setting is 0 (RemoteSession.flowing says per session)."""
+    return os.environ.get("FLOWING_STEPS", "1").strip() != "0"
 
 
 class Flow:

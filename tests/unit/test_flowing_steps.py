@@ -188,3 +188,12 @@ def test_a_hop_at_fault_in_a_flowing_step_fails_over(monkeypatch):
     with pytest.raises(RuntimeError, match="failed over"):
         flowing_step(streams)
     assert failed == [(1, ServerUnavailableError)]
+
+
+def test_sessions_flow_their_steps_unless_the_setting_says_0(monkeypatch):
+    from swarm.client.flowing import flowing_by_default
+
+    monkeypatch.delenv("FLOWING_STEPS", raising=False)
+    assert flowing_by_default()
+    monkeypatch.setenv("FLOWING_STEPS", "0")
+    assert not flowing_by_default()
