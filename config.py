@@ -8,6 +8,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
     TORCH_THREADS     torch's threads in each process (the gateway's, and block servers' without --threads)
     ALLOWED_SERVERS   a private swarm's servers (peer ids, space- or comma-separated): clients route only to them
     ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
+    FLOWING_STEPS     1 (default): a client's step goes to every server of its chain at once, its inputs only to
+                      the first, and flows down by the servers' pushes; 0: it returns to the client between hops
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     BLOCK_WAIT_SECONDS  how long the gateway's sessions and requests wait when no server holds some of their blocks
                       (servers restarting, a replica reloading) before they fail (default 30; 0: at once)
@@ -61,6 +63,12 @@ MAX_SPECULATIVE_TOKENS = 32  # a step of more positions than this is a prefill, 
 
 def _split_list(value: str) -> tuple[str, ...]:
     return tuple(item for item in re.split(r"[\s,]+", value) if item)
+
+
+def flowing_steps(environ: Mapping[str, str] = os.environ) -> bool:
+    """FLOWING_STEPS: whether a client's steps flow down its chain by the servers' pushes (1, the default), or
+    return to the client between hops (0); see swarm/client/flowing.py."""
+    return environ.get("FLOWING_STEPS", "1").strip() != "0"
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:

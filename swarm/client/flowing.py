@@ -23,18 +23,15 @@ itself, and that copy, rewinding the step, is what counts, as with relayed steps
 from __future__ import annotations
 
 import asyncio
-import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from swarm.client.hops import Hop
 from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS
 from swarm.client.stubs import checked_outputs
 from swarm.protocol import CacheFullError, InternalServerError, ServerUnavailableError
 from swarm.wire import inputs_digest
-
-if TYPE_CHECKING:
-    from swarm.client.remote_session import Hop
 
 # seconds the next server has to answer from its push, once the previous one's outputs reached the client,
 # before the client sends them itself: a push leaves its server as the outputs do, so it is late past a
@@ -51,7 +48,9 @@ HOP_FAULTS = (ServerUnavailableError, InternalServerError, CacheFullError)
 
 def flowing_by_default() -> bool:
     """Sessions flow their steps unless the FLOWING_STEPS setting is 0 (RemoteSession.flowing says per session)."""
-    return os.environ.get("FLOWING_STEPS", "1").strip() != "0"
+    from config import flowing_steps
+
+    return flowing_steps()
 
 
 class Flow:

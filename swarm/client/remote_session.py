@@ -13,6 +13,7 @@ import torch
 
 from swarm.client import metrics
 from swarm.client.flowing import FLOW_GRACE, Flow, flowing_by_default
+from swarm.client.hops import Hop
 from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
 from swarm.client.spot_check import LIAR_BAN_SECONDS, SpotChecker
@@ -70,57 +71,18 @@ class ClientServices:
     block_wait: float  # how long routing waits for missing blocks (0: it fails at once)
 
 
-class Hop:
-    """One server of a session's chain, and every input it has been sent (to replay onto a replacement).
-
-    Inputs are kept as the chunks they were sent in: a step appends one (never copying what came before, so a
-    reply's record costs its own size), a rewind drops chunks from the end, and reading them joins them once."""
-
-    def __init__(self, link: ChainLink, stream: InferenceStream, inputs: Optional[torch.Tensor] = None,
-                 declared: int = NEXT_STEP_POSITIONS):
-        self.link, self.stream = link, stream
-        self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
-        self.relayed_steps = 0  # steps still relayed to it, not flowing, after a push to it was lost (flowing.py)
-        self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
-        self._length = 0  # positions recorded
-        if inputs is not None:
-            self.record(inputs, 0)
-
-    @property
-    def inputs(self) -> Optional[torch.Tensor]:
-        """(batch, positions so far, hidden), or None before any step."""
-        if not self._chunks:
-            return None
-        if len(self._chunks) > 1:
-            self._chunks = [torch.cat(self._chunks, dim=1)]
-        return self._chunks[0]
-
-    def record(self, hidden: torch.Tensor, position: int) -> None:
-        """Inputs sent for positions position..; a position below what was sent rewinds the record there."""
-        while self._chunks and self._length - self._chunks[-1].shape[1] >= position:
-            self._length -= self._chunks.pop().shape[1]
-        if self._length > position:  # the last chunk straddles the rewind
-            last = self._chunks[-1]
-            self._chunks[-1] = last[:, : last.shape[1] - (self._length - position)]
-            self._length = position
-        self._chunks.append(hidden)
-        self._length += hidden.shape[1]
-
-
 class RemoteSession:
     """Hidden states of new positions in, outputs of the last block out; each server keeps its cache.
 
     When a server fails (dies, stalls, is cut off), the session bans it, finds other servers for its blocks,
-    replays the inputs that server had received so that the new ones rebuild their caches, and goes on: the
-    outputs are the same as without the failure. Retries are bounded, with backoff. When no server holds some
-    of its blocks, it waits up to the client's block_wait for one (SwarmClient.wait_for_chain), telling
-    `on_wait(message)`, if set, once per wait.
+    replays the inputs that server had received so that the new ones rebuild their caches, and goes on: the outputs
+    are the same as without the failure. Retries are bounded, with backoff. When no server holds some of its blocks,
+    it waits up to the client's block_wait for one (SwarmClient.wait_for_chain), telling `on_wait(message)`, if set.
 
-    Each server of the chain pushes a step's outputs on to the next one, which starts at once; a server computes
-    a push only up to the positions the session declared its next step there may carry (`next_positions`, at
-    the opening and in each step: a short step by default), so a step longer than that is not asked to be pushed.
-    With `flowing`, a short step goes to every server at once, its inputs only to the first, and flows down the
-    chain by the pushes (swarm/client/flowing.py); else the client relays each hop's outputs to the next.
+    Each server pushes a step's outputs on to the next, which starts at once, within the positions the session
+    declared its next step there may carry (`next_positions`, at the opening and in each step: a short step by
+    default). With `flowing`, a short step goes to every server at once, its inputs only to the first, and flows
+    down the chain by the pushes (swarm/client/flowing.py); else the client relays each hop's outputs on.
 
     A session kept for reuse while it has no step to send is parked (park): its servers may then close it to
     make room, and its next step recomputes it (replay) where they did. A fork (fork) continues from its first
@@ -129,12 +91,12 @@ class RemoteSession:
 
     flowing, flow_grace = False, FLOW_GRACE  # see swarm/client/flowing.py (flowing: FLOWING_STEPS by default)
     pushes_missed = 0  # flowing steps whose push did not come in time: the client sent their inputs
+
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
                  on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None,
                  first_positions: int = NEXT_STEP_POSITIONS):
-        """`forked`: (a session, a length) to start as a fork of (see fork), else the session starts empty.
-        `first_positions`: the most its first step will carry (a prompt's length, if known), which its servers
-        are told at the opening (see step_async)."""
+        """`forked`: (a session, a length) to start as a fork of (see fork), else it starts empty. `first_positions`:
+        the most its first step will carry (a prompt's length, if known), told its servers at the opening."""
         self.services, self.route, self.max_length, self.batch_size = services, route, max_length, batch_size
         self.on_wait = on_wait
         self.position = 0  # tokens already in the servers' caches

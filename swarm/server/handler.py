@@ -33,7 +33,7 @@ from swarm.server.backend import check_rows, typed_steps
 from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
-from swarm.server.sessions import is_int
+from swarm.server.fields import is_int
 from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, inputs_digest, misshapen_hidden, reply,
                         split_parts, stacked, unpack, unpack_metadata, unstacked)
 

@@ -19,6 +19,7 @@ from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClose
 from swarm.server import metrics
 from swarm.server.batching import Job
 from swarm.server.cache import PAGE_TOKENS, SessionCache
+from swarm.server.fields import declared_positions, int_field, is_int
 from swarm.server.pushes import EarlyStep
 
 logger = logging.getLogger(__name__)
@@ -392,22 +393,3 @@ class ServerSession:
             metrics.SESSIONS.dec()
             self.server.parking.on_close(self)
 
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # msgpack's true is a Python int too
-
-
-def declared_positions(metadata: dict, max_length: int) -> int:
-    """What a client's opening or step declares its next step may carry (field 'next_positions'; none: 0), up
-    to the session's max_length (no step is longer)."""
-    value = metadata.get("next_positions", 0)
-    if not is_int(value) or value < 0:
-        raise BadRequestError(f"field 'next_positions' must be an integer >= 0, got {value!r:.80}")
-    return min(value, max_length)
-
-
-def int_field(metadata: dict, name: str, low: int, high: int) -> int:
-    value = metadata.get(name)
-    if not is_int(value) or not low <= value <= high:
-        raise BadRequestError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
-    return value
