@@ -55,8 +55,7 @@ class OpenSessions:
 
 
 class Parking:
-    """Told when a session parks, stops being parked, or closes: swarm/server/warm.py keeps the parked sessions'
-    counts as they change (this one keeps nothing)."""
+    """Told when a session parks, un-parks or closes: warm.py keeps the parked sessions' counts (this, none)."""
 
     def on_park(self, session: "ServerSession") -> None:
         pass
@@ -136,6 +135,8 @@ class ServerSession:
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
         self._newest_step = -1  # the highest step id started
         self._early: Optional[EarlyStep] = None
+        # the pushed step last taken (by a flowing step, most often): see take_early
+        self._taken: Optional[EarlyStep] = None
         self.push_arrival: Optional[asyncio.Future] = None  # a flowing step waiting (see pushes.awaited_push)
         self.stepping = False  # a step of it is being computed, or waits for room: one at a time
         self._idle = asyncio.Event()  # set while it is not busy: what a fork of it waits for
@@ -163,8 +164,8 @@ class ServerSession:
         return result
 
     def take_early(self, metadata: dict) -> Optional[EarlyStep]:
-        """The client's copy of a step came: the pushed step started before it, if any (then forgotten). The
-        step waits for it (steps never overlap), and takes its result if it computed the same inputs."""
+        """The client's copy of a step came: the pushed step started before it, or still running for a flowing
+        step (whose answer was late), if any. It waits for it, and takes its result if of the same inputs."""
         step_id = metadata.get("step_id")
         if step_id is not None and not is_int(step_id):
             raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
@@ -172,6 +173,10 @@ class ServerSession:
         self._unpark()  # at once: no eviction may close it while the step waits its turn
         self._push_came()  # a flowing step still waiting for its push is answered: this copy supersedes it
         early, self._early = self._early, None
+        if early is None and self._taken is not None and self._taken.step_id == step_id \
+                and not self._taken.result.done():
+            return self._taken
+        self._taken = early
         if step_id is not None:
             self._newest_step = max(self._newest_step, step_id)
         return early

@@ -81,6 +81,37 @@ def test_a_flowing_step_whose_push_never_comes_answers_no_push_and_the_clients_c
     server_run(span, scenario)
 
 
+def test_the_clients_copy_of_a_step_a_flowing_step_is_computing_waits_for_it_and_shares_its_outputs(span):
+    """The grace ran out (a loaded server) while the flowing step was computing from its push: the client's copy
+    of the same step waits for that computation, not refused as a second step of the session at once."""
+    prompt = torch.randn(1, 5, HIDDEN)
+
+    async def scenario(backend, session, relayed):
+        computed, settle = asyncio.Event(), session.early_settled
+
+        async def settled_when_told(early, result):
+            await computed.wait()
+            settle(early, result)
+
+        # the pushed step's computation ends when the test says (a loaded server's compute thread)
+        session.early_settled = lambda early, result: asyncio.ensure_future(settled_when_told(early, result))
+        waiting = asyncio.ensure_future(backend.run_steps([(session, None, flowing(1, 0, 5))]))
+        await asyncio.sleep(0.05)
+        assert push(backend, prompt, 1, 0) is None
+        await asyncio.sleep(0.05)
+        assert session.early_step(1) is None and session.busy  # the flowing step took it, still computing
+        copy = asyncio.ensure_future(backend.run_steps([(session, prompt, {"position": 0, "step_id": 1})]))
+        await asyncio.sleep(0.05)
+        computed.set()
+        [output] = await copy
+        [(flowed, _)] = await waiting
+        [expected] = await backend.run_steps([(relayed, prompt, {"position": 0, "step_id": 1})])
+        assert torch.equal(output, expected) and torch.equal(flowed, expected)
+        assert session.length == 5 and backend.sessions.positions_served == 10  # computed once, and the relayed
+
+    server_run(span, scenario)
+
+
 class Stream:
     """A fake server of one block: outputs = inputs + its index; flowing steps answered as told."""
 
