@@ -8,12 +8,14 @@ answer ends the step: about (n + 1) / 2 round trips. Every server still answers 
 which come in while the step flows on: they are the next server's inputs, kept to replay a hop on failover.
 
 A push lost (a server that does not push, a push refused or dropped) costs a round trip, not the session: when
-a server's outputs have reached the client and the next server has not answered within `grace` seconds (or
-answered NoPushError: its `push_wait` passed, or the push was not what the step declared), the client sends it
-the inputs itself, as a relayed step; the server's flowing step then ends, superseded. A failover ends the flow:
-the rest of the step is relayed.
+a server's outputs have reached the client and the next server has not answered within its grace (or answered
+NoPushError: its `push_wait` passed, or the push was not what the step declared), the client sends it the inputs
+itself, as a relayed step; the server's flowing step then ends, superseded (or, computing from a push already,
+answers both). A failover ends the flow: the rest of the step is relayed.
 
-A server whose push was lost is relayed to for the next RELAYED_AFTER_LOST_PUSH steps.
+A hop's grace follows what its flowing answers took (Hop.flow_grace): a few times their lag behind the previous
+hop's outputs, so that a lost push costs about a step, not a fixed second. A server whose push was lost is
+relayed to for the next RELAYED_AFTER_LOST_PUSH steps, unless its flowing answer comes after all (only late).
 
 A server answers a flowing step with what its push carried (a digest): where it is not the previous server's
 outputs as they came to the client (a server that pushes otherwise than it returns), the client sends the inputs
@@ -23,6 +25,7 @@ itself, and that copy, rewinding the step, is what counts, as with relayed steps
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Optional
 
 import torch
@@ -33,9 +36,9 @@ from swarm.client.stubs import checked_outputs
 from swarm.protocol import CacheFullError, InternalServerError, ServerUnavailableError
 from swarm.wire import inputs_digest
 
-# seconds the next server has to answer from its push, once the previous one's outputs reached the client,
-# before the client sends them itself: a push leaves its server as the outputs do, so it is late past a
-# network's jitter and a step's compute
+# the most seconds the next server has to answer from its push, once the previous one's outputs reached the
+# client, before the client sends them itself (until a hop's lag is known, it has this long): a push leaves
+# its server as the outputs do, so it is late past a network's jitter and a step's compute
 FLOW_GRACE = 1.0
 # steps relayed to a server after a push to it was lost, before the next flowing one: a server that never takes
 # pushes from the previous one (a private server, or one whose previous server does not find it announced) costs
@@ -90,18 +93,21 @@ class Flow:
                      following: Optional["Hop"]) -> torch.Tensor:
         """The hop's outputs for `hidden` (the previous hop's, as it answered the client): from its flowing step,
         or, where no push came in time, from a relayed step of those inputs."""
-        task = self._waiting.pop(id(hop))
-        await asyncio.wait({task}, timeout=self.grace)
+        task, began = self._waiting.pop(id(hop)), time.monotonic()
+        await asyncio.wait({task}, timeout=hop.flow_grace(self.grace, self.session.hops))
         if task.done() and not task.cancelled():
             error = task.exception()
             output, pushed = task.result() if error is None else (None, None)
             if error is None and pushed == inputs_digest(hidden):
+                hop.flowed(time.monotonic() - began)
                 hop.declared = self.session.next_positions
                 return checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
             if isinstance(error, HOP_FAULTS):
                 raise error
         self.session.pushes_missed += 1
         hop.relayed_steps = RELAYED_AFTER_LOST_PUSH
+        if not task.done():  # a late answer from its push tells the push works: the hop flows again at once
+            task.add_done_callback(lambda late: _late_answer(late, hop, began, inputs_digest(hidden)))
         return await self.session._step_hop_async(hop, hidden, position, following)
 
     def abandon(self) -> None:
@@ -110,6 +116,15 @@ class Flow:
         for task in self._waiting.values():
             task.cancel()
         self._waiting.clear()
+
+
+def _late_answer(task: asyncio.Task, hop: "Hop", began: float, expected: bytes) -> None:
+    """A flowing answer that came after its grace: where it is what the push should have carried, the push works
+    but took longer than the grace allowed; its lag counts, and the hop is no longer relayed to."""
+    if task.cancelled() or task.exception() is not None or task.result()[1] != expected:
+        return
+    hop.flowed(time.monotonic() - began)
+    hop.relayed_steps = 0
 
 
 def _retrieved(task: asyncio.Task) -> None:

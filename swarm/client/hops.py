@@ -13,6 +13,12 @@ from swarm.client.step_channel import NEXT_STEP_POSITIONS
 from swarm.client.stubs import InferenceStream
 
 
+# a flowing answer later than this many times the hop's lag is taken for a lost push (the client sends the
+# inputs itself; an answer that comes after all still counts, see flowing.py), and never before MIN_FLOW_GRACE
+# seconds: a loaded machine's scheduling jitter
+FLOW_GRACE_LAGS, MIN_FLOW_GRACE = 4.0, 0.05
+
+
 class Hop:
     """One server of a session's chain, and every input it has been sent (to replay onto a replacement).
 
@@ -24,6 +30,7 @@ class Hop:
         self.link, self.stream = link, stream
         self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
         self.relayed_steps = 0  # steps still relayed to it, not flowing, after a push to it was lost (flowing.py)
+        self.flow_lag: Optional[float] = None  # seconds its flowing answers come after the previous hop's outputs
         self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
         self._length = 0  # positions recorded
         if inputs is not None:
@@ -48,3 +55,17 @@ class Hop:
             self._length = position
         self._chunks.append(hidden)
         self._length += hidden.shape[1]
+
+    def flowed(self, lag: float) -> None:
+        """Its flowing answer came `lag` seconds after the previous hop's outputs (an exponential moving average;
+        a lag above it counts at once, so that the grace keeps up with a server or network slowing down)."""
+        self.flow_lag = lag if self.flow_lag is None or lag > self.flow_lag else 0.8 * self.flow_lag + 0.2 * lag
+
+    def flow_grace(self, most: float, chain: list["Hop"]) -> float:
+        """Seconds to wait for its flowing answer once the previous hop's outputs came: FLOW_GRACE_LAGS times its
+        lag (else the largest of its chain's hops: a replacement joins a chain whose lags are known), at least
+        MIN_FLOW_GRACE; `most` while no hop of the chain has flowed."""
+        lags = [hop.flow_lag for hop in ([self] if self.flow_lag is not None else chain) if hop.flow_lag is not None]
+        if not lags:
+            return most
+        return min(most, max(MIN_FLOW_GRACE, FLOW_GRACE_LAGS * max(lags)))

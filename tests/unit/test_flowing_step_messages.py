@@ -133,6 +133,8 @@ class Stream:
         if self.flowing_answer == "fault":
             raise ServerUnavailableError("gone")
         pushed = await self.pushed
+        if self.flowing_answer == "late":  # its push works, but its answer comes after the grace
+            await asyncio.sleep(0.2)
         return await self._computed(pushed, push_to), inputs_digest(pushed)
 
     async def _computed(self, hidden, push_to):
@@ -194,6 +196,40 @@ def test_a_hop_whose_push_is_lost_is_sent_its_inputs(answer):
     assert torch.equal(asyncio.run(next_step()), torch.full((1, 2, HIDDEN), 3.0))
     assert [stream.calls for stream in streams] == [[("step", 2)], [("step", 2)], [("flowing", 2)]]
     assert session.hops[1].relayed_steps == RELAYED_AFTER_LOST_PUSH - 1
+
+
+def test_a_late_flowing_answer_counts_and_the_hop_flows_again_at_once():
+    streams = [Stream(0), Stream(1, "late"), Stream(2)]
+    session = client_session(streams, grace=0.05)
+
+    async def steps():
+        for stream in streams:
+            stream.pushed = asyncio.get_running_loop().create_future()
+        first = await session.step_async(torch.zeros(1, 2, HIDDEN))
+        await asyncio.sleep(0.3)  # the late answer comes
+        return first
+
+    assert torch.equal(asyncio.run(steps()), torch.full((1, 2, HIDDEN), 3.0))
+    assert streams[1].calls == [("flowing", 2), ("step", 2)] and session.pushes_missed == 1
+    hop = session.hops[1]
+    assert hop.relayed_steps == 0 and hop.flow_lag >= 0.2  # it flows again, with a grace that waits for it
+    assert hop.flow_grace(5.0, session.hops) >= 0.8
+
+
+def test_a_hops_grace_is_a_few_times_its_lag_within_bounds():
+    from swarm.client.hops import FLOW_GRACE_LAGS, MIN_FLOW_GRACE
+
+    hops = client_session([Stream(index) for index in range(3)]).hops
+    assert hops[1].flow_grace(1.0, hops) == 1.0  # nothing flowed yet: the most
+    hops[1].flowed(0.02)
+    assert hops[1].flow_grace(1.0, hops) == pytest.approx(FLOW_GRACE_LAGS * 0.02)
+    assert hops[2].flow_grace(1.0, hops) == pytest.approx(FLOW_GRACE_LAGS * 0.02)  # a newcomer: its chain's lag
+    hops[2].flowed(0.001)
+    assert hops[2].flow_grace(1.0, hops) == MIN_FLOW_GRACE
+    hops[1].flowed(10.0)  # slower at once: counted at once
+    assert hops[1].flow_grace(1.0, hops) == 1.0
+    hops[1].flowed(0.0)  # faster: counted gradually
+    assert hops[1].flow_lag == pytest.approx(8.0)
 
 
 def test_a_push_other_than_the_previous_servers_outputs_is_not_used():
