@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Optional
 
 # a restart lifts the ban of a peer with at most this many strikes (if it answers a probe): a server that failed
 # once or twice and restarted is back at once; one that keeps failing waits out its bans
 PARDONABLE_STRIKES = 2
+# probes a round trip is the least of: at a probe per 5 s (probes.py), a route that got farther counts within 30 s
+RTT_SAMPLES = 6
 
 
 class Bans:
@@ -95,7 +98,8 @@ class PeerLoad:
     def __init__(self):
         self.sessions: dict[str, int] = {}
         self.latency: dict[str, float] = {}  # an exponential moving average of compute seconds per block of a step
-        self.rtt: dict[str, float] = {}  # an exponential moving average of round trips, in seconds
+        self.rtt: dict[str, float] = {}  # the least of the last RTT_SAMPLES round trips, in seconds
+        self._rtt_samples: dict[str, deque] = {}
         self._lock = threading.Lock()
 
     def opened(self, peer_id: str, change: int = 1) -> None:
@@ -111,9 +115,13 @@ class PeerLoad:
             self.latency[peer_id] = _average(self.latency.get(peer_id), per_block)
 
     def round_trip(self, peer_id: str, seconds: float) -> None:
-        """A call that costs the server next to nothing (rpc_info) took `seconds` there and back."""
+        """A call that costs the server next to nothing (rpc_info) took `seconds` there and back. The least of
+        the last few is the network's: queueing (a busy server's loop, a loaded machine) only ever adds to a
+        probe, and it is counted in the compute a step takes there, as steps measure it (see observed)."""
         with self._lock:
-            self.rtt[peer_id] = _average(self.rtt.get(peer_id), seconds)
+            samples = self._rtt_samples.setdefault(peer_id, deque(maxlen=RTT_SAMPLES))
+            samples.append(seconds)
+            self.rtt[peer_id] = min(samples)
 
     def factors(self) -> dict[str, float]:
         """Multipliers of each server's estimated time: each session this client has there weighs."""

@@ -176,7 +176,8 @@ class SwarmClient:
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
 
     def round_trips(self) -> dict[str, float]:
-        """Seconds there and back to each server measured (a moving average): what routing weighs hops by."""
+        """Seconds there and back to each server measured (the least of the last few probes): what routing weighs
+        hops by."""
         return self.load.round_trips()
 
     def wait_for_chain(self, prefix: str, num_blocks: int, model_name: str,

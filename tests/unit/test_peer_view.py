@@ -1,5 +1,5 @@
 """The client's own view of servers (swarm/client/peers.py), with the real classes: a step's time split into
-the round trip and compute per block, round trips averaged, a restarted server's ban lifted (never a liar's) with its strikes kept,
+the round trip and compute per block, round trips the least of the last few, a restarted server's ban lifted (never a liar's) with its strikes kept,
 and the record field that tells a restart."""
 
 import time
@@ -21,12 +21,18 @@ def test_a_steps_round_trip_is_not_counted_as_compute_per_block():
     assert load.measured()["far"] >= 0
 
 
-def test_round_trips_are_a_moving_average():
+def test_a_round_trip_is_the_least_of_the_last_few_probes():
+    from swarm.client.peers import RTT_SAMPLES
+
     load = PeerLoad()
     load.round_trip("a", 0.100)
     assert load.round_trips() == {"a": pytest.approx(0.100)}  # the first sample as it is
-    load.round_trip("a", 0.200)
-    assert 0.100 < load.round_trips()["a"] < 0.200
+    for queued in (0.400, 0.350, 0.900):  # a loaded server's loop: queueing only adds
+        load.round_trip("a", queued)
+    assert load.round_trips()["a"] == pytest.approx(0.100)
+    for farther in [0.200] * RTT_SAMPLES:  # the route itself got longer: counted once the window has passed
+        load.round_trip("a", farther)
+    assert load.round_trips()["a"] == pytest.approx(0.200)
 
 
 def test_a_restart_may_lift_a_failure_ban_but_keeps_its_strikes_and_never_lifts_distrust():
