@@ -99,7 +99,7 @@ class Flow:
             error = task.exception()
             output, pushed = task.result() if error is None else (None, None)
             if error is None and pushed == inputs_digest(hidden):
-                hop.flowed(time.monotonic() - began)
+                self._measured(hop, time.monotonic() - began, hidden.shape[1])
                 hop.declared = self.session.next_positions
                 return checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
             if isinstance(error, HOP_FAULTS):
@@ -109,6 +109,14 @@ class Flow:
         if not task.done():  # a late answer from its push tells the push works: the hop flows again at once
             task.add_done_callback(lambda late: _late_answer(late, hop, began, inputs_digest(hidden)))
         return await self.session._step_hop_async(hop, hidden, position, following)
+
+    def _measured(self, hop: "Hop", lag: float, positions: int) -> None:
+        """What routing learns of a hop's server from a flowing answer: its lag behind the previous hop's outputs
+        is, where links cost each server's distance to the client (a push from the previous server, then the
+        answer), the server's round trip plus its compute; so it counts as a relayed step's time does."""
+        hop.flowed(lag)
+        if positions == 1:  # a decode step: what routing compares servers by
+            self.session.services.load.observed(hop.link.peer_id, lag, hop.link.end - hop.link.start)
 
     def abandon(self) -> None:
         """The step goes on relayed (a failover replaced a hop): the flowing steps left are given up on (their

@@ -180,6 +180,23 @@ def test_a_flowing_step_goes_once_to_each_hop_with_inputs_only_to_the_first():
     assert session.pushes_missed == 0
 
 
+def test_every_hop_of_a_flowing_decode_step_tells_routing_its_time():
+    """Routing's compute per block of a server comes from the steps through it: mid-chain servers of flowing
+    steps are measured too (by their answers' lag), not only the first, which alone gets its inputs."""
+    streams = [Stream(index) for index in range(3)]
+    session, observed = client_session(streams), []
+    session.services.load = SimpleNamespace(observed=lambda peer, seconds, blocks: observed.append((peer, blocks)))
+
+    async def scenario():
+        for stream in streams:
+            stream.pushed = asyncio.get_running_loop().create_future()
+        return await session.step_async(torch.zeros(1, 1, HIDDEN))
+
+    asyncio.run(scenario())
+    assert [stream.calls for stream in streams] == [[("step", 1)], [("flowing", 1)], [("flowing", 1)]]
+    assert sorted(observed) == [("server0", 1), ("server1", 1), ("server2", 1)]
+
+
 @pytest.mark.parametrize("answer", ["never", "no_push"])
 def test_a_hop_whose_push_is_lost_is_sent_its_inputs(answer):
     streams = [Stream(0), Stream(1, answer), Stream(2)]
