@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -12,6 +13,7 @@ from typing import Optional
 PARDONABLE_STRIKES = 2
 # probes a round trip is the least of: at a probe per 5 s (probes.py), a route that got farther counts within 30 s
 RTT_SAMPLES = 6
+COMPUTE_SAMPLES = 15  # decode steps a server's compute per block is the median of
 
 
 class Bans:
@@ -97,7 +99,8 @@ class PeerLoad:
 
     def __init__(self):
         self.sessions: dict[str, int] = {}
-        self.latency: dict[str, float] = {}  # an exponential moving average of compute seconds per block of a step
+        self.latency: dict[str, float] = {}  # compute seconds per block of a decode step: the median of the last few
+        self._compute_samples: dict[str, deque] = {}
         self.rtt: dict[str, float] = {}  # the least of the last RTT_SAMPLES round trips, in seconds
         self._rtt_samples: dict[str, deque] = {}
         self._lock = threading.Lock()
@@ -108,11 +111,14 @@ class PeerLoad:
 
     def observed(self, peer_id: str, seconds: float, blocks: int = 1) -> None:
         """A decode step through `blocks` blocks of the server took `seconds`, as this client saw it: less the
-        round trip (once measured), the rest is compute."""
+        round trip (once measured), the rest is compute. The median of the last COMPUTE_SAMPLES: a step held up
+        once (a busy moment, a loaded machine) does not make a server look slow for the next several, as it
+        would weigh in an average."""
         with self._lock:
             network = min(self.rtt.get(peer_id, 0.0), seconds)
-            per_block = (seconds - network) / max(blocks, 1)
-            self.latency[peer_id] = _average(self.latency.get(peer_id), per_block)
+            samples = self._compute_samples.setdefault(peer_id, deque(maxlen=COMPUTE_SAMPLES))
+            samples.append((seconds - network) / max(blocks, 1))
+            self.latency[peer_id] = statistics.median(samples)
 
     def round_trip(self, peer_id: str, seconds: float) -> None:
         """A call that costs the server next to nothing (rpc_info) took `seconds` there and back. The least of
@@ -137,7 +143,3 @@ class PeerLoad:
         """Seconds there and back to each server measured."""
         with self._lock:
             return dict(self.rtt)
-
-
-def _average(previous: Optional[float], sample: float, weight: float = 0.2) -> float:
-    return sample if previous is None else (1 - weight) * previous + weight * sample

@@ -21,6 +21,17 @@ def test_a_steps_round_trip_is_not_counted_as_compute_per_block():
     assert load.measured()["far"] >= 0
 
 
+def test_one_held_up_step_does_not_make_a_server_look_slow():
+    load = PeerLoad()
+    for _ in range(5):
+        load.observed("a", 0.010, blocks=10)
+    load.observed("a", 1.0, blocks=10)  # held up once: a busy moment of a loaded machine
+    assert load.measured()["a"] == pytest.approx(0.001)
+    for _ in range(10):  # it really got slower: counted once most recent steps say so
+        load.observed("a", 0.050, blocks=10)
+    assert load.measured()["a"] == pytest.approx(0.005)
+
+
 def test_a_round_trip_is_the_least_of_the_last_few_probes():
     from swarm.client.peers import RTT_SAMPLES
 
