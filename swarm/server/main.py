@@ -33,6 +33,7 @@ from swarm.server import metrics, placement
 from swarm.server.adapters import AdapterFolder, attach_adapters, read_adapter
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
+from swarm.server.round_trips import PushRoundTrips
 from swarm.server.settings import ServerSettings, parse_settings
 from swarm.server.span import BlockSpan, GraphsCaptured, load_span
 from swarm.server.throughput import cached_throughput
@@ -89,6 +90,7 @@ class Presence:
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
         self.expiration = 3 * settings.announce_period
         self.graphs_captured: Optional[GraphsCaptured] = None  # the rounds captured ahead at start-up, if any
+        self.push_round_trips: Optional[PushRoundTrips] = None  # measured to the servers pushed to, announced
 
     @property
     def start(self) -> int:
@@ -121,7 +123,10 @@ class Presence:
                                                            settings.limits.max_session_tokens)
         metrics.watch_cache(presence.backend.budget)
         push_targets = PushTargets(node, prefix, settings.allowed_servers)
+        settings.latency.bind(node)
+        await settings.latency.announce(node, presence.expiration)  # before any request: its callers see it
         handler = BlockHandler(presence.backend, settings.allowed_peers, push_targets, settings.latency)
+        presence.push_round_trips = handler.pusher.round_trips
         await handler.add_p2p_handlers(node.p2p)
         await presence.announce_online()
         return presence
@@ -133,7 +138,8 @@ class Presence:
         available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
         return ServerInfo(state, self.start, self.end, throughput, available,
                           max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED,
-                          adapters=tuple(sorted(self.span.adapters)))
+                          adapters=tuple(sorted(self.span.adapters)),
+                          round_trips=self.push_round_trips.announced() if self.push_round_trips else ())
 
     async def announce_online(self) -> None:
         from swarm.weights import KNOWN_MODELS
@@ -142,6 +148,7 @@ class Presence:
         record = ModelRecord(model if model in KNOWN_MODELS else self.folder.name, self.prefix, self.num_blocks, model)
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         await dht.announce_model(self.node, record, expiration=self.expiration)
+        await self.settings.latency.announce(self.node, self.expiration)
 
     async def serve_until_stopped(self) -> None:
         """Announce every period, and consider moving every rebalance period, until SIGINT or SIGTERM."""

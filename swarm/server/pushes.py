@@ -25,6 +25,7 @@ from swarm.protocol import BadRequestError, NoPushError, ServerUnavailableError,
 from swarm.server import metrics
 from swarm.server.batching import Job
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
+from swarm.server.round_trips import PushRoundTrips
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Pusher:
         self.tasks: set[asyncio.Task] = set()  # references, so that the tasks are not collected while they run
         self._warned_peers: set[str] = set()
         self.message_bytes = unary_payload_bytes()  # what one push message may carry
+        self.round_trips = PushRoundTrips()  # to each server pushed to: announced in the server's record
 
     def push(self, pushes: list[tuple[PeerID, int, dict, torch.Tensor]]) -> None:
         """(next server, the block it goes on at, entry, outputs) of each push, beside the replies to clients."""
@@ -136,9 +138,11 @@ class Pusher:
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(announced)
         try:
+            sent = time.monotonic()
             await self.latency.delay()
             response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
             await self.latency.delay()
+            self.round_trips.add(peer.to_base58(), time.monotonic() - sent)  # its reply comes once it is queued
             _, metadata = unpack(response)
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._failed(peer, len(announced), "unreachable", repr(error))

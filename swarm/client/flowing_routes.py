@@ -1,0 +1,120 @@
+"""Routing for flowing steps (swarm/client/flowing.py): a step goes from the client to its chain's first
+server, each server pushes it on to the next, and the last answers the client. Its network time is then the
+first server's one way from the client, each server-to-server link's one way, and the last server's one way
+back: half of each round trip, not each server's whole round trip from the client as with relayed steps.
+
+A server-to-server round trip is what one of the two servers measured and announced (ServerInfo.round_trips:
+its pushes' round trips, swarm/server/round_trips.py); where neither did, the mean of the two servers' round
+trips from the client stands for it (two servers far from the client are not taken as close to each other).
+An announced figure is a claim (bounded when parsed, see ServerInfo.from_wire): a server can make hops from it
+look cheaper by at most half the round trip the fallback would have counted.
+
+Pure functions over what servers announced; routing.py builds the chains.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Collection, Iterable, Mapping, Optional
+
+from swarm.protocol import RemoteServer
+
+Hop = tuple[str, int, int]  # (peer id, first block, one past the last)
+_Arrival = tuple[float, int, int, Optional[str]]  # (seconds, hops, where the last hop entered, the hop before's peer)
+
+
+def announced_round_trips(servers: Iterable[RemoteServer]) -> dict[tuple[str, str], float]:
+    """(from, to) -> seconds, as the servers announced them, both ways (a link is symmetric; what the sender
+    measured wins over the other's)."""
+    links: dict[tuple[str, str], float] = {}
+    for server in servers:
+        for peer, seconds in server.info.round_trips:
+            if math.isfinite(seconds) and seconds >= 0:
+                links.setdefault((peer, server.peer_id), seconds)
+                links[(server.peer_id, peer)] = seconds
+    return links
+
+
+def server_round_trip(links: Mapping[tuple[str, str], float], client_rtt: Mapping[str, float],
+                      sender: str, receiver: str) -> float:
+    announced = links.get((sender, receiver))
+    return announced if announced is not None else (client_rtt[sender] + client_rtt[receiver]) / 2
+
+
+def flowing_network_seconds(peers: list[str], links: Mapping[tuple[str, str], float],
+                            client_rtt: Mapping[str, float]) -> float:
+    """A step's network time through servers `peers` in order: in from the client, along, back to it."""
+    if not peers:
+        return 0.0
+    along = sum(server_round_trip(links, client_rtt, a, b) for a, b in zip(peers, peers[1:]))
+    return (client_rtt[peers[0]] + along + client_rtt[peers[-1]]) / 2
+
+
+def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str, float],
+                           client_rtt: Mapping[str, float], start: int, num_blocks: int) -> list[Hop]:
+    """The least-time chain over [start, num_blocks) with flowing steps' network time
+    (flowing_network_seconds) plus each hop's blocks x cost[server]; on a tie, fewer hops.
+
+    A hop's price depends on the hop before (their link), so the search keeps, per position, the best chain
+    ending there through each server. Time is linear in the blocks of a hop, so some best chain changes
+    servers only where a span starts or ends: only those positions are searched."""
+    links = announced_round_trips(servers)
+    positions = sorted({start, num_blocks, *(min(max(edge, start), num_blocks)
+                                             for server in servers for edge in (server.info.start, server.info.end))})
+    best: dict[int, dict[str, _Arrival]] = {position: {} for position in positions}
+    for index, entered in enumerate(positions[:-1]):
+        arrivals = [(None, 0.0, 0)] if entered == start else \
+            [(peer, arrival[0], arrival[1]) for peer, arrival in best[entered].items()]
+        for server in servers:
+            info, peer = server.info, server.peer_id
+            if not info.start <= entered < info.end:
+                continue
+            entry = _entry(arrivals, peer, links, client_rtt)
+            if entry is None:
+                continue
+            for position in positions[index + 1:]:
+                if position > info.end:
+                    break
+                arrival = (entry[0] + (position - entered) * cost[peer], entry[1], entered, entry[2])
+                if peer not in best[position] or _better(arrival, best[position][peer]):
+                    best[position][peer] = arrival
+    return _chain_back(best, client_rtt, start, num_blocks)
+
+
+def _entry(arrivals, peer: str, links, client_rtt) -> Optional[tuple[float, int, Optional[str]]]:
+    """The cheapest way into a hop through `peer`: (seconds, hops, the hop before's peer), None if none."""
+    entry = None
+    for before, seconds, hops in arrivals:
+        if before == peer:  # a server followed by itself is one hop
+            continue
+        one_way = (client_rtt[peer] if before is None else server_round_trip(links, client_rtt, before, peer)) / 2
+        candidate = (seconds + one_way, hops + 1, before)
+        if entry is None or _better(candidate, entry):
+            entry = candidate
+    return entry
+
+
+def _chain_back(best: dict[int, dict[str, _Arrival]], client_rtt: Mapping[str, float], start: int,
+                num_blocks: int) -> list[Hop]:
+    """The best chain to the end, the last server's way back to the client counted, followed backwards."""
+    finals = [((arrival[0] + client_rtt[peer] / 2, arrival[1]), peer) for peer, arrival in best[num_blocks].items()]
+    if not finals:
+        return []
+    chosen = finals[0]
+    for final in finals[1:]:
+        if _better(final[0], chosen[0]):
+            chosen = final
+    hops, position, peer = [], num_blocks, chosen[1]
+    while position > start:
+        _, _, entered, before = best[position][peer]
+        hops.append((peer, entered, position))
+        position, peer = entered, before
+    return hops[::-1]
+
+
+def _better(candidate: tuple, incumbent: tuple) -> bool:
+    """Less time, or (within rounding) as much time in fewer hops (as routing._better)."""
+    tolerance = 1e-9 * max(1.0, abs(incumbent[0]))
+    if candidate[0] < incumbent[0] - tolerance:
+        return True
+    return abs(candidate[0] - incumbent[0]) <= tolerance and candidate[1] < incumbent[1]
