@@ -62,10 +62,10 @@ class NetworkMap:
 
 
 def parse_network_map(text: str, setting: str = "NETWORK_MAP") -> NetworkMap:
-    """A map from JSON text, or from the file it names (text not starting with '{'); NetworkMapError naming
-    `setting` for anything wrong."""
+    """A map from JSON text, or from the file it names (text not starting with '{' or '['); NetworkMapError
+    naming `setting` for anything wrong."""
     source = text.strip()
-    if not source.startswith("{"):
+    if not source.startswith(("{", "[")):
         try:
             source = Path(source).read_text()
         except OSError as error:

@@ -59,17 +59,19 @@ def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str,
     ending there through each server. Time is linear in the blocks of a hop, so some best chain changes
     servers only where a span starts or ends: only those positions are searched."""
     links = announced_round_trips(servers)
+    into: dict[str, dict[str, float]] = {}  # receiver -> {sender: announced round trip}
+    for (sender, receiver), seconds in links.items():
+        into.setdefault(receiver, {})[sender] = seconds
     positions = sorted({start, num_blocks, *(min(max(edge, start), num_blocks)
                                              for server in servers for edge in (server.info.start, server.info.end))})
     best: dict[int, dict[str, _Arrival]] = {position: {} for position in positions}
     for index, entered in enumerate(positions[:-1]):
-        arrivals = [(None, 0.0, 0)] if entered == start else \
-            [(peer, arrival[0], arrival[1]) for peer, arrival in best[entered].items()]
+        entries = _Entries(best[entered], into, client_rtt, first=entered == start)
         for server in servers:
             info, peer = server.info, server.peer_id
             if not info.start <= entered < info.end:
                 continue
-            entry = _entry(arrivals, peer, links, client_rtt)
+            entry = entries.into(peer)
             if entry is None:
                 continue
             for position in positions[index + 1:]:
@@ -81,17 +83,38 @@ def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str,
     return _chain_back(best, client_rtt, start, num_blocks)
 
 
-def _entry(arrivals, peer: str, links, client_rtt) -> Optional[tuple[float, int, Optional[str]]]:
-    """The cheapest way into a hop through `peer`: (seconds, hops, the hop before's peer), None if none."""
-    entry = None
-    for before, seconds, hops in arrivals:
-        if before == peer:  # a server followed by itself is one hop
-            continue
-        one_way = (client_rtt[peer] if before is None else server_round_trip(links, client_rtt, before, peer)) / 2
-        candidate = (seconds + one_way, hops + 1, before)
-        if entry is None or _better(candidate, entry):
-            entry = candidate
-    return entry
+class _Entries:
+    """The cheapest ways into a hop at one position, from the chains that end there.
+
+    Where no round trip is announced, the one way from a server to the next costs (client_rtt[before] +
+    client_rtt[peer]) / 4: the best such way in is the first chain in order of its time plus
+    client_rtt[before] / 4 that is neither the peer's own nor one with an announced link to it; those with one
+    are priced by it. A step costs O(1 + the links announced into the peer), not O(chains ending there)."""
+
+    def __init__(self, arrivals: Mapping[str, _Arrival], into: Mapping[str, Mapping[str, float]],
+                 client_rtt: Mapping[str, float], first: bool):
+        self.arrivals, self.announced, self.client_rtt, self.first = arrivals, into, client_rtt, first
+        self.ranked = sorted(arrivals, key=lambda before: (arrivals[before][0] + client_rtt[before] / 4,
+                                                           arrivals[before][1]))
+
+    def into(self, peer: str) -> Optional[tuple[float, int, Optional[str]]]:
+        """(seconds, hops, the hop before's peer) of the cheapest way into a hop through `peer`; None if none."""
+        if self.first:
+            return self.client_rtt[peer] / 2, 1, None
+        announced = self.announced.get(peer, {})
+        entry = None
+        for before in self.ranked:
+            if before != peer and before not in announced:  # a server followed by itself is one hop
+                seconds, hops = self.arrivals[before][:2]
+                entry = (seconds + (self.client_rtt[before] + self.client_rtt[peer]) / 4, hops + 1, before)
+                break
+        for before, round_trip in announced.items():
+            if before in self.arrivals and before != peer:
+                seconds, hops = self.arrivals[before][:2]
+                candidate = (seconds + round_trip / 2, hops + 1, before)
+                if entry is None or _better(candidate, entry):
+                    entry = candidate
+        return entry
 
 
 def _chain_back(best: dict[int, dict[str, _Arrival]], client_rtt: Mapping[str, float], start: int,
