@@ -56,14 +56,14 @@ def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str,
     (flowing_network_seconds) plus each hop's blocks x cost[server]; on a tie, fewer hops.
 
     A hop's price depends on the hop before (their link), so the search keeps, per position, the best chain
-    ending there through each server. Time is linear in the blocks of a hop, so some best chain changes
-    servers only where a span starts or ends: only those positions are searched."""
+    ending there through each server: O(blocks x servers x span). Every position is searched, not only the
+    ends of spans: announced round trips need not keep the triangle inequality, and a one-block hop through a
+    server well linked to both its neighbours can then be worth its block."""
     links = announced_round_trips(servers)
     into: dict[str, dict[str, float]] = {}  # receiver -> {sender: announced round trip}
     for (sender, receiver), seconds in links.items():
         into.setdefault(receiver, {})[sender] = seconds
-    positions = sorted({start, num_blocks, *(min(max(edge, start), num_blocks)
-                                             for server in servers for edge in (server.info.start, server.info.end))})
+    positions = list(range(start, num_blocks + 1))
     best: dict[int, dict[str, _Arrival]] = {position: {} for position in positions}
     for index, entered in enumerate(positions[:-1]):
         entries = _Entries(best[entered], into, client_rtt, first=entered == start)
