@@ -132,3 +132,24 @@ def test_a_server_announces_the_median_of_its_last_pushes_to_the_latest_servers(
     assert set(announced.values()) == {60.0}  # within the records' bounds
     info = ServerInfo(ServerState.ONLINE, 0, 2, 10.0, 64, round_trips=log.announced())
     assert ServerInfo.from_wire(info.to_wire()) == info
+
+
+def test_a_record_announcing_every_round_trip_stays_far_under_the_dht_s_value_bound():
+    """16 round trips under real peer ids (46 base58 characters) and 8 adapters, signed as the DHT stores the
+    record: under trust.MAX_VALUE_BYTES, or every announcement would be refused."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    from swarm.trust import MAX_VALUE_BYTES
+
+    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    peers = [f"Qm{alphabet[index] * 44}" for index in range(MAX_ROUND_TRIPS)]
+    info = ServerInfo(ServerState.ONLINE, 0, 8, 1234.5, 32768, max_session_tokens=8192, started=1.7e9,
+                      adapters=tuple(f"adapter-{index}-{'x' * 20}" for index in range(8)),
+                      round_trips=tuple((peer, 0.123456789) for peer in peers))
+    validator = RSASignatureValidator()
+    record = DHTRecord(key=MSGPackSerializer.dumps("SmolLM2-135M-Instruct.0"),
+                       subkey=MSGPackSerializer.dumps(validator.local_public_key),
+                       value=MSGPackSerializer.dumps(info.to_wire()), expiration_time=1e9)
+    assert len(validator.sign_value(record)) < MAX_VALUE_BYTES * 0.75
