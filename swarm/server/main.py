@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -33,10 +33,12 @@ from swarm.server import metrics, placement
 from swarm.server.adapters import AdapterFolder, attach_adapters, read_adapter
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
-from swarm.server.round_trips import PushRoundTrips
 from swarm.server.settings import ServerSettings, parse_settings
 from swarm.server.span import BlockSpan, GraphsCaptured, load_span
 from swarm.server.throughput import cached_throughput
+
+if TYPE_CHECKING:
+    from swarm.server.pushes import Pusher
 
 logger = logging.getLogger(__name__)
 # in every record: a client that banned this peer id sees a newer start as the server restarted, and uses it again
@@ -90,7 +92,8 @@ class Presence:
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
         self.expiration = 3 * settings.announce_period
         self.graphs_captured: Optional[GraphsCaptured] = None  # the rounds captured ahead at start-up, if any
-        self.push_round_trips: Optional[PushRoundTrips] = None  # measured to the servers pushed to, announced
+        self.pusher: Optional[Pusher] = None  # its pushes' round trips (and pings') to the next servers: announced
+        self._pings: Optional[asyncio.Task] = None  # the pings of the next servers, started at an announcement
 
     @property
     def start(self) -> int:
@@ -126,7 +129,7 @@ class Presence:
         settings.latency.bind(node)
         await settings.latency.announce(node, presence.expiration)  # before any request: its callers see it
         handler = BlockHandler(presence.backend, settings.allowed_peers, push_targets, settings.latency)
-        presence.push_round_trips = handler.pusher.round_trips
+        presence.pusher = handler.pusher
         await handler.add_p2p_handlers(node.p2p)
         await presence.announce_online()
         return presence
@@ -139,7 +142,7 @@ class Presence:
         return ServerInfo(state, self.start, self.end, throughput, available,
                           max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED,
                           adapters=tuple(sorted(self.span.adapters)),
-                          round_trips=self.push_round_trips.announced() if self.push_round_trips else ())
+                          round_trips=self.pusher.round_trips.announced() if self.pusher else ())
 
     async def announce_online(self) -> None:
         from swarm.weights import KNOWN_MODELS
@@ -149,6 +152,14 @@ class Presence:
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         await dht.announce_model(self.node, record, expiration=self.expiration)
         await self.settings.latency.announce(self.node, self.expiration)
+        self._ping_next_servers()
+
+    def _ping_next_servers(self) -> None:
+        """Measure the round trips to the servers of the block after this span, in the background: announced
+        from the next announcement on (an unanswering peer never holds one up)."""
+        if self.pusher is None or self.end >= self.num_blocks or (self._pings and not self._pings.done()):
+            return
+        self._pings = asyncio.ensure_future(self.pusher.ping_next(self.end, dht.peer_id_of(self.node)))
 
     async def serve_until_stopped(self) -> None:
         """Announce every period, and consider moving every rebalance period, until SIGINT or SIGTERM."""

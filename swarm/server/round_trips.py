@@ -1,6 +1,6 @@
-"""Round trips a server measures to the servers it pushes to (swarm/server/pushes.py), announced in its record
-(ServerInfo.round_trips) so that clients price the server-to-server hops of flowing steps by them
-(swarm/client/flowing_routes.py).
+"""Round trips a server measures to the servers it pushes to (swarm/server/pushes.py: its pushes, and pings of
+the servers of the block after its span at each announcement), announced in its record (ServerInfo.round_trips)
+so that clients price the server-to-server hops of flowing steps by them (swarm/client/flowing_routes.py).
 
 A push's reply comes as soon as the next server has queued the step (Backend.accept_pushes), not once it is
 computed: from sending a push to its reply is the network's round trip, plus what the two event loops add

@@ -153,3 +153,33 @@ def test_a_record_announcing_every_round_trip_stays_far_under_the_dht_s_value_bo
                        subkey=MSGPackSerializer.dumps(validator.local_public_key),
                        value=MSGPackSerializer.dumps(info.to_wire()), expiration_time=1e9)
     assert len(validator.sign_value(record)) < MAX_VALUE_BYTES * 0.75
+
+
+def test_a_server_pings_the_servers_of_its_next_block(monkeypatch):
+    """Before any session routes through both, a server measures its round trip to each server of the block
+    after its span (an rpc_info), so that routing prices their link by it; a peer not answering is left out."""
+    import asyncio
+
+    from swarm.server import pushes
+
+    class Targets:
+        async def servers_of(self, block):
+            assert block == 2
+            return {"QmB", "QmC", "QmSe1f"}
+
+    class Stub:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def rpc_info(self, request, timeout):
+            assert self.peer != "QmSe1f"  # never itself
+            if self.peer == "QmC":
+                raise ConnectionError("gone")
+            await asyncio.sleep(0.05)
+
+    monkeypatch.setattr(pushes.BlockRPC, "get_stub", staticmethod(lambda p2p, peer: Stub(peer.to_base58())))
+    pusher = pushes.Pusher({}, Targets())
+    pusher.p2p = object()
+    asyncio.run(pusher.ping_next(2, "QmSe1f"))
+    announced = dict(pusher.round_trips.announced())
+    assert set(announced) == {"QmB"} and 0.05 <= announced["QmB"] < 0.5
