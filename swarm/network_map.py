@@ -13,7 +13,7 @@ is symmetric. `jitter_ms` (default 0) adds a uniform 0..jitter_ms per round trip
 generators seeded with `seed` (default 0). A server says which region it is in by --region, and announces it
 in the DHT (its own signed entry under REGIONS_KEY); so may a client (SwarmClient's `region`). A peer that
 announces none (the gateway's client, as a rule) is taken to be in `default_region` (default: the region of
-whoever receives its messages).
+whoever receives its messages), and a server started without --region is in it.
 
 Only the receiving server delays (swarm/server/links.py): a message in by half its link's round trip, its
 reply out by the other half, so that a server-to-server push is delayed once, by the link between the two.

@@ -188,7 +188,8 @@ def _add_latency_flags(parser, default_ms: float, default_map) -> None:
                         help="for tests and benchmarks on one machine: a simulated network map (JSON, inline or a "
                              "file: regions, a round trip per pair of regions, jitter, seed; see README), each "
                              "message delayed by the link it crosses (default: NETWORK_MAP)")
-    parser.add_argument("--region", metavar="NAME", help="this server's region of --network-map")
+    parser.add_argument("--region", metavar="NAME",
+                        help="this server's region of --network-map (default: the map's default_region)")
 
 
 def _latency(parser, args) -> SimulatedLatency:
@@ -206,8 +207,9 @@ def _latency(parser, args) -> SimulatedLatency:
         region = parse_region(args.region, network_map, "--region")
     except NetworkMapError as error:
         parser.error(str(error))
+    region = region or network_map.default_region  # NETWORK_MAP alone: the gateway's own local swarm, say
     if region is None:
-        parser.error("--network-map needs --region: this server's region of the map")
+        parser.error("--network-map needs --region (or a default_region in the map): this server's region")
     from swarm.server.links import MappedLatency
 
     return MappedLatency(network_map, region)

@@ -18,23 +18,26 @@ from shared_swarm import TINY_BLOCKS
 
 PREFIX, EDGE_PREFIX = "mapped", "mapped-edge"
 HIDDEN = 64  # the tiny model's
+ROUTE_PREFIX = "mapped-route"
 HOME_DC, DC_DC, HOME_EDGE, DC_EDGE = 0.300, 0.100, 0.100, 0.200
-MAP = json.dumps({"round_trip_ms": [["home", "home", 0], ["home", "dc", HOME_DC * 1000], ["dc", "dc", DC_DC * 1000],
-                                    ["home", "edge", HOME_EDGE * 1000], ["dc", "edge", DC_EDGE * 1000],
-                                    ["edge", "edge", 0]],
-                  "seed": 5, "default_region": "home"})
+# "near": close to the gateway, its servers far from each other (and from dc); edge and near never meet
+LINKS_MS = [["home", "home", 0], ["home", "dc", HOME_DC * 1000], ["dc", "dc", DC_DC * 1000],
+            ["home", "edge", HOME_EDGE * 1000], ["dc", "edge", DC_EDGE * 1000], ["edge", "edge", 0],
+            ["home", "near", 120], ["near", "near", 600], ["dc", "near", 500], ["edge", "near", 500]]
+MAP = json.dumps({"round_trip_ms": LINKS_MS, "seed": 5, "default_region": "home"})
+
+
+def _flags(blocks, prefix, region):
+    return ["--blocks", blocks, "--dht-prefix", prefix, "--network-map", MAP, "--region", region,
+            "--announce-period", "2"]
 
 
 @pytest.fixture(scope="module")
 def mapped(tiny_swarm):
     """dc servers of blocks 0:2 and 2:4, and an edge server of all blocks (under a prefix of its own)."""
-    def flags(blocks, prefix, region):
-        return ["--blocks", blocks, "--dht-prefix", prefix, "--network-map", MAP, "--region", region,
-                "--announce-period", "2"]
-
-    servers = [tiny_swarm.add_server(flags("0:2", PREFIX, "dc"), wait=False),
-               tiny_swarm.add_server(flags("2:4", PREFIX, "dc"), wait=False),
-               tiny_swarm.add_server(flags(f"0:{TINY_BLOCKS}", EDGE_PREFIX, "edge"), wait=False)]
+    servers = [tiny_swarm.add_server(_flags("0:2", PREFIX, "dc"), wait=False),
+               tiny_swarm.add_server(_flags("2:4", PREFIX, "dc"), wait=False),
+               tiny_swarm.add_server(_flags(f"0:{TINY_BLOCKS}", EDGE_PREFIX, "edge"), wait=False)]
     for server in servers:
         server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 180)
     assert "simulated network map: region dc, round trips to dc 100 ms, edge 200 ms, home 300 ms" in \
@@ -106,3 +109,35 @@ def test_a_flowing_step_and_its_push_cross_each_link_once(client, mapped):
 
     push_round_trip = _settled(announced, below=float("inf"))  # announced every 2 s
     assert DC_DC <= push_round_trip < 2 * DC_DC  # the dc link once (counted twice: 0.2 s), not the client's
+
+
+def test_routing_takes_the_chain_the_map_makes_fastest_for_flowing_steps(tiny_swarm, client, mapped):
+    """Two chains of the same blocks: dc's two servers, 300 ms from the gateway and 100 ms apart, and near's,
+    120 ms from the gateway but 600 ms apart. Relayed, a step pays each server's round trip from the gateway
+    (near: 0.24 s, dc: 0.6 s); flowing, the gateway's link in and out once and the servers' link along (dc:
+    0.35 s, near: 0.42 s). The servers ping the servers of their next block and announce what they measure; the
+    client, which measures its own round trips, routes its flowing steps through dc (without the announced
+    links, it would take near: their mean round trip from the client, 0.12 s, would stand for near's link)."""
+    from swarm.client.routing import choose_chain
+
+    started = [tiny_swarm.add_server(_flags(blocks, ROUTE_PREFIX, region), wait=False)
+               for blocks, region in (("0:2", "dc"), ("2:4", "dc"), ("0:2", "near"), ("2:4", "near"))]
+    for server in started:
+        server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 180)
+    dc_first, dc_second, near_first, near_second = (server.peer_id for server in started)
+
+    def measured() -> float:  # 0 once both first servers announce both links, and the client timed all four
+        servers = {server.peer_id: server for server in client.servers(ROUTE_PREFIX, TINY_BLOCKS)}
+        client.chain(ROUTE_PREFIX, TINY_BLOCKS, "tiny")  # probes the servers it has not measured
+        announced = [dict(servers[peer].info.round_trips) if peer in servers else {} for peer in (dc_first, near_first)]
+        timed = {server.peer_id for server in started} <= set(client.round_trips())
+        return 0.0 if timed and all({dc_second, near_second} <= set(links) for links in announced) else 1.0
+
+    assert _settled(measured, below=0.5, timeout=40) == 0.0
+    links = dict(next(server for server in client.servers(ROUTE_PREFIX, TINY_BLOCKS)
+                      if server.peer_id == dc_first).info.round_trips)
+    assert 0.1 <= links[dc_second] < 0.2 and 0.5 <= links[near_second] < 0.6
+    chain = client.chain(ROUTE_PREFIX, TINY_BLOCKS, "tiny")
+    assert [link.peer_id for link in chain] == [dc_first, dc_second]
+    relayed = choose_chain(client.servers(ROUTE_PREFIX, TINY_BLOCKS), TINY_BLOCKS, "tiny", rtt=client.round_trips())
+    assert [link.peer_id for link in relayed] == [near_first, near_second]

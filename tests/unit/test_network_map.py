@@ -68,7 +68,9 @@ def test_the_server_flags(capsys, monkeypatch):
     assert isinstance(latency, MappedLatency) and latency.region == "dc" and latency.enabled
     monkeypatch.setenv("NETWORK_MAP", json.dumps(MAP))  # every server started on the machine
     assert parse_settings([*base, "--region", "home"]).latency.region == "home"
-    for flags, message in [([], "--network-map needs --region"),
+    assert parse_settings(base).latency.region == "home"  # the map's default region
+    no_default = json.dumps({**MAP, "default_region": None})
+    for flags, message in [(["--network-map", no_default], "--network-map needs --region"),
                            (["--region", "mars"], "--region: 'mars' is not a region"),
                            (["--region", "dc", "--simulated-latency", "50"], "use one or the other"),
                            (["--network-map", "{", "--region", "dc"], "--network-map: not valid JSON")]:
