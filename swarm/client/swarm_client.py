@@ -24,6 +24,7 @@ from swarm.client.spot_check import SpotChecker
 from swarm.client.flowing import flowing_by_default
 from swarm.client.forwards import forward_on
 from swarm.client.stubs import StepChannels, call_info
+from swarm.network_map import parse_region
 from swarm.protocol import (
     CacheFullError,
     InternalServerError,
@@ -94,6 +95,9 @@ class SwarmClient:
                  max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
                  allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0, block_wait: float = 0.0,
                  region: Optional[str] = None):
+        # a simulated network map's region (swarm/network_map.py), announced so that servers delay this client's
+        # messages by its links (None: the map's default_region); checked before anything starts
+        self.region = parse_region(region, None, "region")
         self.allowed_servers = frozenset(allowed_servers)
         self.block_wait = block_wait
         self.spot_checks = SpotChecker(self, spot_check_rate)
@@ -110,9 +114,7 @@ class SwarmClient:
         self._starts: dict[str, float] = {}  # peer -> when its newest record says it started
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
-        # a simulated network map's region (swarm/network_map.py), announced so that servers delay this client's
-        # messages by its links (None: the map's default_region)
-        self.region, self._region_announced = region, -REGION_TTL
+        self._region_announced = -REGION_TTL
         self._announce_region()
 
     def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> list[RemoteServer]:
