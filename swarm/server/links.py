@@ -7,7 +7,7 @@ pushes are not delayed here: the next server delays them by the same link, so a 
 --simulated-latency both ends delay it, and a push pays two servers' latencies).
 
 A caller's region is what it announced in the DHT (dht.fetch_regions), read again when stale, and at most
-every few seconds for a peer that announced none (it may have started since); the look-up of a new caller's
+every second for a peer that announced none (it may have started since); the look-up of a new caller's
 region is part of its first message's delay, not added to it.
 """
 
@@ -25,7 +25,9 @@ from swarm.server.latency import SimulatedLatency
 
 logger = logging.getLogger(__name__)
 
-REGIONS_TTL, REGIONS_MISS_REFRESH, REGIONS_LOOKUP_TIMEOUT = 30.0, 5.0, 5.0
+# a peer not found is looked up again after a second: a server that just started (and announced its region)
+# is known to the others within about that, and a client that announces none costs one DHT get a second at most
+REGIONS_TTL, REGIONS_MISS_REFRESH, REGIONS_LOOKUP_TIMEOUT = 30.0, 1.0, 5.0
 
 
 class Link:

@@ -152,11 +152,11 @@ class Presence:
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         await dht.announce_model(self.node, record, expiration=self.expiration)
         await self.settings.latency.announce(self.node, self.expiration)
-        self._ping_next_servers()
 
     def _ping_next_servers(self) -> None:
         """Measure the round trips to the servers of the block after this span, in the background: announced
-        from the next announcement on (an unanswering peer never holds one up)."""
+        from the next announcement on (an unanswering peer never holds one up). Not at the first announcement:
+        the next servers learn this one's region (a network map's) meanwhile."""
         if self.pusher is None or self.end >= self.num_blocks or (self._pings and not self._pings.done()):
             return
         self._pings = asyncio.ensure_future(self.pusher.ping_next(self.end, dht.peer_id_of(self.node)))
@@ -174,6 +174,7 @@ class Presence:
                 continue
             except asyncio.TimeoutError:
                 await self.announce_online()
+                self._ping_next_servers()
             if not period or time.monotonic() < next_check:
                 continue
             next_check = time.monotonic() + period

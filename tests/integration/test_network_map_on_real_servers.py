@@ -9,6 +9,7 @@ Lower bounds are what the map says, exactly (a delay is never shorter); upper bo
 machine, but below what a delay counted twice, or the wrong link, would take."""
 
 import json
+import math
 import time
 
 import pytest
@@ -126,17 +127,28 @@ def test_routing_takes_the_chain_the_map_makes_fastest_for_flowing_steps(tiny_sw
         server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 180)
     dc_first, dc_second, near_first, near_second = (server.peer_id for server in started)
 
-    def measured() -> float:  # 0 once both first servers announce both links, and the client timed all four
+    def announced(peer_id: str) -> dict[str, float]:
         servers = {server.peer_id: server for server in client.servers(ROUTE_PREFIX, TINY_BLOCKS)}
-        client.chain(ROUTE_PREFIX, TINY_BLOCKS, "tiny")  # probes the servers it has not measured
-        announced = [dict(servers[peer].info.round_trips) if peer in servers else {} for peer in (dc_first, near_first)]
-        timed = {server.peer_id for server in started} <= set(client.round_trips())
-        return 0.0 if timed and all({dc_second, near_second} <= set(links) for links in announced) else 1.0
+        return dict(servers[peer_id].info.round_trips) if peer_id in servers else {}
 
-    assert _settled(measured, below=0.5, timeout=40) == 0.0
-    links = dict(next(server for server in client.servers(ROUTE_PREFIX, TINY_BLOCKS)
-                      if server.peer_id == dc_first).info.round_trips)
-    assert 0.1 <= links[dc_second] < 0.2 and 0.5 <= links[near_second] < 0.6
+    expected = {(dc_first, dc_second): DC_DC, (dc_first, near_second): 0.5, (near_first, near_second): 0.6,
+                (near_first, dc_second): 0.5}
+
+    def links() -> dict:
+        """What the first servers announce of each link, once the client has timed all four servers too. The
+        first pings of a server that just started may cross a link its next servers do not know yet (a new
+        peer's region is read from the DHT within a second): the median of the last few is announced, and
+        settles on the link's."""
+        client.chain(ROUTE_PREFIX, TINY_BLOCKS, "tiny")  # probes the servers it has not measured
+        timed = {server.peer_id for server in started} <= set(client.round_trips())
+        found = {peer: announced(peer) for peer in (dc_first, near_first)}
+        return {pair: found[pair[0]].get(pair[1], math.inf) if timed else math.inf for pair in expected}
+
+    def off() -> float:  # how far the links announced are from the map's, relative (0.5: 50% off)
+        return max(abs(seconds / expected[pair] - 1) for pair, seconds in links().items())
+
+    assert _settled(off, below=0.5, timeout=60) < 0.5
+    assert all(seconds >= expected[pair] for pair, seconds in links().items())  # a link is never shorter
     chain = client.chain(ROUTE_PREFIX, TINY_BLOCKS, "tiny")
     assert [link.peer_id for link in chain] == [dc_first, dc_second]
     relayed = choose_chain(client.servers(ROUTE_PREFIX, TINY_BLOCKS), TINY_BLOCKS, "tiny", rtt=client.round_trips())
