@@ -4,10 +4,11 @@ first server's one way from the client, each server-to-server link's one way, an
 back: half of each round trip, not each server's whole round trip from the client as with relayed steps.
 
 A server-to-server round trip is what one of the two servers measured and announced (ServerInfo.round_trips:
-its pushes' round trips, swarm/server/round_trips.py); where neither did, the mean of the two servers' round
-trips from the client stands for it (two servers far from the client are not taken as close to each other).
-An announced figure is a claim (bounded when parsed, see ServerInfo.from_wire): a server can make hops from it
-look cheaper by at most half the round trip the fallback would have counted.
+its pushes' and pings' round trips, swarm/server/round_trips.py); where neither did, the mean of the two
+servers' round trips from the client stands for it (two servers far from the client are not taken as close to
+each other). An announced figure is a claim (bounded when parsed, see ServerInfo.from_wire) about links of the
+server that announces it, never of two others: a server can make a hop to or from itself look cheaper, by at
+most half the round trip otherwise counted.
 
 Pure functions over what servers announced; routing.py builds the chains.
 """
