@@ -107,8 +107,7 @@ class SwarmSettings:
     cache_dir: Path
     model: str = DEFAULT_MODEL
     initial_peers: tuple[str, ...] = ()
-    # A block server re-announces itself this often; its records expire after three periods,
-    # so a server that died silently leaves routing within 3 * announce_period seconds.
+    # a server re-announces itself this often; its records expire after 3 periods (a dead one leaves routing then)
     announce_period: float = 10.0
     cache_tokens: int = 32768
     wire_dtype: str = "float32"
@@ -117,9 +116,9 @@ class SwarmSettings:
     allowed_clients: tuple[str, ...] = ()  # empty: any client
     spot_check_rate: float = 0.0
     block_wait_seconds: float = 30.0  # a gap in the swarm's blocks is waited out this long (SwarmClient's block_wait)
-    # block servers started here add this round trip to every exchange (--simulated-latency's default): a WAN
-    # modelled on one machine, the gateway's own local swarm included
+    # a WAN on one machine: --simulated-latency's default, and --network-map's (a map: swarm/network_map.py)
     simulated_latency_ms: float = 0.0
+    network_map: str | None = None
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
@@ -144,6 +143,7 @@ class SwarmSettings:
             spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
             block_wait_seconds=_float(environ, "BLOCK_WAIT_SECONDS", 30.0),
             simulated_latency_ms=_float(environ, "SIMULATED_LATENCY_MS", 0.0),
+            network_map=environ.get("NETWORK_MAP", "").strip() or None,
         )
 
 

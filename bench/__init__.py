@@ -44,5 +44,6 @@ In data-flow order:
 Beside the suite, each its own command: prefix_share.py and reuse.py (issue 22: saved prefixes, conversations kept
 warm); wan.py (decode speed at simulated round trips, speculation on and off; its prompts in wan_prompts.py);
 churn/ (the churn harness: servers leaving and joining under live sessions); routing_cost.py (what routing's
-DHT lookups and choose_chain cost as a swarm grows: docs/wan.md).
+DHT lookups and choose_chain cost as a swarm grows: docs/wan.md); flowing.py (flowing steps against relayed
+ones through 2, 4 and 8 hops of a simulated network map).
 """

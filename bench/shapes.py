@@ -27,6 +27,9 @@ from bench.workload import MODEL
 SHAPES = {
     "tiny": dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048),
+    # tiny's blocks, eight of them: chains of up to eight one-block hops (bench/flowing.py)
+    "tiny-8": dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048),
     "tinyllama-1.1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
                            rope_theta=10000.0, rms_norm_eps=1e-5),

@@ -14,6 +14,7 @@ Two packages, and what both share:
     trust.py      identity keys, and the DHT record validator: only records signed under their writer's subkey
     dht.py        the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`
     local.py      LocalSwarm: a bootstrap peer and block servers as child processes on this machine
+    network_map.py  a simulated network map (NETWORK_MAP, --network-map): regions and the round trip of each link
     cli.py        what the command-line tools share: flag checks (multiaddrs, block ranges), one-line errors
 
 Dependencies go one way: client -> shared modules <- server; the client and the server never import each

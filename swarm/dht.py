@@ -157,6 +157,26 @@ async def servers_of_block(node, prefix: str, block: int, allowed: Collection[st
     return holders
 
 
+async def announce_region(node, region: str, expiration: float) -> None:
+    """Say which region of the simulated network map this process is in (swarm/network_map.py): its own signed
+    entry under REGIONS_KEY, which servers read to delay its messages by the link they cross."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.network_map import REGIONS_KEY
+    from swarm.trust import owner_subkey
+
+    await node.store(REGIONS_KEY, region, get_dht_time() + expiration, subkey=owner_subkey(node))
+
+
+async def fetch_regions(node) -> dict[str, str]:
+    """peer id -> the region it announced (swarm/network_map.py), for every well-formed signed entry."""
+    from swarm.network_map import REGIONS_KEY, region_of_wire
+
+    entry = await node.get(REGIONS_KEY, latest=True)
+    regions = {peer_id: region_of_wire(item.value) for peer_id, item in _signed_entries(entry)}
+    return {peer_id: region for peer_id, region in regions.items() if region is not None}
+
+
 def _signed_entries(entry, allowed: Collection[str] = ()):
     """(peer id of the writer, entry) for each entry of a dictionary value that its writer signed (see
     swarm/trust.py); with `allowed`, only those written by these peers. Every other entry could be anyone's."""

@@ -157,6 +157,12 @@ def latency_args(round_trip_ms: float, jitter_ms: float = 0.0, seed: int = 0) ->
             "--simulated-latency-seed", str(seed)]
 
 
+def network_map_args(network_map: str, region: str) -> list[str]:
+    """A block server's flags placing it in `region` of a simulated network map (JSON, or a file's path: see
+    swarm/network_map.py), for LocalSwarm's server_args or add_server."""
+    return ["--network-map", network_map, "--region", region]
+
+
 def halves(num_blocks: int) -> list[tuple[int, int]]:
     """Two servers splitting the blocks, as a small swarm on one machine would."""
     middle = num_blocks // 2

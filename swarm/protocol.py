@@ -149,6 +149,11 @@ MAX_STARTED = 1e11  # a server's start, in seconds since the epoch: past the yea
 MAX_ADAPTERS = 32
 # an adapter's name (its folder's name on the server): clients ask for it as "model:adapter", so never a colon
 ADAPTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# round trips a server announces to the servers it pushes to (ServerInfo.round_trips): at most this many, each
+# under a peer id of base58 characters of bounded length, in seconds within [0, MAX_ROUND_TRIP_SECONDS]
+MAX_ROUND_TRIPS = 16
+MAX_ROUND_TRIP_SECONDS = 60.0
+PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -169,14 +174,19 @@ class ServerInfo:
     started: Optional[float] = None
     # the LoRA adapters it applies on request (--adapters), by name; () in records of servers older than the field
     adapters: tuple[str, ...] = ()
+    # (peer id, seconds) of the round trips it measured to the servers it pushes to (swarm/server/round_trips.py):
+    # what flowing steps' server-to-server hops are priced by; () in records of servers older than the field
+    round_trips: tuple[tuple[str, float], ...] = ()
 
     def to_wire(self) -> dict:
-        wire = {**asdict(self), "state": int(self.state), "adapters": list(self.adapters)}
+        wire = {**asdict(self), "state": int(self.state), "adapters": list(self.adapters),
+                "round_trips": dict(self.round_trips)}
         for optional in ("max_session_tokens", "started"):
             if wire[optional] is None:  # as older servers wrote it
                 del wire[optional]
-        if not self.adapters:
-            del wire["adapters"]
+        for collection in ("adapters", "round_trips"):
+            if not wire[collection]:
+                del wire[collection]
         return wire
 
     @classmethod
@@ -196,6 +206,7 @@ class ServerInfo:
                 max_session_tokens=_optional(value.get("max_session_tokens"), _bounded_int, 0, MAX_CACHE_TOKENS),
                 started=_optional(value.get("started"), _bounded_float, 0.0, MAX_STARTED),
                 adapters=_adapter_names(value.get("adapters", [])),
+                round_trips=_round_trips(value.get("round_trips", {})),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -230,6 +241,14 @@ def _adapter_names(value) -> tuple[str, ...]:
     if not all(isinstance(name, str) and ADAPTER_NAME_PATTERN.fullmatch(name) for name in value):
         raise ValueError("expected adapter names")
     return tuple(value)
+
+
+def _round_trips(value) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, dict) or len(value) > MAX_ROUND_TRIPS:
+        raise ValueError(f"expected a map of at most {MAX_ROUND_TRIPS} round trips")
+    if not all(isinstance(peer, str) and PEER_ID_PATTERN.fullmatch(peer) for peer in value):
+        raise ValueError("expected peer ids")
+    return tuple(sorted((peer, _bounded_float(seconds, 0.0, MAX_ROUND_TRIP_SECONDS)) for peer, seconds in value.items()))
 
 
 def _optional(value, parse, *bounds):

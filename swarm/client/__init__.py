@@ -6,6 +6,8 @@ In data-flow order:
                      swarm looks like (catalogue, Coverage, SwarmHealth: dataclasses, so callers never touch the DHT)
     routing.py       pure choices: the chain of servers that serves a session (least expected step time: round
                      trips plus compute; chain_step_seconds)
+    flowing_routes.py  the same for flowing steps: the client's link in and out once, and the servers'
+                     announced round trips between them
     peers.py         Bans (peers left out for a while) and PeerLoad (the client's own view of each server: its
                      load, round trip, and compute per block)
     probes.py        round trips to the servers routing considers, timed (rpc_info); one not answering is banned

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional
 
+from swarm.client.flowing_routes import announced_round_trips, cheapest_flowing_chain, flowing_network_seconds
 from swarm.protocol import MAX_THROUGHPUT, MissingBlocksError, RemoteServer, format_block_ranges, missing_ranges
 
 
@@ -37,6 +38,7 @@ def choose_chain(
     min_cache_tokens: int = 0,
     measured: Optional[Mapping[str, float]] = None,
     rtt: Optional[Mapping[str, float]] = None,
+    flowing: bool = False,
 ) -> list[ChainLink]:
     """The chain covering blocks [start, num_blocks) with the least expected decode step time
     (chain_step_seconds): each hop costs its server's round trip plus its blocks' compute; on a tie, fewer hops.
@@ -46,6 +48,9 @@ def choose_chain(
     multiplies it. `rtt[peer]`: the round trips measured to each server (see round_trip_estimates for those not
     measured). A hop may enter a server mid-span and leave it before its end, where a faster server takes over.
     Servers announcing less free cache than `min_cache_tokens` are left out while others can serve.
+    With `flowing` (flowing steps), the network's share is priced as a flowing step crosses it instead: half
+    the client's round trip to the first and from the last server, and half each server-to-server one
+    (swarm/client/flowing_routes.py).
     """
     servers = _routable(servers, num_blocks, model_name, exclude, start, min_cache_tokens)
     load = load or {}
@@ -54,6 +59,8 @@ def choose_chain(
     servers.sort(key=lambda server: server.peer_id not in (measured or {}))  # on a tie, a server measured first
     cost = {server.peer_id: speed[server.peer_id] * load.get(server.peer_id, 1.0) for server in servers}
 
+    if flowing:
+        return [ChainLink(*hop) for hop in cheapest_flowing_chain(servers, cost, round_trips, start, num_blocks)]
     return _cheapest_chain(servers, cost, round_trips, start, num_blocks)
 
 
@@ -101,19 +108,22 @@ def _better(candidate: tuple[float, int], incumbent: tuple[float, int]) -> bool:
 
 
 def chain_step_seconds(chain: Iterable[ChainLink], servers: Collection[RemoteServer], rtt: Mapping[str, float],
-                       measured: Mapping[str, float], load: Mapping[str, float]) -> float:
+                       measured: Mapping[str, float], load: Mapping[str, float], flowing: bool = False) -> float:
     """Expected seconds of one decode step through `chain`: over its hops, the server's round trip plus its
     blocks x its time per block (measured, else announced: seconds_per_block) x its load; what choose_chain
-    minimises. A server of the chain missing from `servers` counts as infinitely slow."""
+    minimises (with `flowing`, the network's share as flowing_routes prices it). A server of the chain missing
+    from `servers` counts as infinitely slow."""
     known = {server.peer_id: server for server in servers}
     speed = seconds_per_block(known.values(), measured)
     round_trips = round_trip_estimates(known.values(), rtt)
-    total = 0.0
-    for link in chain:
-        if link.peer_id not in known:
-            return math.inf
-        total += round_trips[link.peer_id] + (link.end - link.start) * speed[link.peer_id] * load.get(link.peer_id, 1.0)
-    return total
+    chain = list(chain)
+    if any(link.peer_id not in known for link in chain):
+        return math.inf
+    compute = sum((link.end - link.start) * speed[link.peer_id] * load.get(link.peer_id, 1.0) for link in chain)
+    if flowing:
+        peers = [link.peer_id for link in chain]
+        return compute + flowing_network_seconds(peers, announced_round_trips(known.values()), round_trips)
+    return compute + sum(round_trips[link.peer_id] for link in chain)
 
 
 def round_trip_estimates(servers: Iterable[RemoteServer], rtt: Mapping[str, float]) -> dict[str, float]:

@@ -21,8 +21,10 @@ from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
+from swarm.client.flowing import flowing_by_default
 from swarm.client.forwards import forward_on
 from swarm.client.stubs import StepChannels, call_info
+from swarm.network_map import parse_region
 from swarm.protocol import (
     CacheFullError,
     InternalServerError,
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK_POLL_SECONDS = 1.0  # while waiting for a server to hold missing blocks, the swarm is asked this often
 MAX_ROUND_TRIP_ALLOWANCE = 10.0  # the most seconds measured round trips add to a session's step timeout
+REGION_TTL = 3600.0  # seconds a client's announced region (a simulated network map's) lives in the DHT
 
 
 class _MissingBlocks:
@@ -90,7 +93,11 @@ class SwarmClient:
 
     def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
                  max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
-                 allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0, block_wait: float = 0.0):
+                 allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0, block_wait: float = 0.0,
+                 region: Optional[str] = None):
+        # a simulated network map's region (swarm/network_map.py), announced so that servers delay this client's
+        # messages by its links (None: the map's default_region); checked before anything starts
+        self.region = parse_region(region, None, "region")
         self.allowed_servers = frozenset(allowed_servers)
         self.block_wait = block_wait
         self.spot_checks = SpotChecker(self, spot_check_rate)
@@ -107,10 +114,13 @@ class SwarmClient:
         self._starts: dict[str, float] = {}  # peer -> when its newest record says it started
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
+        self._region_announced = -REGION_TTL
+        self._announce_region()
 
     def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> list[RemoteServer]:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
         `adapter`, only those that announce that LoRA adapter."""
+        self._announce_region()
         servers = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
@@ -131,6 +141,12 @@ class SwarmClient:
             holders = [server for server in servers if adapter in server.info.adapters]
             coverage[adapter] = Coverage(num_blocks, len(holders), missing_ranges(holders, num_blocks))
         return coverage
+
+    def _announce_region(self) -> None:
+        """Announce the client's region where it has one, again when half its record's life has passed."""
+        if self.region is not None and time.monotonic() - self._region_announced > REGION_TTL / 2:
+            self.loop.run(dht.announce_region(self.node, self.region, REGION_TTL))
+            self._region_announced = time.monotonic()
 
     def _note_restarts(self, servers: list[RemoteServer]) -> None:
         """A server whose record shows a newer start than before says it restarted (same identity, maybe another
@@ -166,14 +182,16 @@ class SwarmClient:
         self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
-                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
+                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
+                                flowing_by_default())
         except MissingBlocksError:
             if not self.bans.current() - self.bans.distrusted():
                 raise
             # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
             # not strand a session when there are none (a server that was only slow under a burst of load)
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
-                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips())
+                                self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
+                                flowing_by_default())
 
     def round_trips(self) -> dict[str, float]:
         """Seconds there and back to each server measured (the least of the last few probes): what routing weighs

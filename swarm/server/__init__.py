@@ -8,6 +8,8 @@ In data-flow order, from the command line to the compute thread:
     throughput.py  what it announces as its speed (timed once per model, span, device and dtype; kept on disk)
     handler.py     the RPC handlers (swarm/wire.py's BlockRPC): decode, hand to the backend, encode, push on
     latency.py     --simulated-latency: every message in and out of the handlers (and pushes) held, as a WAN would
+    links.py       --network-map: each caller's messages held by its own link (swarm/network_map.py), once
+    round_trips.py the round trips of the server's pushes to the next servers, announced in its record
     backend.py     Backend: every request checked against the span and the limits on one client; it opens
                    sessions (handing each ServerServices) and submits cache-less forwards as jobs
     sessions.py    ServerSession: one client's session, its cache and steps (and steps pushed to it early);

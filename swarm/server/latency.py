@@ -8,7 +8,8 @@ overlap and N pipelined steps cost about one round trip, not N. On a stream the 
 message never overtakes the one before it, whatever their draws): a stream is one TCP connection.
 
 It wraps the handlers as registered with libp2p (SimulatedLatency.servicer), so that every RPC is covered,
-and the server's own outgoing pushes (swarm/server/pushes.py) wait through `delay` both ways.
+and the server's own outgoing pushes (swarm/server/pushes.py) wait through `delay` both ways. A network map
+(swarm/network_map.py, swarm/server/links.py) gives each caller's exchanges the delays of its own link instead.
 """
 
 from __future__ import annotations
@@ -52,29 +53,44 @@ class SimulatedLatency:
         if self.enabled:
             await asyncio.sleep(self.one_way())
 
+    def bind(self, node) -> None:
+        """The server's DHT node, once up (a network map reads its callers' regions there)."""
+
+    async def announce(self, node, expiration: float) -> None:
+        """Announce what others need to know of this server's network (a network map's region: nothing here)."""
+
+    async def link(self, context) -> "SimulatedLatency":
+        """What delays the messages of one exchange, by its caller (`context.remote_id`): here every caller's
+        link is the same (a network map's differ: swarm/server/links.py). Anything with `one_way()`."""
+        return self
+
     def wrap(self, method: Callable, stream_input: bool, stream_output: bool) -> Callable:
         """A handler method with every message it receives and sends delayed."""
         if not stream_input and not stream_output:
             async def unary(request, context):
-                await self.delay()
+                arrived = time.monotonic()
+                link = await self.link(context)
+                await _until(arrived + link.one_way())  # a look-up of the caller's region is part of the delay
                 response = await method(request, context)
-                await self.delay()
+                await asyncio.sleep(link.one_way())
                 return response
 
             return unary
 
         async def streaming(requests, context):
-            incoming = _Delayed(self, requests) if stream_input else None
+            arrived = time.monotonic()
+            link = await self.link(context)
+            incoming = _Delayed(link, requests) if stream_input else None
             try:
                 if incoming is None:
-                    await self.delay()
+                    await _until(arrived + link.one_way())
                 output = method(requests if incoming is None else incoming, context)
                 if not stream_output:
                     response = await output
-                    await self.delay()
+                    await asyncio.sleep(link.one_way())
                     yield response
                     return
-                outgoing = _Delayed(self, output, close_source=True)
+                outgoing = _Delayed(link, output, close_source=True)
                 try:
                     async for response in outgoing:
                         yield response
@@ -105,8 +121,8 @@ class _Delayed:
     must run then). A class, not a generator: the handler's reader task may still be waiting in it when the
     stream is torn down from another task."""
 
-    def __init__(self, latency: SimulatedLatency, source: AsyncIterator, close_source: bool = False):
-        self.latency, self.source, self.close_source = latency, source, close_source
+    def __init__(self, link, source: AsyncIterator, close_source: bool = False):
+        self.link, self.source, self.close_source = link, source, close_source  # link: what has one_way()
         self._held: asyncio.Queue = asyncio.Queue(MESSAGES_IN_FLIGHT)
         self._pump = asyncio.ensure_future(self._read_ahead())
         self._ended = False
@@ -133,7 +149,7 @@ class _Delayed:
         last_due = 0.0
         try:
             async for message in self.source:
-                last_due = max(last_due, time.monotonic() + self.latency.one_way())  # never overtakes the last
+                last_due = max(last_due, time.monotonic() + self.link.one_way())  # never overtakes the last
                 await self._held.put((last_due, message))
             await self._held.put((last_due, _END))
         except Exception as error:  # the stream broke: told after the messages before it, as a network would
@@ -147,6 +163,12 @@ class _Delayed:
         self._held.put_nowait((0.0, _END))
         if self.close_source and hasattr(self.source, "aclose"):
             await self.source.aclose()
+
+
+async def _until(due: float) -> None:
+    wait = due - time.monotonic()
+    if wait > 0:
+        await asyncio.sleep(wait)
 
 
 class _DelayedServicer:

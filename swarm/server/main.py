@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ from swarm.server.cache import CacheBudget
 from swarm.server.settings import ServerSettings, parse_settings
 from swarm.server.span import BlockSpan, GraphsCaptured, load_span
 from swarm.server.throughput import cached_throughput
+
+if TYPE_CHECKING:
+    from swarm.server.pushes import Pusher
 
 logger = logging.getLogger(__name__)
 # in every record: a client that banned this peer id sees a newer start as the server restarted, and uses it again
@@ -89,6 +92,8 @@ class Presence:
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
         self.expiration = 3 * settings.announce_period
         self.graphs_captured: Optional[GraphsCaptured] = None  # the rounds captured ahead at start-up, if any
+        self.pusher: Optional[Pusher] = None  # its pushes' round trips (and pings') to the next servers: announced
+        self._pings: Optional[asyncio.Task] = None  # the pings of the next servers, started at an announcement
 
     @property
     def start(self) -> int:
@@ -121,7 +126,10 @@ class Presence:
                                                            settings.limits.max_session_tokens)
         metrics.watch_cache(presence.backend.budget)
         push_targets = PushTargets(node, prefix, settings.allowed_servers)
+        settings.latency.bind(node)
+        await settings.latency.announce(node, presence.expiration)  # before any request: its callers see it
         handler = BlockHandler(presence.backend, settings.allowed_peers, push_targets, settings.latency)
+        presence.pusher = handler.pusher
         await handler.add_p2p_handlers(node.p2p)
         await presence.announce_online()
         return presence
@@ -133,7 +141,8 @@ class Presence:
         available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
         return ServerInfo(state, self.start, self.end, throughput, available,
                           max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED,
-                          adapters=tuple(sorted(self.span.adapters)))
+                          adapters=tuple(sorted(self.span.adapters)),
+                          round_trips=self.pusher.round_trips.announced() if self.pusher else ())
 
     async def announce_online(self) -> None:
         from swarm.weights import KNOWN_MODELS
@@ -142,6 +151,15 @@ class Presence:
         record = ModelRecord(model if model in KNOWN_MODELS else self.folder.name, self.prefix, self.num_blocks, model)
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         await dht.announce_model(self.node, record, expiration=self.expiration)
+        await self.settings.latency.announce(self.node, self.expiration)
+
+    def _ping_next_servers(self) -> None:
+        """Measure the round trips to the servers of the block after this span, in the background: announced
+        from the next announcement on (an unanswering peer never holds one up). Not at the first announcement:
+        the next servers learn this one's region (a network map's) meanwhile."""
+        if self.pusher is None or self.end >= self.num_blocks or (self._pings and not self._pings.done()):
+            return
+        self._pings = asyncio.ensure_future(self.pusher.ping_next(self.end, dht.peer_id_of(self.node)))
 
     async def serve_until_stopped(self) -> None:
         """Announce every period, and consider moving every rebalance period, until SIGINT or SIGTERM."""
@@ -156,6 +174,7 @@ class Presence:
                 continue
             except asyncio.TimeoutError:
                 await self.announce_online()
+                self._ping_next_servers()
             if not period or time.monotonic() < next_check:
                 continue
             next_check = time.monotonic() + period

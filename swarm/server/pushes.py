@@ -21,10 +21,11 @@ from typing import Collection, Optional
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.protocol import BadRequestError, NoPushError, ServerUnavailableError, SwarmError, error_from_wire
+from swarm.protocol import MAX_ROUND_TRIPS, BadRequestError, NoPushError, ServerUnavailableError, SwarmError, error_from_wire
 from swarm.server import metrics
 from swarm.server.batching import Job
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
+from swarm.server.round_trips import PushRoundTrips
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,10 @@ class PushTargets:
             async with self._lookup:
                 found = self._found.get(block)
                 if found is None or _stale(found, peer_id):
-                    found = self._found[block] = (time.monotonic(), await self._servers_of(block))
+                    found = self._found[block] = (time.monotonic(), await self.servers_of(block))
         return peer_id in found[1]
 
-    async def _servers_of(self, block: int) -> set[str]:
+    async def servers_of(self, block: int) -> set[str]:
         from swarm import dht
 
         try:
@@ -104,6 +105,7 @@ class Pusher:
         self.tasks: set[asyncio.Task] = set()  # references, so that the tasks are not collected while they run
         self._warned_peers: set[str] = set()
         self.message_bytes = unary_payload_bytes()  # what one push message may carry
+        self.round_trips = PushRoundTrips()  # to each server pushed to: announced in the server's record
 
     def push(self, pushes: list[tuple[PeerID, int, dict, torch.Tensor]]) -> None:
         """(next server, the block it goes on at, entry, outputs) of each push, beside the replies to clients."""
@@ -136,9 +138,11 @@ class Pusher:
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(announced)
         try:
+            sent = time.monotonic()
             await self.latency.delay()
             response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
             await self.latency.delay()
+            self.round_trips.add(peer.to_base58(), time.monotonic() - sent)  # its reply comes once it is queued
             _, metadata = unpack(response)
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._failed(peer, len(announced), "unreachable", repr(error))
@@ -149,6 +153,24 @@ class Pusher:
         refusals = [error for error in map(_error_of, results) if error is not None]
         if refusals:
             self._failed(peer, len(refusals), "refused", str(refusals[0]))
+
+    async def ping_next(self, block: int, own_peer_id: str) -> None:
+        """Time an rpc_info to each server of `block` (the servers this one pushes to), so that the round trips
+        it announces cover them before any session routes through both (routing prices the link by them)."""
+        if self.targets is None or self.p2p is None:
+            return
+        peers = sorted(await self.targets.servers_of(block) - {own_peer_id})[:MAX_ROUND_TRIPS]
+        await asyncio.gather(*(self._ping(peer) for peer in peers))
+
+    async def _ping(self, peer_id: str) -> None:
+        try:
+            sent = time.monotonic()
+            await self.latency.delay()
+            await BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id)).rpc_info(pack(), timeout=PUSH_TIMEOUT)
+            await self.latency.delay()
+            self.round_trips.add(peer_id, time.monotonic() - sent)  # any reply, a refusal too, took the round trip
+        except Exception as error:  # gone, or not answering: nothing measured (pushes to it fail the same way)
+            logger.debug("pinging %s failed: %r", peer_id, error)
 
     def _skip(self, peer: PeerID, count: int, reason: str) -> None:
         self.counters["pushes_skipped"] += count

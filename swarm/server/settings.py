@@ -121,7 +121,7 @@ def parse_settings(argv=None) -> ServerSettings:
                                                            CPU_PREFILL_CHUNK),
         dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
         threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
-        latency=SimulatedLatency(args.simulated_latency, args.simulated_latency_jitter, args.simulated_latency_seed),
+        latency=_latency(parser, args),
         adapters=tuple(Path(folder) for folder in args.adapters),
     )
 
@@ -169,11 +169,11 @@ def _parser(defaults):
                         help="torch threads for compute (default: TORCH_THREADS, else torch's choice)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
-    _add_latency_flags(parser, defaults.simulated_latency_ms)
+    _add_latency_flags(parser, defaults.simulated_latency_ms, defaults.network_map)
     return parser
 
 
-def _add_latency_flags(parser, default_ms: float) -> None:
+def _add_latency_flags(parser, default_ms: float, default_map) -> None:
     parser.add_argument("--simulated-latency", type=float, default=default_ms, metavar="MS",
                         help="for tests and benchmarks on one machine: add MS milliseconds of round trip to every "
                              "exchange with this server (each message received is held MS/2, each sent MS/2; "
@@ -184,6 +184,35 @@ def _add_latency_flags(parser, default_ms: float) -> None:
                              "one stream keep their order")
     parser.add_argument("--simulated-latency-seed", type=int, default=0, metavar="N",
                         help="seed of the jitter's draws (the same seed, the same delays)")
+    parser.add_argument("--network-map", default=default_map, metavar="MAP",
+                        help="for tests and benchmarks on one machine: a simulated network map (JSON, inline or a "
+                             "file: regions, a round trip per pair of regions, jitter, seed; see README), each "
+                             "message delayed by the link it crosses (default: NETWORK_MAP)")
+    parser.add_argument("--region", metavar="NAME",
+                        help="this server's region of --network-map (default: the map's default_region)")
+
+
+def _latency(parser, args) -> SimulatedLatency:
+    """--simulated-latency's, or a network map's delays (--network-map and --region): one or the other."""
+    from swarm.network_map import NetworkMapError, parse_network_map, parse_region
+
+    if args.network_map is None:
+        if args.region:
+            parser.error("--region needs --network-map (or NETWORK_MAP)")
+        return SimulatedLatency(args.simulated_latency, args.simulated_latency_jitter, args.simulated_latency_seed)
+    if args.simulated_latency or args.simulated_latency_jitter:
+        parser.error("--network-map and --simulated-latency (or SIMULATED_LATENCY_MS): use one or the other")
+    try:
+        network_map = parse_network_map(args.network_map, "--network-map")
+        region = parse_region(args.region, network_map, "--region")
+    except NetworkMapError as error:
+        parser.error(str(error))
+    region = region or network_map.default_region  # NETWORK_MAP alone: the gateway's own local swarm, say
+    if region is None:
+        parser.error("--network-map needs --region (or a default_region in the map): this server's region")
+    from swarm.server.links import MappedLatency
+
+    return MappedLatency(network_map, region)
 
 
 def _check(parser, args) -> None:
