@@ -169,6 +169,9 @@ class ServerInfo:
     started: Optional[float] = None
     # the LoRA adapters it applies on request (--adapters), by name; () in records of servers older than the field
     adapters: tuple[str, ...] = ()
+    # reachable only through a relay (it joined with --relay-through: behind a NAT or a firewall): every message to
+    # and from it takes a detour through the relay, which clients price in routing; False in older records
+    relayed: bool = False
 
     def to_wire(self) -> dict:
         wire = {**asdict(self), "state": int(self.state), "adapters": list(self.adapters)}
@@ -177,6 +180,8 @@ class ServerInfo:
                 del wire[optional]
         if not self.adapters:
             del wire["adapters"]
+        if not self.relayed:  # as older servers wrote it: a direct server's record is unchanged
+            del wire["relayed"]
         return wire
 
     @classmethod
@@ -196,6 +201,7 @@ class ServerInfo:
                 max_session_tokens=_optional(value.get("max_session_tokens"), _bounded_int, 0, MAX_CACHE_TOKENS),
                 started=_optional(value.get("started"), _bounded_float, 0.0, MAX_STARTED),
                 adapters=_adapter_names(value.get("adapters", [])),
+                relayed=_strict_bool(value.get("relayed", False)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -216,6 +222,12 @@ def _bounded_float(value, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ValueError(f"expected a number in [{low}, {high}], got {value!r:.40}")
     return float(value)
+
+
+def _strict_bool(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r:.40}")
+    return value
 
 
 def _bounded_str(value, max_chars: int) -> str:
