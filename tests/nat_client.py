@@ -1,0 +1,75 @@
+"""A swarm client run as its own process (in a network namespace: tests/netns.py), for test_nat_relay.py.
+
+    python tests/nat_client.py --model FOLDER --prefix PREFIX --initial-peers MADDR... --prompt ID... --tokens N
+        [--avoid PEER...] [--sessions K]
+
+Greedily decodes N tokens after the prompt in each of K sessions, one after another, and prints one JSON line:
+the tokens, each session's chain (peer ids), its decode steps' seconds (the first step, the prompt, left out),
+and whether each server's record says it is relayed. `--avoid`: servers no chain may use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project, imported from the repository root
+
+
+def avoiding(client, peers) -> None:
+    """Every chain the client picks from now on leaves `peers` out."""
+    choose = client.chain
+
+    def chain(*args, exclude=(), **routing):
+        return choose(*args, exclude={*exclude, *peers}, **routing)
+
+    client.chain = chain
+
+
+def decode(model, prompt: list[int], tokens: int) -> dict:
+    """One session: the prompt, then `tokens` greedy steps, each timed."""
+    session = model.session(max_length=len(prompt) + tokens)
+    try:
+        sequence, steps = list(prompt), []
+        logits = session.step([prompt])
+        for _ in range(tokens):
+            sequence.append(int(logits[0].argmax()))
+            started = time.perf_counter()
+            logits = session.step([[sequence[-1]]])
+            steps.append(time.perf_counter() - started)
+        chain = [hop.link.peer_id for hop in session.blocks.hops]
+    finally:
+        session.close()
+    return {"tokens": sequence[len(prompt):], "chain": chain, "step_seconds": steps}
+
+
+def main() -> None:
+    from swarm.client.remote_model import RemoteModel
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prefix", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--prompt", nargs="+", type=int, required=True)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--avoid", nargs="*", default=[])
+    parser.add_argument("--cache-dir", default="/tmp/nat-client-cache")
+    args = parser.parse_args()
+    model = RemoteModel.from_pretrained(args.model, args.initial_peers, Path(args.cache_dir), args.prefix,
+                                        block_wait=60.0)
+    try:
+        avoiding(model.client, args.avoid)
+        sessions = [decode(model, args.prompt, args.tokens) for _ in range(args.sessions)]
+        servers = model.client.servers(args.prefix, model.num_blocks)
+        relayed = {server.peer_id: server.info.relayed for server in servers}
+    finally:
+        model.close()
+    print(json.dumps({"sessions": sessions, "relayed": relayed}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
