@@ -1,11 +1,12 @@
 """A swarm client run as its own process (in a network namespace: tests/netns.py), for test_nat_relay.py.
 
     python tests/nat_client.py --model FOLDER --prefix PREFIX --initial-peers MADDR... --prompt ID... --tokens N
-        [--avoid PEER...] [--sessions K]
+        [--turns AVOID...] [--sessions K]
 
 Greedily decodes N tokens after the prompt in each of K sessions, one after another, and prints one JSON line:
 the tokens, each session's chain (peer ids), its decode steps' seconds (the first step, the prompt, left out),
-and whether each server's record says it is relayed. `--avoid`: servers no chain may use.
+whether each server's record says it is relayed, and the round trips the client measured to them. `--turns`: session i avoids the servers of turns[i % len(turns)], a comma-separated list of peer ids ("-": none), so
+that configurations take turns on a machine whose other load changes.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project, imported from the repository root
 
 
-def avoiding(client, peers) -> None:
-    """Every chain the client picks from now on leaves `peers` out."""
+def avoiding(client, avoided: set) -> None:
+    """Every chain the client picks leaves out the peers in `avoided` at the time."""
     choose = client.chain
 
     def chain(*args, exclude=(), **routing):
-        return choose(*args, exclude={*exclude, *peers}, **routing)
+        return choose(*args, exclude={*exclude, *avoided}, **routing)
 
     client.chain = chain
 
@@ -56,19 +57,26 @@ def main() -> None:
     parser.add_argument("--prompt", nargs="+", type=int, required=True)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--sessions", type=int, default=1)
-    parser.add_argument("--avoid", nargs="*", default=[])
+    parser.add_argument("--turns", nargs="+", default=["-"])
     parser.add_argument("--cache-dir", default="/tmp/nat-client-cache")
     args = parser.parse_args()
     model = RemoteModel.from_pretrained(args.model, args.initial_peers, Path(args.cache_dir), args.prefix,
                                         block_wait=60.0)
     try:
-        avoiding(model.client, args.avoid)
-        sessions = [decode(model, args.prompt, args.tokens) for _ in range(args.sessions)]
+        avoided: set = set()
+        avoiding(model.client, avoided)
+        sessions = []
+        for index in range(args.sessions):
+            turn = args.turns[index % len(args.turns)]
+            avoided.clear()
+            avoided.update(peer for peer in turn.split(",") if peer and peer != "-")
+            sessions.append(decode(model, args.prompt, args.tokens))
         servers = model.client.servers(args.prefix, model.num_blocks)
         relayed = {server.peer_id: server.info.relayed for server in servers}
+        round_trips = model.client.round_trips()
     finally:
         model.close()
-    print(json.dumps({"sessions": sessions, "relayed": relayed}), flush=True)
+    print(json.dumps({"sessions": sessions, "relayed": relayed, "round_trips": round_trips}), flush=True)
 
 
 if __name__ == "__main__":

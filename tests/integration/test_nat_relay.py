@@ -57,12 +57,13 @@ class NatSwarm:
         server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), READY)
         return server
 
-    def client(self, avoid=(), sessions: int = 1) -> dict:
-        """Sessions of a client in the outside namespace (tests/nat_client.py): its JSON report."""
+    def client(self, turns=("-",), sessions: int = 1) -> dict:
+        """Sessions of a client in the outside namespace (tests/nat_client.py; `turns`: the servers each session
+        avoids, in turn): its JSON report."""
         command = [*self.network.prefix(self.network.outside), sys.executable, str(ROOT / "tests" / "nat_client.py"),
                    "--model", self.folder, "--prefix", PREFIX, "--initial-peers", *self.initial_peers,
                    "--prompt", *map(str, PROMPT), "--tokens", str(TOKENS), "--sessions", str(sessions),
-                   "--avoid", *avoid]
+                   "--turns", *turns]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.strip().splitlines()[-1])
@@ -126,17 +127,22 @@ def test_a_session_through_the_relayed_server_matches_the_local_model(nat_swarm,
 
 
 def test_relayed_step_time_against_a_direct_one(nat_swarm, local_greedy):
-    direct = nat_swarm.server("direct-2-4", nat_swarm.network.outside, "2:4", ["--host", OUTSIDE_ADDRESS])
-    relayed_report = nat_swarm.client(avoid=[direct.peer_id], sessions=3)
-    direct_report = nat_swarm.client(avoid=[nat_swarm.relayed.peer_id], sessions=3)
-    either = nat_swarm.client()  # routing, free to choose, prices the relayed hop: the direct server wins
-    assert either["sessions"][0]["chain"][-1] == direct.peer_id
-    medians = {}
-    for name, report, last in (("relayed", relayed_report, nat_swarm.relayed.peer_id),
-                               ("direct", direct_report, direct.peer_id)):
-        assert all(session["chain"][-1] == last and session["tokens"] == local_greedy
-                   for session in report["sessions"])
-        steps = [seconds for session in report["sessions"] for seconds in session["step_seconds"]]
-        medians[name] = statistics.median(steps)
-    print(f"\ndecode step through blocks 0:2 (direct) and 2:4: relayed {medians['relayed'] * 1000:.1f} ms, "
-          f"direct {medians['direct'] * 1000:.1f} ms (median of {3 * TOKENS} steps each)")
+    """Free to choose, routing prices the relayed hop: the direct server wins. Then sessions through either take
+    turns (the machine's other load weighs on both alike), in one client."""
+    direct, relayed = nat_swarm.server("direct-2-4", nat_swarm.network.outside, "2:4", ["--host", OUTSIDE_ADDRESS]).peer_id, \
+        nat_swarm.relayed.peer_id
+    report = nat_swarm.client(turns=["-", *[direct, relayed] * 4], sessions=9)
+    free, *turns = report["sessions"]
+    assert free["chain"][-1] == direct
+    steps = {direct: [], relayed: []}
+    for session in [free, *turns]:
+        assert session["tokens"] == local_greedy
+        steps[session["chain"][-1]] += session["step_seconds"]
+    assert len(steps[relayed]) == 4 * TOKENS
+    print()
+    for name, peer in (("relayed", relayed), ("direct", direct)):
+        rtt = report["round_trips"].get(peer)
+        print(f"{name} server of blocks 2:4: decode step (blocks 0:2 on a direct server) median "
+              f"{statistics.median(steps[peer]) * 1000:.1f} ms, mean {statistics.mean(steps[peer]) * 1000:.1f} ms over "
+              f"{len(steps[peer])} steps; the client's round trip to it "
+              + (f"{rtt * 1000:.2f} ms" if rtt is not None else "not measured"))
