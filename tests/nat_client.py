@@ -5,7 +5,7 @@
 
 Greedily decodes N tokens after the prompt in each of K sessions, one after another, and prints one JSON line:
 the tokens, each session's chain (peer ids), its decode steps' seconds (the first step, the prompt, left out),
-whether each server's record says it is relayed, and the round trips the client measured to them. `--turns`: session i avoids the servers of turns[i % len(turns)], a comma-separated list of peer ids ("-": none), so
+whether each server's record says it is relayed, and (--pings N) the median round trip of an info request to each. `--turns`: session i avoids the servers of turns[i % len(turns)], a comma-separated list of peer ids ("-": none), so
 that configurations take turns on a machine whose other load changes.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,23 @@ def decode(model, prompt: list[int], tokens: int) -> dict:
     return {"tokens": sequence[len(prompt):], "chain": chain, "step_seconds": steps}
 
 
+def ping_medians(client, peers, rounds: int) -> dict:
+    """Median seconds of an info request to each of `peers`, asked in turns `rounds` times: a round trip through
+    the network and the server's event loop, without compute."""
+    from swarm.client.stubs import call_info
+
+    async def timed(peer):
+        began = time.perf_counter()
+        await call_info(client.node.p2p, peer, timeout=10.0)
+        return time.perf_counter() - began
+
+    times = {peer: [] for peer in peers}
+    for _ in range(rounds):
+        for peer in peers:
+            times[peer].append(client.loop.run(timed(peer)))
+    return {peer: statistics.median(seconds) for peer, seconds in times.items() if seconds}
+
+
 def main() -> None:
     from swarm.client.remote_model import RemoteModel
 
@@ -57,6 +75,7 @@ def main() -> None:
     parser.add_argument("--prompt", nargs="+", type=int, required=True)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--pings", type=int, default=0, help="time this many info requests to each server")
     parser.add_argument("--turns", nargs="+", default=["-"])
     parser.add_argument("--cache-dir", default="/tmp/nat-client-cache")
     args = parser.parse_args()
@@ -73,10 +92,10 @@ def main() -> None:
             sessions.append(decode(model, args.prompt, args.tokens))
         servers = model.client.servers(args.prefix, model.num_blocks)
         relayed = {server.peer_id: server.info.relayed for server in servers}
-        round_trips = model.client.round_trips()
+        pings = ping_medians(model.client, sorted(relayed), args.pings) if args.pings else {}
     finally:
         model.close()
-    print(json.dumps({"sessions": sessions, "relayed": relayed, "round_trips": round_trips}), flush=True)
+    print(json.dumps({"sessions": sessions, "relayed": relayed, "pings": pings}), flush=True)
 
 
 if __name__ == "__main__":
