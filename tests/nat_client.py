@@ -5,7 +5,7 @@
 
 Greedily decodes N tokens after the prompt in each of K sessions, one after another, and prints one JSON line:
 the tokens, each session's chain (peer ids), its decode steps' seconds (the first step, the prompt, left out),
-whether each server's record says it is relayed, and (--pings N) the median round trip of an info request to each. `--turns`: session i avoids the servers of turns[i % len(turns)], a comma-separated list of peer ids ("-": none), so
+whether each server's record says it is relayed, (--pings N) the median round trip of an info request to each, and the steps pushed to each by the server before it. `--turns`: session i avoids the servers of turns[i % len(turns)], a comma-separated list of peer ids ("-": none), so
 that configurations take turns on a machine whose other load changes.
 """
 
@@ -93,9 +93,11 @@ def main() -> None:
         servers = model.client.servers(args.prefix, model.num_blocks)
         relayed = {server.peer_id: server.info.relayed for server in servers}
         pings = ping_medians(model.client, sorted(relayed), args.pings) if args.pings else {}
+        # steps whose inputs the previous server pushed to it (server to server, not through this client)
+        pushed = {peer: model.client.server_info(peer).get("steps_pushed") for peer in relayed}
     finally:
         model.close()
-    print(json.dumps({"sessions": sessions, "relayed": relayed, "pings": pings}), flush=True)
+    print(json.dumps({"sessions": sessions, "relayed": relayed, "pings": pings, "pushed": pushed}), flush=True)
 
 
 if __name__ == "__main__":

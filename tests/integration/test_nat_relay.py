@@ -124,6 +124,8 @@ def test_a_session_through_the_relayed_server_matches_the_local_model(nat_swarm,
     session = report["sessions"][0]
     assert session["chain"] == [direct, relayed]
     assert session["tokens"] == local_greedy
+    # the direct server pushed its outputs to the relayed one, through the relay, as to any server
+    assert report["pushed"][relayed] > 0
 
 
 def test_relayed_step_time_against_a_direct_one(nat_swarm, local_greedy):
