@@ -52,13 +52,18 @@ def circuit_address(relay: str) -> str:
     return f"{relay.rstrip('/')}/p2p-circuit"
 
 
+def relay_peers(relays: Sequence[str]) -> set[str]:
+    """The peer ids of `relays`: auto-relay counts candidates by peer, not by address."""
+    return {relay.rstrip("/").rsplit("/p2p/", 1)[-1] for relay in relays}
+
+
 class RelayWait:
     """Until when a relayed server must wait before it announces itself online: until p2pd's auto-relay has
     reserved its slots (at once with AUTO_RELAY_MIN_CANDIDATES relays, else after its boot delay)."""
 
     def __init__(self, relays: Sequence[str], started: float):
         self.relays, self.started = tuple(relays), started
-        delay = AUTO_RELAY_BOOT_DELAY if 0 < len(set(self.relays)) < AUTO_RELAY_MIN_CANDIDATES else 0.0
+        delay = AUTO_RELAY_BOOT_DELAY if 0 < len(relay_peers(self.relays)) < AUTO_RELAY_MIN_CANDIDATES else 0.0
         self.ready_at = started + delay + (RESERVATION_MARGIN if self.relays else 0.0)
 
     @classmethod
@@ -66,7 +71,7 @@ class RelayWait:
         wait = cls(relays, time.monotonic())
         if wait.ready_at - wait.started > RESERVATION_MARGIN:
             logger.warning("%d relay(s) named: p2pd reserves a relay slot only %.0f s after it starts (at once with "
-                           "%d relays), so this server announces itself online only then", len(set(relays)),
+                           "%d relays), so this server announces itself online only then", len(relay_peers(relays)),
                            AUTO_RELAY_BOOT_DELAY, AUTO_RELAY_MIN_CANDIDATES)
         return wait
 
