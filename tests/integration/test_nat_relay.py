@@ -35,7 +35,11 @@ class NatSwarm:
 
     def __init__(self, network: Network, folder, log_dir):
         self.network, self.folder, self.log_dir, self.children = network, str(folder), log_dir, []
-        self.relays = []
+        self.relays, self.initial_peers = [], []
+        self.direct_first = self.relayed = None
+
+    def start(self) -> None:
+        network = self.network
         for index in range(RELAYS):
             relay = self._child(f"relay{index}", network.relay, ["-m", "swarm.dht", "--host", RELAY_ADDRESS])
             self.relays.append(relay.wait_for_line(lambda line: "/p2p/" in line, READY).split()[0])
@@ -87,13 +91,12 @@ def network():
 
 @pytest.fixture(scope="module")
 def nat_swarm(network, tiny_llama, tmp_path_factory):
-    swarm = None
+    swarm = NatSwarm(network, tiny_llama, tmp_path_factory.mktemp("nat-logs"))
     try:
-        swarm = NatSwarm(network, tiny_llama, tmp_path_factory.mktemp("nat-logs"))
+        swarm.start()
         yield swarm
-    finally:
-        if swarm is not None:
-            swarm.stop()
+    finally:  # before the network goes: no process is left in a namespace being deleted
+        swarm.stop()
 
 
 @pytest.fixture(scope="module")
