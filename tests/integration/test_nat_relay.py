@@ -150,3 +150,20 @@ def test_relayed_step_time_against_a_direct_one(nat_swarm, local_greedy):
               f"{statistics.median(steps[peer]) * 1000:.1f} ms, mean {statistics.mean(steps[peer]) * 1000:.1f} ms over "
               f"{len(steps[peer])} steps; an info request's round trip to it {report['pings'][peer] * 1000:.2f} ms "
               f"(median of 50)")
+
+
+def test_a_relayed_first_hop_reaches_the_next_server_or_the_client_steps_in(nat_swarm, local_greedy):
+    """A relayed server of blocks 0:2: its pushes to the next server go out from home, which reaches only its
+    relays here (a relayed next server, through them; a direct one not at all: the client sends that server
+    the inputs itself). Either way the tokens are the local model's."""
+    first = nat_swarm.server("relayed-0-2", nat_swarm.network.home, "0:2",
+                             ["--host", HOME_ADDRESS, "--relay-through", *nat_swarm.relays]).peer_id
+    report = nat_swarm.client(turns=[nat_swarm.direct_first.peer_id], sessions=2)
+    for session in report["sessions"]:
+        assert session["chain"][0] == first and session["tokens"] == local_greedy
+    assert report["relayed"][first] is True
+    second = report["sessions"][0]["chain"][-1]
+    steps = [seconds for session in report["sessions"] for seconds in session["step_seconds"]]
+    print(f"\nrelayed server of blocks 0:2, then a {'relayed' if report['relayed'][second] else 'direct'} one: "
+          f"decode step median {statistics.median(steps) * 1000:.1f} ms, mean {statistics.mean(steps) * 1000:.1f} ms; "
+          f"pushes it made to the next: {report['pushed'][second]}")
