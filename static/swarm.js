@@ -56,7 +56,10 @@ function serverRow(model, server, gatewayVersion) {
   const version = el("td", {}, server.version || "?");
   if (server.version !== gatewayVersion) version.title = `the gateway runs ${gatewayVersion}`;
   return el("tr", { class: "server" },
-    el("td", { title: server.peer_id }, el("code", {}, shortPeer(server.peer_id))),
+    el("td", { title: server.peer_id }, el("code", {}, shortPeer(server.peer_id)),
+       server.relayed ? el("span", { class: "relayed", title: "behind a NAT: reached through a relay (every "
+                                     + "message takes a detour, so routing prefers a direct server)" }, " relayed")
+                      : null),
     el("td", { class: "blocks" }, blockBar(model.num_blocks, server.start, server.end, server.state)),
     el("td", { class: `state ${server.state}` }, server.state),
     el("td", { class: "num" }, server.state === "joining" ? "–" : tokensPerSecond(server.throughput)),

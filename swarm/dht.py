@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 from collections import Counter
-from typing import Collection, Iterable, Optional
+from typing import Collection, Iterable, Optional, Sequence
 
 from swarm.protocol import CATALOGUE_KEY, ModelRecord, RemoteServer, ServerInfo, ServerState, block_key
 
@@ -44,12 +44,18 @@ async def start_node(
     port: int = 0,
     identity_path: Optional[str] = None,
     client_mode: bool = False,
+    relays: Sequence[str] = (),
+    serve_relay: bool = False,
 ):
     """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm). It signs the
-    records it stores with its identity key, and refuses forged ones (see swarm/trust.py)."""
+    records it stores with its identity key, and refuses forged ones (see swarm/trust.py).
+
+    `relays`: the node accepts no inbound connection and is reached through these public peers; `serve_relay`:
+    it is public and relays for such nodes (see swarm/relays.py)."""
     from hivemind.dht.node import DHTNode
 
     from swarm import trust
+    from swarm.relays import relay_options
 
     with trust.identity(identity_path) as identity:
         return await DHTNode.create(
@@ -59,11 +65,11 @@ async def start_node(
             # hivemind asks the swarm whether an existing identity is in use already; a new one cannot be
             check_if_identity_free=not identity.created,
             record_validator=trust.OwnerSignedRecords(identity.key),
-            client_mode=client_mode,
-            # the peer must be reachable on loopback and private networks alike; no public relays needed
-            use_relay=False,
-            use_auto_relay=False,
+            # a relayed node answers no DHT request: every one would take the detour through its relay
+            client_mode=client_mode or bool(relays),
+            # the peer must be reachable on loopback and private networks alike: no UPnP on the router
             nat_port_map=False,
+            **relay_options(relays, serve_relay),
         )
 
 
@@ -196,7 +202,8 @@ def _signed_entries(entry, allowed: Collection[str] = ()):
 async def _run_bootstrap_peer(args) -> None:
     import signal
 
-    node = await start_node(host=args.host, port=args.port, identity_path=args.identity)
+    # the swarm's public entry point relays for servers behind a NAT (swarm/relays.py), unless told not to
+    node = await start_node(host=args.host, port=args.port, identity_path=args.identity, serve_relay=args.relay)
     print(" ".join(await visible_maddrs(node)), flush=True)  # the one line a script reads
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -207,12 +214,17 @@ async def _run_bootstrap_peer(args) -> None:
 
 def main(argv=None) -> None:
     """`python -m swarm.dht`: a bootstrap peer; prints its multiaddr on one line of stdout, then serves."""
+    import argparse
+
     from swarm.cli import ArgumentParser, run_main, setup_logging
 
     parser = ArgumentParser(prog="python -m swarm.dht", description=main.__doc__)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     parser.add_argument("--identity", help="a key file, created if missing, that keeps the peer id stable")
+    parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                        help="relay for block servers that accept no inbound connection (--relay-through) "
+                             "(default: on)")
     args = parser.parse_args(argv)
     setup_logging()
     run_main(lambda: asyncio.run(_run_bootstrap_peer(args)))

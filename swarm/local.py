@@ -42,12 +42,14 @@ def _die_with_parent() -> None:
 class ChildProcess:
     """A child whose stdout lines are read by a thread (so the pipe never fills) and whose stderr goes to a log."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: Optional[dict] = None):
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: Optional[dict] = None,
+                 prefix: Sequence[str] = ()):
+        """`prefix`: a command that runs the Python process (e.g. `ip netns exec NAME` for a network namespace)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=self._log, env=env, text=True, bufsize=1,
+            [*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=self._log, env=env, text=True, bufsize=1,
             start_new_session=True,  # a Ctrl-C in the terminal reaches the parent, which stops us in order
             preexec_fn=_die_with_parent,
         )

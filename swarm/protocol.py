@@ -177,6 +177,9 @@ class ServerInfo:
     # (peer id, seconds) of the round trips it measured to the servers it pushes to (swarm/server/round_trips.py):
     # what flowing steps' server-to-server hops are priced by; () in records of servers older than the field
     round_trips: tuple[tuple[str, float], ...] = ()
+    # reachable only through a relay (it joined with --relay-through: behind a NAT or a firewall): every message to
+    # and from it takes a detour through the relay, which clients price in routing; False in older records
+    relayed: bool = False
 
     def to_wire(self) -> dict:
         wire = {**asdict(self), "state": int(self.state), "adapters": list(self.adapters),
@@ -187,6 +190,8 @@ class ServerInfo:
         for collection in ("adapters", "round_trips"):
             if not wire[collection]:
                 del wire[collection]
+        if not self.relayed:  # as older servers wrote it: a direct server's record is unchanged
+            del wire["relayed"]
         return wire
 
     @classmethod
@@ -207,6 +212,7 @@ class ServerInfo:
                 started=_optional(value.get("started"), _bounded_float, 0.0, MAX_STARTED),
                 adapters=_adapter_names(value.get("adapters", [])),
                 round_trips=_round_trips(value.get("round_trips", {})),
+                relayed=_strict_bool(value.get("relayed", False)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -227,6 +233,12 @@ def _bounded_float(value, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ValueError(f"expected a number in [{low}, {high}], got {value!r:.40}")
     return float(value)
+
+
+def _strict_bool(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r:.40}")
+    return value
 
 
 def _bounded_str(value, max_chars: int) -> str:

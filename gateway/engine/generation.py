@@ -145,6 +145,7 @@ class Engine:
                 {"peer_id": server.peer_id, "start": server.info.start, "end": server.info.end,
                  "state": server.info.state.name.lower(), "throughput": server.info.throughput,
                  "cache_tokens_free": server.info.cache_tokens_free, "version": server.info.version,
+                 "relayed": server.info.relayed,  # reached through a relay (behind a NAT)
                  # the round trip this gateway measures to it (null: not measured yet, offline, or not answering)
                  "rtt_ms": round(health.round_trips[server.peer_id] * 1000, 1)
                  if server.peer_id in health.round_trips else None}

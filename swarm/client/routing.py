@@ -128,12 +128,32 @@ def chain_step_seconds(chain: Iterable[ChainLink], servers: Collection[RemoteSer
 
 def round_trip_estimates(servers: Iterable[RemoteServer], rtt: Mapping[str, float]) -> dict[str, float]:
     """Each server's round trip: as measured, else the median of those measured (a new server is neither
-    preferred nor shunned before it is measured), else DEFAULT_ROUND_TRIP."""
-    peers = [server.peer_id for server in servers]
+    preferred nor shunned before it is measured), else DEFAULT_ROUND_TRIP; a relayed server's priced up (see
+    relayed_round_trip)."""
+    servers = list(servers)
     known = sorted(seconds for peer, seconds in rtt.items() if math.isfinite(seconds) and seconds >= 0)
     fallback = known[len(known) // 2] if known else DEFAULT_ROUND_TRIP
-    return {peer: rtt[peer] if peer in rtt and math.isfinite(rtt[peer]) and rtt[peer] >= 0 else fallback
-            for peer in peers}
+    estimates = {}
+    for server in servers:
+        peer = server.peer_id
+        measured = peer in rtt and math.isfinite(rtt[peer]) and rtt[peer] >= 0
+        seconds = rtt[peer] if measured else fallback
+        estimates[peer] = relayed_round_trip(seconds, measured) if server.info.relayed else seconds
+    return estimates
+
+
+# a relayed server (behind a NAT: swarm/relays.py) not measured yet: every message to it and back goes through its
+# relay, two legs where a direct server's takes one, so about twice the round trip of a direct server
+RELAYED_ROUND_TRIP_FACTOR = 2.0
+# and measured or not, this much more per step: its measured round trip counts the detour, but not the rest of
+# what a relayed hop costs: the pushes to it and from it take the detour too, its relay is one shared peer whose
+# bandwidth and slots every server behind it depends on, and a relay resets a circuit past its limits (a failover)
+RELAYED_HOP_SECONDS = 0.005
+
+
+def relayed_round_trip(seconds: float, measured: bool) -> float:
+    """What a relayed hop is priced at in routing: on a near tie, a direct server wins."""
+    return (seconds if measured else seconds * RELAYED_ROUND_TRIP_FACTOR) + RELAYED_HOP_SECONDS
 
 
 def _routable(servers: Collection[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str],

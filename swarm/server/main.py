@@ -29,6 +29,7 @@ from swarm.protocol import (
     ServerState,
     dht_prefix,
 )
+from swarm.relays import RelayWait
 from swarm.server import metrics, placement
 from swarm.server.adapters import AdapterFolder, attach_adapters, read_adapter
 from swarm.server.backend import Backend
@@ -58,7 +59,8 @@ async def serve(settings: ServerSettings) -> None:
         choose_attention_kernels()
     # first, so that a port already taken fails in a second rather than after the weights load
     metrics_server, metrics_address = _start_metrics(settings)
-    node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity)
+    node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity,
+                                relays=settings.relay_through, serve_relay=settings.serve_as_relay)
     try:
         presence = await Presence.join(node, settings, folder, num_blocks, adapters)
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
@@ -117,7 +119,9 @@ class Presence:
             start, end = await placement.claim_span(node, prefix, num_blocks, settings.num_blocks,
                                                     settings.announce_period)
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
-        joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens, started=STARTED)
+        relay_wait = RelayWait.starting_now(settings.relay_through)
+        joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens, started=STARTED,
+                             relayed=bool(settings.relay_through))
         loaded = _load(settings, folder, start, end, adapters)
         span, throughput = await _announced_while(node, prefix, joining, settings.announce_period, loaded)
         presence = cls(node, settings, folder, num_blocks, span, throughput, adapters)
@@ -131,6 +135,7 @@ class Presence:
         handler = BlockHandler(presence.backend, settings.allowed_peers, push_targets, settings.latency)
         presence.pusher = handler.pusher
         await handler.add_p2p_handlers(node.p2p)
+        await relay_wait.until_reserved()  # online only once clients can reach it
         await presence.announce_online()
         return presence
 
@@ -141,7 +146,7 @@ class Presence:
         available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
         return ServerInfo(state, self.start, self.end, throughput, available,
                           max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED,
-                          adapters=tuple(sorted(self.span.adapters)),
+                          adapters=tuple(sorted(self.span.adapters)), relayed=bool(self.settings.relay_through),
                           round_trips=self.pusher.round_trips.announced() if self.pusher else ())
 
     async def announce_online(self) -> None:

@@ -84,6 +84,9 @@ class ServerSettings:
     cache_dir: Path
     latency: SimulatedLatency = SimulatedLatency()  # --simulated-latency (off: 0)
     adapters: tuple[Path, ...] = ()  # PEFT LoRA adapter folders it applies on request (swarm/server/adapters.py)
+    # public peers to be reached through (--relay-through): the server accepts no inbound connection (behind a NAT)
+    relay_through: tuple[str, ...] = ()
+    serve_as_relay: bool = False  # --serve-as-relay: a public server that relays for servers behind a NAT
 
     @property
     def allowed_peers(self) -> tuple[str, ...]:
@@ -122,7 +125,8 @@ def parse_settings(argv=None) -> ServerSettings:
         dht_prefix=args.dht_prefix, announce_period=args.announce_period, rebalance_period=rebalance,
         threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
         latency=_latency(parser, args),
-        adapters=tuple(Path(folder) for folder in args.adapters),
+        adapters=tuple(Path(folder) for folder in args.adapters), relay_through=tuple(args.relay_through),
+        serve_as_relay=args.serve_as_relay,
     )
 
 
@@ -170,7 +174,22 @@ def _parser(defaults):
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     _add_latency_flags(parser, defaults.simulated_latency_ms, defaults.network_map)
+    _add_relay_flags(parser)
     return parser
+
+
+def _add_relay_flags(parser) -> None:
+    from swarm.cli import multiaddr
+
+    parser.add_argument("--relay-through", nargs="+", type=multiaddr, default=[], metavar="MADDR",
+                        help="for a server that accepts no inbound connection (behind a NAT or a firewall): be reached "
+                             "through these public peers of the swarm (a bootstrap peer, or a server with "
+                             "--serve-as-relay), at addresses every client can dial (4 of them, or it goes online "
+                             "only 3 minutes after it starts: see swarm/relays.py); the server announces "
+                             "itself as relayed, and clients route through it only where it pays")
+    parser.add_argument("--serve-as-relay", action="store_true",
+                        help="a server on a public address: relay for servers that accept no inbound connection "
+                             "(their traffic then goes through this server's network too)")
 
 
 def _add_latency_flags(parser, default_ms: float, default_map) -> None:
@@ -243,5 +262,7 @@ def _check(parser, args) -> None:
         parser.error(f"--adapters: at most {MAX_ADAPTERS} adapters per server, got {len(args.adapters)}")
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port must be a TCP port (0 for off), got {args.metrics_port}")
+    if args.relay_through and args.serve_as_relay:
+        parser.error("--serve-as-relay is for a public server: a server reached through a relay cannot relay")
     if not args.initial_peers:
         parser.error("--initial-peers is required (or set INITIAL_PEERS): start a bootstrap peer with python -m swarm.dht")

@@ -67,8 +67,8 @@ def test_swarm_json_lists_servers_and_coverage(gateway):
                                                                                          (2, 4, "online")]
     for server in servers:
         assert set(server) == {"peer_id", "start", "end", "state", "throughput", "cache_tokens_free", "version",
-                               "rtt_ms"}
-        assert server["peer_id"].startswith("Qm") and server["throughput"] > 0
+                               "relayed", "rtt_ms"}
+        assert server["peer_id"].startswith("Qm") and server["throughput"] > 0 and server["relayed"] is False
         assert server["cache_tokens_free"] > 0 and server["version"] == PROTOCOL_VERSION
     assert servers[0]["peer_id"] != servers[1]["peer_id"]
 

@@ -1,0 +1,82 @@
+"""Servers behind a NAT: libp2p circuit relays through public peers of the swarm.
+
+A server that accepts no inbound connection (behind a home router, a firewall) dials out to public peers of the
+swarm (`python -m swarm.server --relay-through MADDR ...`), reserves a slot on them (libp2p circuit relay v2,
+through p2pd's auto-relay with them as its static relays), and is reached at `MADDR/p2p-circuit/p2p/ITS_ID`:
+every stream to it goes through the relay. Every node can dial such an address (p2pd's relay transport is on
+everywhere), and every public peer that knows itself public relays: the bootstrap peer always, a block server
+with --serve-as-relay.
+
+What p2pd (hivemind 1.1.12's go-libp2p) does and how it is worked around here:
+
+- its auto-relay reserves slots only once it has found 4 relay candidates, or 3 minutes after it started (its
+  boot delay; no p2pd flag changes either): a relayed server that names fewer than 4 relays announces itself
+  online only after that delay (RelayWait), or clients would find it unreachable and ban it meanwhile;
+- it builds its circuit addresses only from a relay's public addresses (a relay on a private network, 10.x or
+  192.168.x, gives none): a relayed server announces the circuit addresses through the relays it was given
+  itself, so they must be addresses every client can dial.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+# p2pd's auto-relay reserves at once with this many relay candidates, else after AUTO_RELAY_BOOT_DELAY seconds
+AUTO_RELAY_MIN_CANDIDATES = 4
+AUTO_RELAY_BOOT_DELAY = 180.0
+# p2pd's auto-relay, once it starts reserving, takes well under a second on a LAN: a margin before going online
+RESERVATION_MARGIN = 5.0
+
+
+def relay_options(relays: Sequence[str] = (), serve_relay: bool = False) -> dict:
+    """hivemind P2P.create's relay settings for a node.
+
+    Every node dials relayed peers (use_relay: circuit addresses), and direct addresses first, as before: a
+    direct connection never takes a detour. `serve_relay`: the node says it is public (no AutoNAT guess, which
+    a swarm of a few peers cannot confirm), and p2pd's relay service runs only on a public node. `relays`: the
+    node accepts no inbound connection; it reserves slots on these peers and announces only the circuit
+    addresses through them."""
+    if relays:
+        return dict(use_relay=True, use_auto_relay=True, force_reachability="private", trusted_relays=list(relays),
+                    announce_maddrs=[circuit_address(relay) for relay in relays])
+    return dict(use_relay=True, use_auto_relay=False, force_reachability="public" if serve_relay else None)
+
+
+def circuit_address(relay: str) -> str:
+    """Where a relayed peer is reached through `relay` (a multiaddr ending in the relay's /p2p/ID)."""
+    return f"{relay.rstrip('/')}/p2p-circuit"
+
+
+def relay_peers(relays: Sequence[str]) -> set[str]:
+    """The peer ids of `relays`: auto-relay counts candidates by peer, not by address."""
+    return {relay.rstrip("/").rsplit("/p2p/", 1)[-1] for relay in relays}
+
+
+class RelayWait:
+    """Until when a relayed server must wait before it announces itself online: until p2pd's auto-relay has
+    reserved its slots (at once with AUTO_RELAY_MIN_CANDIDATES relays, else after its boot delay)."""
+
+    def __init__(self, relays: Sequence[str], started: float):
+        self.relays, self.started = tuple(relays), started
+        delay = AUTO_RELAY_BOOT_DELAY if 0 < len(relay_peers(self.relays)) < AUTO_RELAY_MIN_CANDIDATES else 0.0
+        self.ready_at = started + delay + (RESERVATION_MARGIN if self.relays else 0.0)
+
+    @classmethod
+    def starting_now(cls, relays: Sequence[str]) -> "RelayWait":
+        wait = cls(relays, time.monotonic())
+        if wait.ready_at - wait.started > RESERVATION_MARGIN:
+            logger.warning("%d relay(s) named: p2pd reserves a relay slot only %.0f s after it starts (at once with "
+                           "%d relays), so this server announces itself online only then", len(relay_peers(relays)),
+                           AUTO_RELAY_BOOT_DELAY, AUTO_RELAY_MIN_CANDIDATES)
+        return wait
+
+    async def until_reserved(self) -> None:
+        remaining = self.ready_at - time.monotonic()
+        if remaining > 0:
+            logger.info("waiting %.0f s for the relay reservation before announcing online", remaining)
+            await asyncio.sleep(remaining)
