@@ -4,9 +4,10 @@ Each gateway logs every chain it routes a session (or a failover) through, one l
 "routed blocks 0:24 of MODEL through PEER[0:8] PEER[8:24]"). The harness knows what routing can only measure:
 every server's real round trip (its --simulated-latency) and which servers were live when the choice was made.
 A choice's quality is the expected step time of the chosen chain over that of the best chain through the servers
-live then, both by routing's own formula (swarm.client.routing.chain_step_seconds: each hop its server's round
-trip plus its blocks' compute) with the real round trips and the compute per block each server measured of itself
-at start (its "ready:" line); the best chain is routing's choice (choose_chain) given those figures.
+live then, both by routing's own formula (swarm.client.routing.chain_step_seconds, flowing as the gateways do:
+the network's share half of each link's round trip, a server-to-server link costing both servers' delays, as
+--simulated-latency makes it) with the real round trips and one compute per block for every server (run.py's
+live_at); the best chain is routing's choice (choose_chain) given those figures.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def step_seconds(hops: Sequence[ChainLink], servers: Sequence[LiveServer]) -> fl
     from swarm.client.routing import chain_step_seconds
 
     remote, rtt, measured = _routing_inputs(servers)
-    return chain_step_seconds(hops, remote, rtt, measured, {})
+    return chain_step_seconds(hops, remote, rtt, measured, {}, flowing=_flowing())
 
 
 def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[list[ChainLink]]:
@@ -72,9 +73,16 @@ def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[
 
     remote, rtt, measured = _routing_inputs(servers)
     try:
-        return choose_chain(remote, end, "the model", start=start, measured=measured, rtt=rtt)
+        return choose_chain(remote, end, "the model", start=start, measured=measured, rtt=rtt, flowing=_flowing())
     except MissingBlocksError:
         return None
+
+
+def _flowing() -> bool:
+    """Whether the gateways flow their steps (FLOWING_STEPS, which they inherit): routing prices chains so."""
+    from config import flowing_steps
+
+    return flowing_steps()
 
 
 def _routing_inputs(servers: Sequence[LiveServer]):
@@ -84,8 +92,11 @@ def _routing_inputs(servers: Sequence[LiveServer]):
         seconds = server.seconds_per_block * (server.end - server.start)
         return min(1.0 / seconds, MAX_THROUGHPUT) if seconds > 0 else MAX_THROUGHPUT
 
+    def links(server: LiveServer) -> tuple[tuple[str, float], ...]:  # a push crosses both servers' delays
+        return tuple((other.peer_id, server.rtt + other.rtt) for other in servers if other is not server)
+
     remote = [RemoteServer(server.peer_id, ServerInfo(ServerState.ONLINE, server.start, server.end, throughput(server),
-                                                      2**20)) for server in servers]
+                                                      2**20, round_trips=links(server))) for server in servers]
     return (remote, {server.peer_id: server.rtt for server in servers},
             {server.peer_id: server.seconds_per_block for server in servers})
 

@@ -93,6 +93,7 @@ class Presence:
                                max_batch_tokens=settings.max_batch_tokens,
                                prefill_chunk_tokens=settings.prefill_chunk_tokens)
         self.expiration = 3 * settings.announce_period
+        self.relayed = bool(settings.relay_through)  # reached through relays: its record says so
         self.graphs_captured: Optional[GraphsCaptured] = None  # the rounds captured ahead at start-up, if any
         self.pusher: Optional[Pusher] = None  # its pushes' round trips (and pings') to the next servers: announced
         self._pings: Optional[asyncio.Task] = None  # the pings of the next servers, started at an announcement
@@ -146,7 +147,7 @@ class Presence:
         available = min(self.backend.cache_tokens_available, MAX_CACHE_TOKENS)  # parked sessions make way
         return ServerInfo(state, self.start, self.end, throughput, available,
                           max_session_tokens=min(max_session_tokens, MAX_CACHE_TOKENS), started=STARTED,
-                          adapters=tuple(sorted(self.span.adapters)), relayed=bool(self.settings.relay_through),
+                          adapters=tuple(sorted(self.span.adapters)), relayed=self.relayed,
                           round_trips=self.pusher.round_trips.announced() if self.pusher else ())
 
     async def announce_online(self) -> None:

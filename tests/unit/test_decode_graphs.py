@@ -239,7 +239,7 @@ def presence_of(backend: Backend, span, monkeypatch, new_span=None, error=None) 
     presence = server_main.Presence.__new__(server_main.Presence)
     presence.node, presence.settings, presence.folder, presence.num_blocks = None, None, None, BLOCKS
     presence.prefix, presence.span, presence.throughput, presence.backend = "tiny", span, 1.0, backend
-    presence.expiration = 10
+    presence.expiration, presence.relayed, presence.pusher, presence._pings = 10, False, None, None
     return presence, announced
 
 

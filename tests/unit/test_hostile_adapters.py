@@ -40,7 +40,7 @@ def lookups(monkeypatch):
 def swarm_client():
     client = SwarmClient.__new__(SwarmClient)  # its lookups only: no node, no network, no probes
     client.loop, client.node, client.allowed_servers = dht.EventLoop.get(), None, frozenset()
-    client.bans, client.load, client._starts = Bans(), PeerLoad(), {}
+    client.bans, client.load, client._starts, client.region = Bans(), PeerLoad(), {}, None
     client.probes = SimpleNamespace(consider=lambda peers: None)
     return client
 
