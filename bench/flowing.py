@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 PROMPT = [5, 17, 42]
+# plain decoding relayed and flowing, then speculative (prompt lookup on a copy-heavy prompt) relayed and flowing
+WAYS = ("relayed", "flowing", "speculative relayed", "speculative flowing")
 BLOCKS = 8  # the tiny-8 shape's
 
 
@@ -54,6 +56,29 @@ def decode(remote, flowing: bool, tokens: int) -> tuple[list[int], float, int]:
         return generated, tokens / (time.perf_counter() - began), session.blocks.pushes_missed
 
 
+def decode_speculative(remote, flowing: bool, prompt: list[int], tokens: int, most: int = 4) -> tuple[list[int], float]:
+    """Greedy tokens as the gateway speculates them: each step carries the next token and up to `most` prompt-lookup
+    guesses (gateway/engine/speculation.py), verified at once, the longest agreeing prefix kept and the rest
+    rewound by the next step; its tokens and decode tokens/s."""
+    from gateway.engine.speculation import prompt_lookup
+
+    with remote.session(max_length=len(prompt) + tokens + most + 1) as session:
+        session.blocks.flowing = flowing
+        following = int(session.step([prompt])[0].argmax())
+        context, generated, began = list(prompt), [], time.perf_counter()
+        while len(generated) < tokens:
+            generated.append(following)
+            context.append(following)
+            draft = prompt_lookup(context, min(most, tokens - len(generated)))
+            choices = session.step([[following, *draft]], position=len(context) - 1, every_position=True)[0]
+            choices = choices.argmax(-1).tolist()
+            kept = next((index for index, token in enumerate(draft) if token != choices[index]), len(draft))
+            generated += draft[:kept]
+            context += draft[:kept]
+            following = choices[kept]
+        return generated[:tokens], tokens / (time.perf_counter() - began)
+
+
 def measure(hops: int, folder: Path, options, log_dir: Path) -> dict:
     """A fresh swarm of `hops` servers on one map; the best of --trials runs of each way."""
     from swarm.client import SwarmClient
@@ -66,27 +91,48 @@ def measure(hops: int, folder: Path, options, log_dir: Path) -> dict:
     with LocalSwarm(str(folder), spans(hops), server_args=server_args, log_dir=log_dir / str(hops)) as swarm:
         remote = RemoteModel(folder, SwarmClient(swarm.initial_peers), "tiny-8", prefix)
         try:
-            rates, outputs, missed = {"relayed": [], "flowing": []}, {}, 0
+            rates, outputs, missed = {way: [] for way in WAYS}, {}, 0
             for _ in range(options.trials):
-                for way in ("relayed", "flowing"):
-                    tokens, rate, lost = decode(remote, way == "flowing", options.tokens)
+                for way in WAYS:
+                    flowing = way.endswith("flowing")
+                    if way.startswith("speculative"):  # copy-heavy: the prompt holds what the model will say
+                        tokens, rate = decode_speculative(remote, flowing, PROMPT + outputs["relayed"],
+                                                          options.tokens)
+                        tokens = PROMPT + outputs["relayed"] + tokens  # compared with a plain decode of the same
+                    else:
+                        tokens, rate, lost = decode(remote, flowing, options.tokens)
+                        missed += lost if flowing else 0
                     rates[way].append(rate)
                     outputs.setdefault(way, tokens)
-                    missed += lost if way == "flowing" else 0
+            copied = decode_plain_copy(remote, PROMPT + outputs["relayed"], options.tokens)
         finally:
             remote.close()
-    return {"hops": hops, "link_ms": options.link_ms, "relayed_tok_s": max(rates["relayed"]),
-            "flowing_tok_s": max(rates["flowing"]), "floor_s": floors(hops, options.link_ms),
-            "identical": outputs["relayed"] == outputs["flowing"], "pushes_missed": missed}
+    return {"hops": hops, "link_ms": options.link_ms, "floor_s": floors(hops, options.link_ms),
+            **{f"{way}_tok_s": max(rates[way]) for way in WAYS}, "pushes_missed": missed,
+            "identical": outputs["relayed"] == outputs["flowing"]
+            and outputs["speculative relayed"] == outputs["speculative flowing"] == copied}
+
+
+def decode_plain_copy(remote, prompt: list[int], tokens: int) -> list[int]:
+    """The copy-heavy prompt's greedy tokens without speculation (what the speculative ones must equal)."""
+    with remote.session(max_length=len(prompt) + tokens + 1) as session:
+        logits, generated = session.step([prompt]), []
+        for _ in range(tokens):
+            generated.append(int(logits[0].argmax()))
+            logits = session.step([[generated[-1]]])
+        return prompt + generated
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| hops | link ms | relayed tok/s | flowing tok/s | speed-up | network floor relayed / flowing ms "
-             "| outputs identical | pushes missed |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| hops | link ms | relayed tok/s | flowing tok/s | speed-up | speculative relayed / flowing tok/s "
+             "| speed-up | network floor relayed / flowing ms | outputs identical | pushes missed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
-        floor = result["floor_s"]
+        floor, plain = result["floor_s"], result["flowing_tok_s"] / result["relayed_tok_s"]
+        speculative = result["speculative flowing_tok_s"] / result["speculative relayed_tok_s"]
         lines.append(f"| {result['hops']} | {result['link_ms']:g} | {result['relayed_tok_s']:.2f} | "
-                     f"{result['flowing_tok_s']:.2f} | {result['flowing_tok_s'] / result['relayed_tok_s']:.2f}x | "
+                     f"{result['flowing_tok_s']:.2f} | {plain:.2f}x | {result['speculative relayed_tok_s']:.2f} / "
+                     f"{result['speculative flowing_tok_s']:.2f} | {speculative:.2f}x | "
                      f"{floor['relayed'] * 1000:.0f} / {floor['flowing'] * 1000:.0f} | "
                      f"{'yes' if result['identical'] else 'NO'} | {result['pushes_missed']} |")
     return "\n".join(lines)

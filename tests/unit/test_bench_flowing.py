@@ -23,5 +23,6 @@ def test_every_link_of_the_map_is_the_same():
 def test_the_floors_and_the_table():
     assert floors(8, 50) == pytest.approx({"relayed": 0.4, "flowing": 0.225})
     result = {"hops": 4, "link_ms": 50.0, "relayed_tok_s": 4.0, "flowing_tok_s": 6.0, "floor_s": floors(4, 50),
-              "identical": True, "pushes_missed": 0}
-    assert "| 4 | 50 | 4.00 | 6.00 | 1.50x | 200 / 125 | yes | 0 |" in table([result])
+              "speculative relayed_tok_s": 8.0, "speculative flowing_tok_s": 10.0, "identical": True,
+              "pushes_missed": 0}
+    assert "| 4 | 50 | 4.00 | 6.00 | 1.50x | 8.00 / 10.00 | 1.25x | 200 / 125 | yes | 0 |" in table([result])
