@@ -15,7 +15,8 @@ answers both). A failover ends the flow: the rest of the step is relayed.
 
 A hop's grace follows what its flowing answers took (Hop.flow_grace): a few times their lag behind the previous
 hop's outputs, so that a lost push costs about a step, not a fixed second. A server whose push was lost is
-relayed to for the next RELAYED_AFTER_LOST_PUSH steps, unless its flowing answer comes after all (only late).
+relayed to for the next RELAYED_AFTER_LOST_PUSH steps (twice as many for each push lost in a row), unless its
+flowing answer comes after all (only late).
 
 A server answers a flowing step with what its push carried (a digest): where it is not the previous server's
 outputs as they came to the client (a server that pushes otherwise than it returns), the client sends the inputs
@@ -44,6 +45,9 @@ FLOW_GRACE = 1.0
 # pushes from the previous one (a private server, or one whose previous server does not find it announced) costs
 # a grace every this many steps, not every step
 RELAYED_AFTER_LOST_PUSH = 16
+# each push lost in a row (between them, only relayed steps) doubles that, up to this many times: a server that
+# can never take the previous one's pushes (behind a NAT from it, say) costs a grace every 1,024 steps at most
+MOST_DOUBLINGS = 6
 # faults of the server itself, which fail the hop over (any other answer to a flowing step, NoPushError above
 # all, is answered by sending the inputs)
 HOP_FAULTS = (ServerUnavailableError, InternalServerError, CacheFullError)
@@ -105,7 +109,8 @@ class Flow:
             if isinstance(error, HOP_FAULTS):
                 raise error
         self.session.pushes_missed += 1
-        hop.relayed_steps = RELAYED_AFTER_LOST_PUSH
+        hop.relayed_steps = RELAYED_AFTER_LOST_PUSH << min(hop.pushes_lost_in_a_row, MOST_DOUBLINGS)
+        hop.pushes_lost_in_a_row += 1
         if not task.done():  # a late answer from its push tells the push works: the hop flows again at once
             task.add_done_callback(lambda late: _late_answer(late, hop, began, inputs_digest(hidden)))
         return await self.session._step_hop_async(hop, hidden, position, following)
@@ -132,7 +137,7 @@ def _late_answer(task: asyncio.Task, hop: "Hop", began: float, expected: bytes) 
     if task.cancelled() or task.exception() is not None or task.result()[1] != expected:
         return
     hop.flowed(time.monotonic() - began)
-    hop.relayed_steps = 0
+    hop.relayed_steps = hop.pushes_lost_in_a_row = 0
 
 
 def _retrieved(task: asyncio.Task) -> None:

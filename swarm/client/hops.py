@@ -30,6 +30,7 @@ class Hop:
         self.link, self.stream = link, stream
         self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
         self.relayed_steps = 0  # steps still relayed to it, not flowing, after a push to it was lost (flowing.py)
+        self.pushes_lost_in_a_row = 0  # flowing steps to it whose push was lost, with no flowing answer since
         self.flow_lag: Optional[float] = None  # seconds its flowing answers come after the previous hop's outputs
         self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
         self._length = 0  # positions recorded
@@ -59,6 +60,7 @@ class Hop:
     def flowed(self, lag: float) -> None:
         """Its flowing answer came `lag` seconds after the previous hop's outputs (an exponential moving average;
         a lag above it counts at once, so that the grace keeps up with a server or network slowing down)."""
+        self.pushes_lost_in_a_row = 0
         self.flow_lag = lag if self.flow_lag is None or lag > self.flow_lag else 0.8 * self.flow_lag + 0.2 * lag
 
     def flow_grace(self, most: float, chain: list["Hop"]) -> float:

@@ -215,6 +215,31 @@ def test_a_hop_whose_push_is_lost_is_sent_its_inputs(answer):
     assert session.hops[1].relayed_steps == RELAYED_AFTER_LOST_PUSH - 1
 
 
+def test_each_push_lost_in_a_row_doubles_the_steps_relayed_before_the_next_try():
+    from swarm.client.flowing import MOST_DOUBLINGS
+
+    streams = [Stream(0), Stream(1, "no_push"), Stream(2)]
+    session, hop = client_session(streams), None
+
+    async def tries(count):
+        relayed = []
+        for _ in range(count):
+            hop.relayed_steps = 0  # its relayed steps done: the next step flows to it again
+            for stream in streams:
+                stream.pushed = asyncio.get_running_loop().create_future()
+            await session.step_async(torch.zeros(1, 2, HIDDEN))
+            relayed.append(hop.relayed_steps)
+        return relayed
+
+    hop = session.hops[1]
+    assert asyncio.run(tries(MOST_DOUBLINGS + 2)) == [RELAYED_AFTER_LOST_PUSH << min(tried, MOST_DOUBLINGS)
+                                                      for tried in range(MOST_DOUBLINGS + 2)]
+    streams[1].flowing_answer = "push"  # it takes pushes again: one flowing answer starts the count over
+    asyncio.run(tries(1))
+    streams[1].flowing_answer = "no_push"
+    assert asyncio.run(tries(1)) == [RELAYED_AFTER_LOST_PUSH]
+
+
 def test_a_late_flowing_answer_counts_and_the_hop_flows_again_at_once():
     streams = [Stream(0), Stream(1, "late"), Stream(2)]
     session = client_session(streams, grace=0.05)
