@@ -13,6 +13,10 @@ from typing import Optional
 PARDONABLE_STRIKES = 2
 # probes a round trip is the least of: at a probe per 5 s (probes.py), a route that got farther counts within 30 s
 RTT_SAMPLES = 6
+# what one more session of this client adds to a server's step, as a share of it: a server batches its sessions'
+# steps into one round, where a session adds its rows, not a round (bench.span_round on 2 CPU cores: a decode round
+# of 16 sessions takes 1.36x one of 1, 2.4% a session); the compute a client measures there counts the rest
+SESSION_WEIGHT = 0.1
 COMPUTE_SAMPLES = 15  # decode steps a server's compute per block is the median of
 
 
@@ -130,9 +134,10 @@ class PeerLoad:
             self.rtt[peer_id] = min(samples)
 
     def factors(self) -> dict[str, float]:
-        """Multipliers of each server's estimated time: each session this client has there weighs."""
+        """Multipliers of each server's estimated time: each session this client has there weighs SESSION_WEIGHT
+        (new sessions spread over replicas that are otherwise alike, rather than pile onto the first)."""
         with self._lock:
-            return {peer: 1.0 + sessions for peer, sessions in self.sessions.items()}
+            return {peer: 1.0 + SESSION_WEIGHT * sessions for peer, sessions in self.sessions.items()}
 
     def measured(self) -> dict[str, float]:
         """Compute seconds per block of a decode step on each server this client has stepped through."""

@@ -21,6 +21,20 @@ def test_a_steps_round_trip_is_not_counted_as_compute_per_block():
     assert load.measured()["far"] >= 0
 
 
+def test_a_session_of_this_client_weighs_a_share_of_a_step_not_a_whole_one():
+    """A server batches its sessions' steps in one round: a client's second session there does not double what
+    routing expects a step to cost (the old factor, 1 + sessions, sent sessions down chains twice as long)."""
+    from swarm.client.peers import SESSION_WEIGHT
+
+    load = PeerLoad()
+    load.opened("a")
+    load.opened("a")
+    load.opened("b")
+    load.opened("b", -1)
+    assert load.factors() == {"a": pytest.approx(1 + 2 * SESSION_WEIGHT), "b": 1.0}
+    assert 1 + 16 * SESSION_WEIGHT < 3  # 16 sessions of one gateway on a server: well under 16x
+
+
 def test_one_held_up_step_does_not_make_a_server_look_slow():
     load = PeerLoad()
     for _ in range(5):
