@@ -65,10 +65,10 @@ def _split_list(value: str) -> tuple[str, ...]:
     return tuple(item for item in re.split(r"[\s,]+", value) if item)
 
 
-def flowing_steps(environ: Mapping[str, str] = os.environ) -> bool:
-    """FLOWING_STEPS: whether a client's steps flow down its chain by the servers' pushes (1, the default), or
-    return to the client between hops (0); see swarm/client/flowing.py."""
-    return environ.get("FLOWING_STEPS", "1").strip() != "0"
+def flowing_steps(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """FLOWING_STEPS: a client's steps flow down its chain by the servers' pushes always (1), never (0: they return
+    to the client between hops), or, unset, where its round trips make it pay (None); see swarm/client/flowing.py."""
+    return {"1": True, "0": False}.get(environ.get("FLOWING_STEPS", "").strip())
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:

@@ -82,7 +82,7 @@ def _flowing() -> bool:
     """Whether the gateways flow their steps (FLOWING_STEPS, which they inherit): routing prices chains so."""
     from config import flowing_steps
 
-    return flowing_steps()
+    return flowing_steps() is not False
 
 
 def _routing_inputs(servers: Sequence[LiveServer]):

@@ -183,7 +183,7 @@ class SwarmClient:
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
-                                flowing_by_default())
+                                flowing_by_default() is not False)
         except MissingBlocksError:
             if not self.bans.current() - self.bans.distrusted():
                 raise
@@ -191,7 +191,7 @@ class SwarmClient:
             # not strand a session when there are none (a server that was only slow under a burst of load)
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.distrusted()}, start,
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
-                                flowing_by_default())
+                                flowing_by_default() is not False)
 
     def round_trips(self) -> dict[str, float]:
         """Seconds there and back to each server measured (the least of the last few probes): what routing weighs

@@ -299,10 +299,30 @@ def test_a_hop_at_fault_in_a_flowing_step_fails_over(monkeypatch):
     assert failed == [(1, ServerUnavailableError)]
 
 
-def test_sessions_flow_their_steps_unless_the_setting_says_0(monkeypatch):
+def test_sessions_flow_their_steps_where_it_pays_unless_the_setting_says_always_or_never(monkeypatch):
     from swarm.client.flowing import flowing_by_default
 
     monkeypatch.delenv("FLOWING_STEPS", raising=False)
-    assert flowing_by_default()
-    monkeypatch.setenv("FLOWING_STEPS", "0")
-    assert not flowing_by_default()
+    assert flowing_by_default() is None
+    for value, expected in (("0", False), ("1", True), ("auto", None)):
+        monkeypatch.setenv("FLOWING_STEPS", value)
+        assert flowing_by_default() is expected
+
+
+@pytest.mark.parametrize("round_trip, flows", [(0.001, False), (0.050, True), (None, True)])
+def test_by_default_steps_flow_only_where_a_later_server_is_far(round_trip, flows):
+    """On one machine or a LAN a flowing step's extra messages cost more than the round trips it saves: relayed
+    there; a server far from the client, or not measured yet, is flowed to."""
+    streams = [Stream(index) for index in range(3)]
+    session = client_session(streams)
+    session.flowing = None
+    measured = {} if round_trip is None else {stream.name: round_trip for stream in streams}
+    session.services.load = SimpleNamespace(observed=lambda *args: None, round_trips=lambda: measured)
+
+    async def scenario():
+        for stream in streams:
+            stream.pushed = asyncio.get_running_loop().create_future()
+        return await session.step_async(torch.zeros(1, 2, HIDDEN))
+
+    assert torch.equal(asyncio.run(scenario()), torch.full((1, 2, HIDDEN), 3.0))
+    assert streams[2].calls == ([("flowing", 2)] if flows else [("step", 2)])
