@@ -44,11 +44,11 @@ def floors(hops: int, link_ms: float) -> dict[str, float]:
     return {"relayed": hops * link_ms / 1000, "flowing": (hops + 1) * link_ms / 2000}
 
 
-def decode(remote, flowing: bool, tokens: int) -> tuple[list[int], float, int]:
+def decode(remote, flowing: bool, tokens: int, prompt: list[int] = PROMPT) -> tuple[list[int], float, int]:
     """Greedy tokens of one session, its decode tokens/s, and the pushes it missed."""
-    with remote.session(max_length=len(PROMPT) + tokens + 1) as session:
+    with remote.session(max_length=len(prompt) + tokens + 1) as session:
         session.blocks.flowing = flowing
-        logits = session.step([PROMPT])
+        logits = session.step([prompt])
         generated, began = [], time.perf_counter()
         for _ in range(tokens):
             generated.append(int(logits[0].argmax()))
@@ -104,7 +104,8 @@ def measure(hops: int, folder: Path, options, log_dir: Path) -> dict:
                         missed += lost if flowing else 0
                     rates[way].append(rate)
                     outputs.setdefault(way, tokens)
-            copied = decode_plain_copy(remote, PROMPT + outputs["relayed"], options.tokens)
+            copy_heavy = PROMPT + outputs["relayed"]
+            copied = copy_heavy + decode(remote, False, options.tokens, copy_heavy)[0]  # what speculation must equal
         finally:
             remote.close()
     return {"hops": hops, "link_ms": options.link_ms, "floor_s": floors(hops, options.link_ms),
@@ -112,15 +113,6 @@ def measure(hops: int, folder: Path, options, log_dir: Path) -> dict:
             "identical": outputs["relayed"] == outputs["flowing"]
             and outputs["speculative relayed"] == outputs["speculative flowing"] == copied}
 
-
-def decode_plain_copy(remote, prompt: list[int], tokens: int) -> list[int]:
-    """The copy-heavy prompt's greedy tokens without speculation (what the speculative ones must equal)."""
-    with remote.session(max_length=len(prompt) + tokens + 1) as session:
-        logits, generated = session.step([prompt]), []
-        for _ in range(tokens):
-            generated.append(int(logits[0].argmax()))
-            logits = session.step([[generated[-1]]])
-        return prompt + generated
 
 
 def table(results: list[dict]) -> str:

@@ -21,9 +21,11 @@ from typing import Collection, Optional
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.protocol import MAX_ROUND_TRIPS, BadRequestError, NoPushError, ServerUnavailableError, SwarmError, error_from_wire
+from swarm.protocol import (MAX_ROUND_TRIPS, BadRequestError, NoPushError, ServerUnavailableError, SwarmError,
+                            error_from_wire)
 from swarm.server import metrics
 from swarm.server.batching import Job
+from swarm.server.fields import is_int
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.round_trips import PushRoundTrips
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
@@ -54,7 +56,7 @@ class EarlyStep:
         if not self.result.done() or self.result.cancelled() or self.result.exception() is not None:
             return False
         position = metadata.get("position")
-        if type(position) is not int or position != self.position:  # msgpack's true is a Python int too
+        if not is_int(position) or position != self.position:
             return False
         pushed = self.hidden
         return pushed.dtype == hidden.dtype and pushed.shape == hidden.shape and torch.equal(pushed, hidden)
@@ -137,12 +139,9 @@ class Pusher:
         message = pack(stacked(outputs), {"pushes": entries})
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(announced)
-        try:
-            sent = time.monotonic()
-            await self.latency.delay()
-            response = await BlockRPC.get_stub(self.p2p, peer).rpc_push(message, timeout=PUSH_TIMEOUT)
-            await self.latency.delay()
-            self.round_trips.add(peer.to_base58(), time.monotonic() - sent)  # its reply comes once it is queued
+        try:  # its reply comes once the step is queued there: the round trip is the network's
+            response = await self._timed(peer, lambda: BlockRPC.get_stub(self.p2p, peer).rpc_push(
+                message, timeout=PUSH_TIMEOUT))
             _, metadata = unpack(response)
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._failed(peer, len(announced), "unreachable", repr(error))
@@ -163,14 +162,20 @@ class Pusher:
         await asyncio.gather(*(self._ping(peer) for peer in peers))
 
     async def _ping(self, peer_id: str) -> None:
-        try:
-            sent = time.monotonic()
-            await self.latency.delay()
-            await BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id)).rpc_info(pack(), timeout=PUSH_TIMEOUT)
-            await self.latency.delay()
-            self.round_trips.add(peer_id, time.monotonic() - sent)  # any reply, a refusal too, took the round trip
+        peer = PeerID.from_base58(peer_id)
+        try:  # any reply, a refusal too, took the round trip
+            await self._timed(peer, lambda: BlockRPC.get_stub(self.p2p, peer).rpc_info(pack(), timeout=PUSH_TIMEOUT))
         except Exception as error:  # gone, or not answering: nothing measured (pushes to it fail the same way)
             logger.debug("pinging %s failed: %r", peer_id, error)
+
+    async def _timed(self, peer: PeerID, call):
+        """`call()`'s reply, its round trip (with --simulated-latency's delays both ways) counted to `peer`."""
+        sent = time.monotonic()
+        await self.latency.delay()
+        response = await call()
+        await self.latency.delay()
+        self.round_trips.add(peer.to_base58(), time.monotonic() - sent)
+        return response
 
     def _skip(self, peer: PeerID, count: int, reason: str) -> None:
         self.counters["pushes_skipped"] += count
@@ -215,7 +220,7 @@ async def awaited_push(session, metadata: dict) -> tuple[torch.Tensor, torch.Ten
     client's own copy of the step came first): the client then sends the inputs itself. (outputs, the inputs
     the push carried)."""
     step_id, wait = metadata.get("step_id"), metadata.get("push_wait")
-    if type(step_id) is not int:  # msgpack's true is a Python int too
+    if not is_int(step_id):
         raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r:.80}")
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_PUSH_WAIT:
         raise BadRequestError(f"field 'push_wait' must be a number of seconds in [0, {MAX_PUSH_WAIT:g}], got "
