@@ -250,6 +250,11 @@ class Limits:
     # drafting is the engine loop's policy: only while at most this many sessions of a model decode together, since
     # each guess costs a position of every server's round (gateway/engine/loop.py); 0: never draft
     speculative_max_sessions: int = 4
+    # the engine loop's pipeline (gateway/engine/loop.py): once this many sessions of a model decode together, they
+    # travel in groups, so that each server of a chain computes one group while the next one computes another
+    pipeline_min_sessions: int = 8
+    # how many groups: 0 (default) a group per server of a session's chain; 1 one group (every session in step)
+    pipeline_groups: int = 0
 
     def __post_init__(self):
         if self.max_loaded_models < 1:
@@ -259,6 +264,9 @@ class Limits:
                              f"got {self.speculative_tokens}")
         if self.speculative_max_sessions < 0:
             raise ValueError(f"SPECULATIVE_MAX_SESSIONS must be 0 or more, got {self.speculative_max_sessions}")
+        if self.pipeline_groups < 0 or self.pipeline_min_sessions < 1:
+            raise ValueError(f"PIPELINE_GROUPS must be 0 or more and PIPELINE_MIN_SESSIONS 1 or more, got "
+                             f"{self.pipeline_groups} and {self.pipeline_min_sessions}")
 
     @property
     def worker_threads(self) -> int:

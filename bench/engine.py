@@ -38,6 +38,7 @@ def main(argv=None) -> None:
     options = parse(argv)
     results = run(options)
     print(table(results))
+    print(stage_table(results))
     options.out.mkdir(parents=True, exist_ok=True)
     path = options.out / time.strftime("engine-%Y%m%d-%H%M%S.json")
     path.write_text(json.dumps(results, indent=2))
@@ -99,19 +100,24 @@ def measure(gateway: Gateway, servers: list[int], prompt, options: argparse.Name
     master = gateway.process.process.pid
     worker = _children(master)[0]
     cpu_before, worker_before, counters_before = _tree_cpu(master), _cpu(worker), _counters(gateway)
-    servers_before = sum(_tree_cpu(pid) for pid in servers)
+    servers_before, stages_before = [_tree_cpu(pid) for pid in servers], _stages(gateway)
     summary = summarize_concurrent(concurrent_replies(gateway.ws_url, prompt, options.tokens, sessions,
                                                       options.timeout))
     cpu_after, worker_after, counters_after = _tree_cpu(master), _cpu(worker), _counters(gateway)
-    servers_after = sum(_tree_cpu(pid) for pid in servers)
+    servers_after, stages_after = [_tree_cpu(pid) for pid in servers], _stages(gateway)
     tokens = max(summary["tokens"], 1)
+    server_cpu = [(after - before) * 1000 / tokens for before, after in zip(servers_before, servers_after)]
     ticks = max(counters_after["ticks"] - counters_before["ticks"], 1)
     return {
         "aggregate_tok_s": round(summary["aggregate_tok_s"], 1),
         "ms_per_token_per_session": round(1000 / summary["per_session_decode_tok_s_p50"], 2),
         "worker_cpu_ms_per_token": round((worker_after - worker_before) * 1000 / tokens, 3),
         "gateway_tree_cpu_ms_per_token": round((cpu_after - cpu_before) * 1000 / tokens, 3),
-        "servers_cpu_ms_per_token": round((servers_after - servers_before) * 1000 / tokens, 3),
+        "servers_cpu_ms_per_token": round(sum(server_cpu), 3),
+        "each_server_cpu_ms_per_token": [round(cpu, 3) for cpu in server_cpu],
+        "ttft_ms_p50": round(summary["ttft_p50_s"] * 1000, 1),
+        "busy_fraction": _busy(stages_before, stages_after, summary["wall_s"]),
+        "stages_ms": _stage_means(stages_before, stages_after),
         "rows_per_tick": round((counters_after["rows"] - counters_before["rows"]) / ticks, 2),
         "steps_per_tick": round((counters_after["steps"] - counters_before["steps"]) / ticks, 2),
         "tokens": summary["tokens"],
@@ -130,6 +136,59 @@ def table(results: dict) -> str:
                      f"{run['servers_cpu_ms_per_token']:>19} "
                      f"{run['rows_per_tick']:>10} {run['steps_per_tick']:>11}")
     return "\n".join(lines)
+
+
+def stage_table(results: dict) -> str:
+    """Where a step's time goes (swarm/client/stage_clock.py): each stage's mean ms per step, for each run."""
+    runs = results["runs"]
+    stages = sorted({stage for run in runs.values() for stage in run["stages_ms"]}, key=_stage_order)
+    lines = [f"{'stage (ms per step)':<34}" + "".join(f"{sessions + ' sess':>12}" for sessions in runs)]
+    for stage in stages:
+        lines.append(f"{stage:<34}" + "".join(f"{run['stages_ms'].get(stage, ''):>12}" for run in runs.values()))
+    lines.append(f"{'ttft ms (p50)':<34}" + "".join(f"{run['ttft_ms_p50']:>12}" for run in runs.values()))
+    lines.append(f"{'servers busy (compute / wall)':<34}" + "".join(
+        f"{' '.join(f'{busy:.2f}' for busy in run['busy_fraction'].values()):>12}" for run in runs.values()))
+    return "\n".join(lines)
+
+
+STAGE_ORDER = ("engine_wake", "engine_sample", "engine_send", "client_handoff", "client_step", "hop_queue",
+               "hop_round_trip", "hop_transport", "server_total", "server_decode", "server_queue", "server_compute",
+               "server_reply", "reader_wake")
+
+
+def _stage_order(name: str) -> tuple:
+    stage, _, blocks = name.partition("@")
+    return (STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER), blocks)
+
+
+def _stages(gateway: Gateway) -> dict[str, list[float]]:
+    """{"stage@blocks": [seconds, events]} from the gateway's /metrics."""
+    text = requests.get(gateway.url + "/metrics", timeout=10).text
+    stages: dict[str, list[float]] = {}
+    for kind, index in (("seconds", 0), ("events", 1)):
+        for labels, value in re.findall(rf"^swarm_step_stage_{kind}_total{{([^}}]*)}} (\S+)$", text, re.MULTILINE):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            stage, blocks = labels.get("stage", ""), labels.get("blocks", "")
+            stages.setdefault(f"{stage}@{blocks}" if blocks else stage, [0.0, 0.0])[index] = float(value)
+    return stages
+
+
+def _stage_means(before: dict, after: dict) -> dict[str, float]:
+    means = {}
+    for stage, (seconds, events) in after.items():
+        seconds_before, events_before = before.get(stage, (0.0, 0.0))
+        if events > events_before:
+            means[stage] = round((seconds - seconds_before) * 1000 / (events - events_before), 3)
+    return means
+
+
+def _busy(before: dict, after: dict, wall: float) -> dict[str, float]:
+    """Each server's time computing over the wall time (its "server_busy": compute per message)."""
+    busy = {}
+    for stage, (seconds, _) in after.items():
+        if stage.startswith("server_busy@"):
+            busy[stage.partition("@")[2]] = round((seconds - before.get(stage, (0.0, 0.0))[0]) / wall, 3)
+    return busy
 
 
 def _counters(gateway: Gateway) -> dict[str, float]:

@@ -13,6 +13,8 @@ import transformers
 class LocalSession:
     """Stands in for swarm.client.InferenceSession: records what would be sent to the servers."""
 
+    servers, group = 1, 0  # a chain of one "server"; the engine loop's pipeline group (unused here)
+
     def __init__(self, model, max_length):
         self.model, self.max_length = model, max_length
         self.ids, self.sent, self.closed = [], [], False

@@ -16,12 +16,20 @@ A session on a slow chain is simply not among the arrivals of a tick: it never h
 happens inside its own step. The thread runs torch calls only: detokenizing, stop sequences and framing happen in
 each request's thread (outputs.py).
 
+When many sessions decode together, the servers are the bottleneck, and a chain moving them all in step would keep
+each server idle while the others compute (n - 1 of n servers, at any moment). So past `Pipeline.min_sessions`, the
+loop keeps sessions in groups (a group per server of a chain, by default: vLLM's virtual engines fill a pipeline so)
+and each server's step channel carries one group per message (swarm/client/step_channel.py): the first server
+computes one group while the second computes the one before. Fewer sessions travel as one group: a session alone is
+never held up by a group.
+
 Speculation is the loop's policy: sequences draft only while few decode together (vLLM and Arctic turn drafting
 off under load too: verifying k guesses costs k positions of every server's round for each session).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -33,6 +41,7 @@ from gateway.engine.metrics import ABORTED_REPLIES, ENGINE_ROWS, ENGINE_STEPS, E
 from gateway.engine.sampler import sample_rows
 from gateway.engine.sequences import Sequence
 from gateway.errors import NotFound
+from swarm.client.stage_clock import CLOCK, now
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +58,26 @@ class TickCounts:
     steps: int = 0  # chain steps started
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """How many groups of sessions travel apart (see the module's docstring): `groups` (0: one per server of a
+    session's chain), once at least `min_sessions` decode together; else one."""
+
+    groups: int = 0
+    min_sessions: int = 8
+
+    def group_of(self, serial: int, hops: int, decoding: int) -> int:
+        if decoding < self.min_sessions:
+            return 0
+        return serial % max(self.groups or hops, 1)
+
+
 class EngineLoop:
-    def __init__(self, model, max_drafting_sessions: int):
+    def __init__(self, model, max_drafting_sessions: int, pipeline: Pipeline = Pipeline()):
         """`model`: a ServedModel; sequences draft only while at most `max_drafting_sessions` are decoding."""
         self.model, self.remote = model, model.remote
-        self.max_drafting_sessions = max_drafting_sessions
+        self.max_drafting_sessions, self.pipeline = max_drafting_sessions, pipeline
+        self._serials = itertools.count()  # each sequence's: its group in the pipeline
         self.counts = TickCounts()
         self._inbox: deque = deque()  # ("start", sequence) or ("abort", sequence, kept)
         self._arrivals: deque = deque()  # (sequence, outputs, error)
@@ -100,10 +124,14 @@ class EngineLoop:
             if arrived or ready:
                 self.counts.ticks += 1
                 ENGINE_TICKS.labels(self.model.name).inc()
+            began = now()
             if arrived:
                 ready += self._sample(arrived)
+                CLOCK.add("engine_sample", now() - began, len(arrived))
             if ready:
+                sending = now()
                 self._send(ready)
+                CLOCK.add("engine_send", now() - sending, len(ready))
             for sequence, _ in arrived:  # the tokens go to their readers once the next steps are on their way
                 sequence.publish()
         except Exception as error:  # a bug: this tick's sequences fail (never hang), the others go on
@@ -117,6 +145,7 @@ class EngineLoop:
         while self._inbox:
             kind, sequence, *kept = self._inbox.popleft()
             if kind == "start":
+                sequence.serial = next(self._serials)
                 self._running.add(sequence)
                 ready.append(sequence)
             elif sequence.done:  # ended already (by its own finish, or a failure): only the kept tokens change
@@ -131,9 +160,10 @@ class EngineLoop:
         return ready
 
     def _take_arrivals(self) -> list[tuple[Sequence, torch.Tensor]]:
-        arrived = []
+        arrived, taken = [], now()
         while self._arrivals:
-            sequence, outputs, error = self._arrivals.popleft()
+            sequence, outputs, error, came = self._arrivals.popleft()
+            CLOCK.add("engine_wake", taken - came)
             sequence.in_flight = False
             if error is not None:
                 sequence.session.broken = True  # the servers may hold some of the step or none of it
@@ -186,9 +216,11 @@ class EngineLoop:
             self.counts.embeds += 1
         except Exception as error:  # one sequence's input the embeddings refuse (past learned positions, say)
             return self._send_each(ready, error)
-        steps = []
+        steps, decoding = [], len(self._running)
         for sequence, rows in zip(ready, hidden.split([len(tokens) for tokens in sends])):
             sequence.sent()
+            inference = sequence.session.inference
+            inference.group = self.pipeline.group_of(sequence.serial, inference.servers, decoding)
             steps.append((sequence, sequence.session.inference, rows[None], sequence.position))
         self.counts.steps += len(steps)
         ENGINE_STEPS.labels(self.model.name).inc(len(steps))
@@ -207,7 +239,7 @@ class EngineLoop:
 
     def _arrived(self, sequence: Sequence, outputs, error) -> None:
         """A step came back (on the swarm's event loop): the next tick takes it."""
-        self._arrivals.append((sequence, outputs, error))
+        self._arrivals.append((sequence, outputs, error, now()))
         self._wake.set()
 
     # ---- ending sequences

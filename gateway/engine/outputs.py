@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from gateway.engine.stops import StopMatcher
+from swarm.client.stage_clock import CLOCK, now
 
 DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
 MERGE_BACKLOG = 16  # tokens a reader may lag behind by before it gets them as one delta
@@ -55,10 +56,12 @@ class OutputStream:
         self._ready = threading.Condition()
         self.error: Optional[BaseException] = None
         self.ended = False
+        self._put_at = 0.0  # when the oldest unread token came (stage_clock.py: "reader_wake")
 
     def put(self, *tokens: Token) -> None:
         with self._ready:
             self._items.extend(tokens)
+            self._put_at = self._put_at or now()
             self._ready.notify()
 
     def fail(self, error: BaseException) -> None:
@@ -78,6 +81,9 @@ class OutputStream:
                 self._ready.wait(timeout)
             tokens = list(self._items)
             self._items.clear()
+            if tokens:
+                CLOCK.add("reader_wake", now() - self._put_at)
+                self._put_at = 0.0
             if not tokens and self.error is not None:
                 raise self.error
             return tokens

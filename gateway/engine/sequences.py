@@ -43,6 +43,7 @@ class Sequence:
         self.aborted = False  # its reader (or the session's close) has ended it
         self.abort_at: Optional[int] = None  # the reader ended the reply after this many tokens
         self.settled = threading.Event()  # set once the session's history is final (the reply is over)
+        self.serial = 0  # its number in its engine loop: which group of the pipeline it travels in (loop.py)
         self._sent_at, self._began = 0, 0.0
 
     # ---- sending a step

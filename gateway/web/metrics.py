@@ -13,6 +13,8 @@
     gateway_inter_token_latency_seconds{model}  histogram  between two tokens of one generation
     gateway_generated_tokens_total{model}       counter    rate() of it is the gateway's tokens/s
     swarm_client_retries_total, swarm_client_failovers_total   the swarm client's (swarm/client/metrics.py)
+    swarm_step_stage_seconds_total{stage, blocks}  counter  where steps' time goes (swarm/client/stage_clock.py),
+    swarm_step_stage_events_total{stage, blocks}   counter  over this many steps
 
 Hooks are central: an after_request counts every HTTP reply, petals/websocket.py counts each WebSocket message once
 (with the status its reply carries), and Engine.generate times tokens (engine/metrics.py, where the token metrics
@@ -27,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, gen
 
 import gateway.engine.metrics  # noqa: F401  (registers the token metrics, even before a first generation)
 import swarm.client  # noqa: F401  (registers the swarm client's counters, even before a client exists)
+from swarm.client import stage_clock
 
 OPEN_SESSIONS = Gauge("gateway_open_sessions", "Inference sessions open on this gateway, HTTP and WebSocket")
 OPEN_WEBSOCKETS = Gauge("gateway_open_websockets", "WebSocket connections open on this gateway")
@@ -38,6 +41,8 @@ REQUESTS = Counter("gateway_requests_total", "API requests (WebSocket: messages)
 
 def install(app) -> None:
     """Count every HTTP reply of the Flask app by API and status, and serve /metrics."""
+    stage_clock.expose()
+
     @app.get("/metrics")
     def metrics():
         OPEN_SESSIONS.set(len(app.extensions["engine"].sessions))  # read at scrape time: never stale

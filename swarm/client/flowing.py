@@ -113,7 +113,8 @@ class Flow:
             if error is None and pushed == inputs_digest(hidden):
                 self._measured(hop, time.monotonic() - began, hidden.shape[1])
                 hop.declared = self.session.next_positions
-                return checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
+                return checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}",
+                                       finite=True)
             if isinstance(error, HOP_FAULTS):
                 raise error
         self.session.pushes_missed += 1

@@ -22,6 +22,7 @@ import torch
 from swarm.client.coalesce import Coalescer
 from swarm.client.head import load_client
 from swarm.client.remote_session import RemoteSession
+from swarm.client.stage_clock import CLOCK, now
 from swarm.client.swarm_client import SwarmClient
 from swarm.protocol import dht_prefix
 from swarm.weights import load_config, load_tokenizer, resolve_model
@@ -102,7 +103,11 @@ class RemoteModel:
         turn of the loop, so that the steps bound for one server leave in one message (see stubs.StepChannel);
         a failover runs inside its own session's step, never holding the others."""
 
+        handed = now()
+
         def start_all():
+            started = now()
+            CLOCK.add("client_handoff", started - handed, len(steps))
             for key, session, hidden, position in steps:
                 try:
                     task = asyncio.ensure_future(session.blocks.step_async(hidden, position))
@@ -110,7 +115,7 @@ class RemoteModel:
                     on_done(key, None, error)
                     continue
                 _RUNNING.add(task)
-                task.add_done_callback(lambda task, key=key: _step_ended(task, key, on_done))
+                task.add_done_callback(lambda task, key=key: _step_ended(task, key, on_done, started))
 
         self.client.loop.loop.call_soon_threadsafe(start_all)
 
@@ -179,6 +184,20 @@ class InferenceSession:
         return self.blocks.max_length
 
     @property
+    def servers(self) -> int:
+        """How many servers its chain has now."""
+        return len(self.blocks.hops)
+
+    @property
+    def group(self) -> int:
+        """Its group: its steps travel to each server with their group's (see swarm/client/step_channel.py)."""
+        return self.blocks.group
+
+    @group.setter
+    def group(self, group: int) -> None:
+        self.blocks.group = group
+
+    @property
     def on_wait(self) -> Optional[Callable[[str], None]]:
         """Told `message` (e.g. "no server holds blocks 2..3 of tiny; waiting up to 30 s") once each time the
         session waits for a server of some of its blocks (servers restarting); None: nobody is told."""
@@ -225,8 +244,9 @@ class InferenceSession:
 _RUNNING: set[asyncio.Task] = set()  # steps under way (asyncio keeps only weak references to tasks)
 
 
-def _step_ended(task: asyncio.Task, key, on_done: Callable) -> None:
+def _step_ended(task: asyncio.Task, key, on_done: Callable, started: float) -> None:
     _RUNNING.discard(task)
+    CLOCK.add("client_step", now() - started)
     error = task.exception() if not task.cancelled() else asyncio.CancelledError()
     on_done(key, None if error is not None else task.result(), error)
 

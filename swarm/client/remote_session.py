@@ -92,6 +92,7 @@ class RemoteSession:
 
     flowing, flow_grace = False, FLOW_GRACE  # see swarm/client/flowing.py (flowing: FLOWING_STEPS by default)
     pushes_missed = 0  # flowing steps whose push did not come in time: the client sent their inputs
+    group = 0  # its steps travel with its group's (the engine loop's pipeline: see StepChannel.step)
 
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
                  on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None,
@@ -237,9 +238,11 @@ class RemoteSession:
         timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
         began = time.perf_counter()
         push_to = following.stream if following is not None else None
-        output = await hop.stream.step(hidden, position, timeout, self._steps, push_to, self.next_positions)
+        output = await hop.stream.step(hidden, position, timeout, self._steps, push_to, self.next_positions,
+                                       self.group)
         hop.declared = self.next_positions
-        output = checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}")
+        output = checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}",
+                                 finite=True)
         if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
             self.services.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
         return output

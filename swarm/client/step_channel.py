@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from hivemind.p2p import PeerID
 
+from swarm.client.stage_clock import CLOCK, now
 from swarm.protocol import ServerUnavailableError, SwarmError, error_from_wire
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unpack, unstacked
 
@@ -57,6 +58,8 @@ class _Step:
     timeout: float
     blocks: str  # named in errors
     result: asyncio.Future
+    group: int = 0  # its session's group: a message carries one group's steps (see StepChannel.step)
+    queued: float = field(default_factory=now)  # when its session handed it over (stage_clock.py: "hop_queue")
 
     @property
     def shape(self) -> dict:
@@ -87,6 +90,7 @@ class _Message:
     steps: list[_Step]
     expiry: asyncio.TimerHandle
     lane: Optional[_Lane]  # the lane whose message of short steps it is (while it is in flight, they wait)
+    sent: float  # when it left (stage_clock.py: "hop_round_trip")
 
 
 class _StepStream:
@@ -139,9 +143,13 @@ class StepChannel:
         self._messages: dict[int, _Message] = {}  # in flight, by message id
         self._ids = itertools.count()
 
-    async def step(self, hidden: Optional[torch.Tensor], entry: dict, timeout: float, blocks: str) -> torch.Tensor:
-        """A step's outputs; `hidden` None: a flowing step, whose entry says its rows and length."""
-        step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future())
+    async def step(self, hidden: Optional[torch.Tensor], entry: dict, timeout: float, blocks: str,
+                   group: int = 0) -> torch.Tensor:
+        """A step's outputs; `hidden` None: a flowing step, whose entry says its rows and length. Steps of another
+        `group` than the oldest one queued wait for the next message: sessions in groups (the engine loop's
+        pipeline) reach this server one group after the other, so that each server of their chain computes one
+        group while the next one computes another."""
+        step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future(), group)
         if step.shape["length"] > MULTIPLEX_MAX_POSITIONS:
             message_id = next(self._ids)
             if hidden is not None and hidden.numel() > PACK_OFF_LOOP_VALUES:
@@ -157,10 +165,9 @@ class StepChannel:
                 # turn of the loop (all the steps an engine tick starts, or that one reply resumes) leave together
                 lane.flush_due = True
                 asyncio.get_running_loop().call_soon(self._flush, lane)
-        try:
-            return await asyncio.wait_for(step.result, timeout)  # on a timeout, a queued step is dropped
-        except asyncio.TimeoutError:
-            raise ServerUnavailableError(f"server {self.peer_id} did not answer in time ({blocks})") from None
+        # no timer of its own, which would cost more than the step: its message's expiry fails it, and a step still
+        # queued when the message before it expires is dropped if its own timeout has passed (_send_queued)
+        return await step.result
 
     def answered(self, stream: _StepStream, response) -> None:
         """A reply came: its steps' results, then the steps that waited for it go."""
@@ -176,6 +183,7 @@ class StepChannel:
                 self.broken(stream, f"refused the step stream: {refusal}", type(refusal))
             return  # else a late reply to a message given up on
         self._forget(message_id)
+        _clock_answer(message, metadata)
         _deliver(message.steps, tensors, metadata, self.peer_id)
         if message.lane is not None:
             message.lane.batching = False
@@ -211,16 +219,22 @@ class StepChannel:
             self._send_queued(lane)
 
     def _send_queued(self, lane: _Lane) -> None:
-        waiting = [step for step in lane.queue if not step.result.done()]
-        taken, tokens = 0, 0
-        for step in waiting:  # the first always goes
-            tokens += step.tokens
-            if taken and tokens > MULTIPLEX_MAX_TOKENS:
-                break
-            taken += 1
-        lane.queue = waiting[taken:]
+        waiting, sending = [], now()
+        for step in lane.queue:
+            if sending - step.queued > step.timeout:
+                _fail(step, ServerUnavailableError(f"server {self.peer_id} did not answer in time ({step.blocks})"))
+            elif not step.result.done():  # else its session gave up waiting
+                waiting.append(step)
+        taken, left, tokens = [], [], 0
+        for step in waiting:  # the oldest always goes, and the steps of its group that fit beside it
+            if taken and (step.group != taken[0].group or tokens + step.tokens > MULTIPLEX_MAX_TOKENS):
+                left.append(step)
+            else:
+                taken.append(step)
+                tokens += step.tokens
+        lane.queue = left
         if taken:
-            self._send(waiting[:taken], lane=lane)
+            self._send(taken, lane=lane)
 
     def _send(self, steps: list[_Step], lane: Optional[_Lane], message_id: Optional[int] = None,
               message=None) -> None:
@@ -233,7 +247,11 @@ class StepChannel:
         self._stream.send(message)
         deadline = max(step.timeout for step in steps) + EXPIRY_SLACK
         expiry = asyncio.get_running_loop().call_later(deadline, self._expired, message_id)
-        self._messages[message_id] = _Message(self._stream, steps, expiry, lane)
+        sent = now()
+        self._messages[message_id] = _Message(self._stream, steps, expiry, lane, sent)
+        blocks = _blocks_of(steps[0])
+        for step in steps:
+            CLOCK.add("hop_queue", sent - step.queued, blocks=blocks)
         if lane is not None:
             lane.batching = True
         self.messages_sent += 1
@@ -272,22 +290,46 @@ def _pack(steps: list[_Step], message_id: int):
     return pack(stacked(sent), {"message_id": message_id, "steps": entries})
 
 
+def _blocks_of(step: _Step) -> str:
+    return step.blocks.removeprefix("blocks ")
+
+
+def _clock_answer(message: _Message, metadata: dict) -> None:
+    """The message's round trip, and what the server says it spent of it: the rest is the transport's (both
+    ends' libp2p daemons, the framing, the sockets)."""
+    round_trip, steps, blocks = now() - message.sent, len(message.steps), _blocks_of(message.steps[0])
+    CLOCK.add("hop_round_trip", round_trip, steps, blocks)
+    timings = metadata.get("timings")
+    CLOCK.add_server_timings(timings, blocks, steps)
+    compute = timings.get("compute") if isinstance(timings, dict) else None
+    if isinstance(compute, float) and 0.0 <= compute <= round_trip:  # once per message: a server's busy time
+        CLOCK.add("server_busy", compute, 1, blocks)
+    total = timings.get("total") if isinstance(timings, dict) else None
+    if isinstance(total, float) and 0.0 <= total <= round_trip:
+        CLOCK.add("hop_transport", round_trip - total, steps, blocks)
+
+
 def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, peer_id: str) -> None:
     """A reply's outputs and errors to its steps, in order: the outputs of the steps that succeeded come stacked
     in one tensor."""
     errors = _step_errors(metadata, len(steps), peer_id)
     try:
-        outputs = iter(unstacked(tensors, [step.shape for step, error in zip(steps, errors) if not error]))
+        outputs = unstacked(tensors, [step.shape for step, error in zip(steps, errors) if not error])
     except SwarmError as error:
         reason = f"server {peer_id} answered with outputs that are not its steps' ({error})"
-        outputs, errors = None, [MalformedOutputsError(reason) for _ in steps]
+        outputs, errors = [], [MalformedOutputsError(reason) for _ in steps]
+    if outputs and not torch.isfinite(tensors[0]).all():  # once per message; which steps, only when it fails
+        outputs = [output if torch.isfinite(output).all() else MalformedOutputsError(
+            f"server {peer_id} answered with outputs that are not finite") for output in outputs]
+    outputs = iter(outputs)
     results = metadata.get("results")
     results = results if isinstance(results, list) and len(results) == len(steps) else [{}] * len(steps)
     for step, error, result in zip(steps, errors, results):
         if error is not None:
             _fail(step, error)
+        elif isinstance(output := next(outputs), MalformedOutputsError):
+            _fail(step, output)
         else:
-            output = next(outputs)
             if step.hidden is None:  # a flowing step: with what its server says its push carried
                 output = (output, result.get("pushed"))
             if not step.result.done():  # else its session gave up waiting

@@ -29,13 +29,15 @@ logger = logging.getLogger(__name__)
 _DRAINING: set[asyncio.Task] = set()
 
 
-def checked_outputs(output: torch.Tensor, hidden: torch.Tensor, peer_id: str, blocks: str) -> torch.Tensor:
-    """`output` if it can be a hop's outputs for `hidden`, else MalformedOutputsError."""
+def checked_outputs(output: torch.Tensor, hidden: torch.Tensor, peer_id: str, blocks: str,
+                    finite: bool = False) -> torch.Tensor:
+    """`output` if it can be a hop's outputs for `hidden`, else MalformedOutputsError. `finite`: checked already
+    (a step channel checks a whole message's outputs at once)."""
     if output.shape != hidden.shape or output.dtype != hidden.dtype:
         raise MalformedOutputsError(
             f"server {peer_id} answered inputs of shape {tuple(hidden.shape)} ({hidden.dtype}) with outputs of "
             f"shape {tuple(output.shape)} ({output.dtype}) ({blocks})")
-    if not torch.isfinite(output).all():
+    if not finite and not torch.isfinite(output).all():
         raise MalformedOutputsError(f"server {peer_id} answered with outputs that are not finite ({blocks})")
     return output
 
@@ -109,19 +111,19 @@ class InferenceStream:
         await self._exchange(pack(metadata={"park": True}), timeout or self.timeout)
 
     async def step(self, hidden: torch.Tensor, position: int, timeout: Optional[float] = None, step_id: int = 0,
-                   push_to: Optional["InferenceStream"] = None, next_positions: int = NEXT_STEP_POSITIONS
-                   ) -> torch.Tensor:
+                   push_to: Optional["InferenceStream"] = None, next_positions: int = NEXT_STEP_POSITIONS,
+                   group: int = 0) -> torch.Tensor:
         """The outputs for these positions; a server silent for `timeout` seconds counts as failed (after a
         timeout the session must not be stepped here again: the server may have run the step, or may yet).
         With `push_to`, the server also pushes the outputs to that stream's server, which starts step `step_id`
         before the client sends it. The server computes a push of the step after this one only if it carries at
-        most `next_positions` positions (see swarm/server/sessions.py)."""
+        most `next_positions` positions (see swarm/server/sessions.py). `group`: see StepChannel.step."""
         entry = {"session_id": self.session_id, "position": position, "step_id": step_id,
                  "next_positions": next_positions}
         if push_to is not None:
             entry["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
         channel = self.channels.get(self.peer_id)
-        return await channel.step(hidden, entry, timeout or self.timeout, f"blocks {self.start}:{self.end}")
+        return await channel.step(hidden, entry, timeout or self.timeout, f"blocks {self.start}:{self.end}", group)
 
     async def flowing_step(self, shape: tuple[int, int], position: int, push_wait: float, timeout: float,
                            step_id: int, push_to: Optional["InferenceStream"] = None,
