@@ -41,7 +41,7 @@ from gateway.engine.metrics import ABORTED_REPLIES, ENGINE_ROWS, ENGINE_STEPS, E
 from gateway.engine.sampler import sample_rows
 from gateway.engine.sequences import Sequence
 from gateway.errors import NotFound
-from swarm.client.stage_clock import CLOCK, now
+from swarm.client import stage_clock
 
 logger = logging.getLogger(__name__)
 
@@ -124,14 +124,14 @@ class EngineLoop:
             if arrived or ready:
                 self.counts.ticks += 1
                 ENGINE_TICKS.labels(self.model.name).inc()
-            began = now()
+            began = stage_clock.now()
             if arrived:
                 ready += self._sample(arrived)
-                CLOCK.add("engine_sample", now() - began, len(arrived))
+                stage_clock.CLOCK.add("engine_sample", stage_clock.now() - began, len(arrived))
             if ready:
-                sending = now()
+                sending = stage_clock.now()
                 self._send(ready)
-                CLOCK.add("engine_send", now() - sending, len(ready))
+                stage_clock.CLOCK.add("engine_send", stage_clock.now() - sending, len(ready))
             for sequence, _ in arrived:  # the tokens go to their readers once the next steps are on their way
                 sequence.publish()
         except Exception as error:  # a bug: this tick's sequences fail (never hang), the others go on
@@ -160,10 +160,10 @@ class EngineLoop:
         return ready
 
     def _take_arrivals(self) -> list[tuple[Sequence, torch.Tensor]]:
-        arrived, taken = [], now()
+        arrived, taken = [], stage_clock.now()
         while self._arrivals:
             sequence, outputs, error, came = self._arrivals.popleft()
-            CLOCK.add("engine_wake", taken - came)
+            stage_clock.CLOCK.add("engine_wake", taken - came)
             sequence.in_flight = False
             if error is not None:
                 sequence.session.broken = True  # the servers may hold some of the step or none of it
@@ -239,7 +239,7 @@ class EngineLoop:
 
     def _arrived(self, sequence: Sequence, outputs, error) -> None:
         """A step came back (on the swarm's event loop): the next tick takes it."""
-        self._arrivals.append((sequence, outputs, error, now()))
+        self._arrivals.append((sequence, outputs, error, stage_clock.now()))
         self._wake.set()
 
     # ---- ending sequences

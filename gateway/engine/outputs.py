@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from gateway.engine.stops import StopMatcher
-from swarm.client.stage_clock import CLOCK, now
+from swarm.client import stage_clock
 
 DETOKENIZER_CONTEXT = 8  # tokens of history that let the first new token decode as it would mid-text
 MERGE_BACKLOG = 16  # tokens a reader may lag behind by before it gets them as one delta
@@ -61,7 +61,7 @@ class OutputStream:
     def put(self, *tokens: Token) -> None:
         with self._ready:
             self._items.extend(tokens)
-            self._put_at = self._put_at or now()
+            self._put_at = self._put_at or stage_clock.now()
             self._ready.notify()
 
     def fail(self, error: BaseException) -> None:
@@ -82,7 +82,7 @@ class OutputStream:
             tokens = list(self._items)
             self._items.clear()
             if tokens:
-                CLOCK.add("reader_wake", now() - self._put_at)
+                stage_clock.CLOCK.add("reader_wake", stage_clock.now() - self._put_at)
                 self._put_at = 0.0
             if not tokens and self.error is not None:
                 raise self.error

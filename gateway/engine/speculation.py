@@ -55,31 +55,43 @@ def prompt_lookup(tokens: list[int], most: int, ngram: int = LOOKUP_NGRAM) -> li
 
 class StepCosts:
     """What a decode step through the swarm costs a model, by how many positions it carries: a least-squares
-    line through recent steps (seconds = base + per_position * positions). Shared by the model's requests."""
+    line through recent steps (seconds = base + per_position * positions). Shared by the model's requests.
+    The sums the line needs are kept as steps come and go, so that reading it (every tick of a drafting
+    session) costs a few additions, not a fit."""
 
     def __init__(self):
-        self._samples: deque[tuple[int, float]] = deque(maxlen=STEP_SAMPLES)
+        self._samples: deque[tuple[int, float]] = deque()
+        self._sums = [0, 0, 0.0, 0.0]  # positions, positions², seconds, positions x seconds (integers exact)
         self._lock = threading.Lock()
 
     def observed(self, positions: int, seconds: float) -> None:
         with self._lock:
             self._samples.append((positions, seconds))
+            self._add(positions, seconds, 1)
+            if len(self._samples) > STEP_SAMPLES:
+                self._add(*self._samples.popleft(), -1)
+
+    def _add(self, positions: int, seconds: float, sign: int) -> None:
+        sums = self._sums
+        sums[0] += sign * positions
+        sums[1] += sign * positions * positions
+        sums[2] += sign * seconds
+        sums[3] += sign * positions * seconds
 
     def line(self) -> Optional[tuple[float, float]]:
         """(base, per_position), or None before any step. Until steps of two sizes are seen, a position is taken
         to cost a tenth of a one-position step: optimistic, so that drafts are tried and then measured."""
         with self._lock:
-            samples = list(self._samples)
-        if not samples:
+            count, (positions, squares, seconds, products) = len(self._samples), self._sums
+        if not count:
             return None
-        positions = np.array([count for count, _ in samples], dtype=np.float64)
-        seconds = np.array([took for _, took in samples], dtype=np.float64)
-        if np.ptp(positions) == 0:
-            per_position = float(seconds.mean() / positions[0]) * 0.1
-            return float(seconds.mean()) - per_position * positions[0], per_position
-        per_position, base = np.polyfit(positions, seconds, 1)
-        per_position = max(float(per_position), 0.0)
-        return max(float(seconds.mean() - per_position * positions.mean()), 1e-6), per_position
+        spread = count * squares - positions * positions  # count² x the variance of positions: 0 if all alike
+        mean_positions, mean_seconds = positions / count, seconds / count
+        if spread == 0:
+            per_position = mean_seconds / mean_positions * 0.1
+            return mean_seconds - per_position * mean_positions, per_position
+        per_position = max((count * products - positions * seconds) / spread, 0.0)
+        return max(mean_seconds - per_position * mean_positions, 1e-6), per_position
 
 
 class Pacing:

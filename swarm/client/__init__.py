@@ -46,7 +46,8 @@ _EXPORTS = {
     "IncrementalDetokenizer": "swarm.client.decoding",
     "resolve_model": "swarm.weights",  # a model's local folder (a known name converted once): a gateway's draft model
 }
-_MODULES = {"decoding"}  # logits -> token, as the gateway's sampling builds on them
+# logits -> token, as the gateway's sampling builds on them; where steps' time goes, which the engine adds to
+_MODULES = {"decoding", "stage_clock"}
 __all__ = [*_EXPORTS, *_MODULES, "metrics"]
 
 

@@ -120,7 +120,7 @@ class Stream:
         self.pushed: asyncio.Future = None
         self.name = f"server{index}"
 
-    async def step(self, hidden, position, timeout, step_id, push_to, next_positions):
+    async def step(self, hidden, position, timeout, step_id, push_to, next_positions, group=0):
         self.calls.append(("step", hidden.shape[1]))
         return await self._computed(hidden, push_to)
 

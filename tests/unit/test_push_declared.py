@@ -147,7 +147,7 @@ def test_a_client_declares_its_next_step_and_asks_no_server_for_a_push_the_next_
         def __init__(self, name):
             self.name, self.calls = name, []
 
-        async def step(self, hidden, position, timeout, step_id, push_to, next_positions):
+        async def step(self, hidden, position, timeout, step_id, push_to, next_positions, group=0):
             self.calls.append((hidden.shape[1], push_to.name if push_to else None, next_positions))
             return hidden.clone()
 
