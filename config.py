@@ -10,6 +10,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
     ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
     FLOWING_STEPS     1 (default): a client's step goes to every server of its chain at once, its inputs only to
                       the first, and flows down by the servers' pushes; 0: it returns to the client between hops
+    PUSHED_STEPS      unset (default): a relayed step's server pushes its outputs on to the next server only where
+                      that one is 1 ms or more from the client; 1: always; 0: never (flowing steps always push)
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     BLOCK_WAIT_SECONDS  how long the gateway's sessions and requests wait when no server holds some of their blocks
                       (servers restarting, a replica reloading) before they fail (default 30; 0: at once)
@@ -69,6 +71,13 @@ def flowing_steps(environ: Mapping[str, str] = os.environ) -> bool | None:
     """FLOWING_STEPS: a client's steps flow down its chain by the servers' pushes always (1), never (0: they return
     to the client between hops), or, unset, where its round trips make it pay (None); see swarm/client/flowing.py."""
     return {"1": True, "0": False}.get(environ.get("FLOWING_STEPS", "").strip())
+
+
+def pushed_steps(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """PUSHED_STEPS: whether a relayed step's server pushes its outputs on to the next server of the chain, which
+    then computes them before the client relays them: always (1), never (0), or, unset, where that next server is
+    far enough from the client for the relay to cost more than a push (None); see swarm/client/hops.py."""
+    return {"1": True, "0": False}.get(environ.get("PUSHED_STEPS", "").strip())
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:

@@ -4,6 +4,7 @@ hop was told (swarm/client/flowing.py)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -17,6 +18,19 @@ from swarm.client.stubs import InferenceStream
 # inputs itself; an answer that comes after all still counts, see flowing.py), and never before MIN_FLOW_GRACE
 # seconds: a loaded machine's scheduling jitter
 FLOW_GRACE_LAGS, MIN_FLOW_GRACE = 4.0, 0.05
+
+
+# below this round trip from the client to a server, a relayed step does not ask the server before it to push its
+# outputs there (PUSHED_STEPS unset): the relay costs about that round trip, and a push costs both servers a message
+# each; on one machine (tiny model, two servers, 2 cores) pushing took one session from 1.8-1.9 to 2.2-3.2 ms a token
+PUSH_MIN_ROUND_TRIP = 0.001
+
+
+def pushing_by_default() -> Optional[bool]:
+    """The PUSHED_STEPS setting: relayed steps push always (True), never (False), or where it pays (None)."""
+    from config import pushed_steps
+
+    return pushed_steps()
 
 
 class Hop:
@@ -56,6 +70,14 @@ class Hop:
             self._length = position
         self._chunks.append(hidden)
         self._length += hidden.shape[1]
+
+    def takes_pushes(self, positions: int, pushing: Optional[bool], load) -> bool:
+        """Whether the server before it should push it a step of `positions` positions: within what its server was
+        told to compute, and `pushing` (None: where its round trip from the client, as `load` (peers.PeerLoad)
+        measured it, unmeasured counting as far, makes relaying its inputs cost more than a push)."""
+        if positions > self.declared or pushing is False:
+            return False
+        return pushing or load.round_trips().get(self.link.peer_id, math.inf) >= PUSH_MIN_ROUND_TRIP
 
     def flowed(self, lag: float) -> None:
         """Its flowing answer came `lag` seconds after the previous hop's outputs (an exponential moving average;

@@ -11,7 +11,7 @@ import torch
 
 from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway.engine.generation import Engine, GenerationRequest
-from gateway.engine.loop import EngineLoop
+from gateway.engine.loop import EngineLoop, Pipeline
 from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import SamplingParams
 from gateway.engine.sequences import Sequence
@@ -233,3 +233,20 @@ def test_a_reader_that_lags_gets_the_waiting_tokens_as_one_delta(remote, waiting
     got = list(reader.deltas())
     assert len(got) == deltas and sum(delta.token_count for delta in got) == waiting
     assert "".join(delta.text for delta in got) == remote.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("count, pipeline, groups", [
+    (16, Pipeline(), [0, 1]),  # many sessions on chains of two servers: a group per server
+    (4, Pipeline(), [0]),  # a few sessions: servers are not the bottleneck, one group (nobody waits for a group)
+    (16, Pipeline(groups=1), [0]),  # PIPELINE_GROUPS=1: every session in step
+    (16, Pipeline(groups=4, min_sessions=2), [0, 1, 2, 3]),
+])
+def test_past_its_threshold_the_loop_sends_sessions_in_a_group_per_server(engine, count, pipeline, groups):
+    batch = sequences(engine, count)
+    for sequence in batch:
+        sequence.session.inference.servers = 2
+    run_together(EngineLoop(engine.model("tiny"), 0, pipeline), batch)
+    assigned = [sequence.session.inference.group for sequence in batch]
+    assert sorted(set(assigned)) == groups
+    assert all(assigned.count(group) in (count // len(groups), count // len(groups) + 1) for group in groups)
+    assert all(len(sequence.generated) == TOKENS for sequence in batch)

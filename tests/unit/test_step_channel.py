@@ -50,10 +50,10 @@ def channel(monkeypatch):
     return stubs.StepChannel(p2p=None, peer_id="QmServer", connect_timeout=1.0)
 
 
-def step(channel, session: str, positions: int = 1, timeout: float = 5.0):
+def step(channel, session: str, positions: int = 1, timeout: float = 5.0, group: int = 0):
     hidden = torch.full((1, positions, HIDDEN), float(len(session)))
     entry = {"session_id": session, "position": 0, "step_id": 1}
-    return asyncio.ensure_future(channel.step(hidden, entry, timeout, "blocks 0:2"))
+    return asyncio.ensure_future(channel.step(hidden, entry, timeout, "blocks 0:2", group))
 
 
 async def settle():
@@ -211,3 +211,86 @@ def test_short_steps_of_too_many_tokens_for_one_message_go_in_the_next(channel):
         await asyncio.gather(*waiting)
 
     asyncio.run(scenario())
+
+
+def test_a_message_carries_one_group_and_the_next_group_goes_when_it_is_answered(channel):
+    """The engine loop's pipeline: groups reach a server one after the other, so that while this server computes
+    one group the next server of the chain computes the group before."""
+
+    async def scenario():
+        steps = [step(channel, name, group=index % 2) for index, name in enumerate(("a", "bb", "ccc", "dddd"))]
+        await settle()
+        stream = opened[0]
+        assert [sessions for _, sessions, _ in stream.sent] == [["a", "ccc"]]  # group 0 at once, group 1 waits
+        stream.answer(0)
+        await settle()
+        assert [sessions for _, sessions, _ in stream.sent] == [["a", "ccc"], ["bb", "dddd"]]
+        later = step(channel, "eeeee", group=0)  # group 0's next step waits for group 1's message
+        await settle()
+        assert len(stream.sent) == 2
+        stream.answer(1)
+        await settle()
+        assert [sessions for _, sessions, _ in stream.sent][-1] == ["eeeee"]
+        stream.answer(2)
+        assert [float((await done)[0, 0, 0]) for done in (*steps, later)] == [2.0, 4.0, 6.0, 8.0, 10.0]
+
+    asyncio.run(scenario())
+
+
+def test_a_step_costs_no_timer_of_its_own_and_a_message_one(channel):
+    """What a message of many steps costs the event loop: one expiry timer for the message, none per step (a timer
+    per step and hop cost more than the step itself), and no task beside the caller's."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        timers, tasks = [], []
+        call_later, create_task = loop.call_later, loop.create_task
+        loop.call_later = lambda *args, **kwargs: timers.append(args) or call_later(*args, **kwargs)
+        loop.create_task = lambda *args, **kwargs: tasks.append(args) or create_task(*args, **kwargs)
+        steps = [asyncio.ensure_future(channel.step(torch.ones(1, 1, HIDDEN), {"session_id": str(index)}, 5.0,
+                                                    "blocks 0:2")) for index in range(64)]
+        created = len(tasks)  # the callers' own 64
+        await settle()
+        opened[0].answer(0)
+        await asyncio.gather(*steps)
+        assert (len(timers), len(tasks) - created, channel.messages_sent) == (1, 0, 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_reply_adds_its_round_trip_and_the_servers_timings_to_the_stage_clock(channel, monkeypatch):
+    from swarm.client import stage_clock
+
+    clock = stage_clock.StageClock()
+    monkeypatch.setattr(stubs, "CLOCK", clock)
+
+    async def scenario():
+        first, second = step(channel, "a"), step(channel, "bb")
+        await settle()
+        message_id, sessions, tensors = opened[0].sent[0]
+        await asyncio.sleep(0.002)  # the server's time, within the round trip the client sees
+        timings = {"decode": 0.0001, "queue": 0.0002, "compute": 0.0003, "reply": 0.0001, "total": 0.0007}
+        outputs = stacked([tensor * 2 for tensor in tensors])
+        channel.answered(opened[0], reply(outputs, {"message_id": message_id, "results": [{}, {}],
+                                                    "timings": timings}))
+        await first, await second
+
+    asyncio.run(scenario())
+    seconds = {stage: total for (stage, blocks), (total, _) in clock.snapshot().items()}
+    events = {stage: count for (stage, blocks), (_, count) in clock.snapshot().items()}
+    assert {blocks for stage, blocks in clock.snapshot()} == {"0:2"}
+    assert events["hop_queue"] == events["hop_round_trip"] == events["server_compute"] == 2  # per step
+    assert events["server_busy"] == 1  # per message: the server's time computing
+    assert seconds["server_compute"] == pytest.approx(2 * 0.0003) and seconds["server_busy"] == pytest.approx(0.0003)
+    assert seconds["hop_transport"] == pytest.approx(seconds["hop_round_trip"] - 2 * 0.0007)
+
+
+def test_the_stage_clock_ignores_timings_a_server_made_up():
+    from swarm.client.stage_clock import StageClock
+
+    clock = StageClock()
+    for timings in (None, [], {"compute": "1"}, {"compute": -1.0}, {"compute": 1e9}, {"elsewhere": 0.1}, {"total": 1}):
+        clock.add_server_timings(timings, "0:2", 1)
+    assert clock.snapshot() == {}
+    clock.add_server_timings({"compute": 0.25}, "0:2", 4)
+    assert clock.snapshot() == {("server_compute", "0:2"): (1.0, 4)}
