@@ -97,9 +97,9 @@ class PackedBatch:
         (1, tokens, heads * head_dim): the new keys/values go to the pool, each query sees its own past. With
         `softcap`, the scores are capped (tanh(scores / softcap) * softcap) before the mask and softmax."""
         queries, keys, values = queries[0], keys[0], values[0]
-        pool_keys, pool_values = self.pool.layer(self.first_layer + index) if self.pool is not None else (None, None)
-        attend = (lambda group: self._attend_group(group, queries, keys, values, pool_keys, pool_values, window,
-                                                   scale, softcap))
+        layer = self.first_layer + index
+        pool = (*self.pool.layer(layer), *self.pool.paged_layer(layer)) if self.pool is not None else None
+        attend = (lambda group: self._attend_group(group, queries, keys, values, pool, window, scale, softcap))
         if len(self.groups) == 1 and self.groups[0].uniform:  # no reordering to do
             return attend(self.groups[0])[None]
         output = queries.new_empty(queries.shape[0], queries.shape[1] * queries.shape[2])  # (tokens, heads*dim)
@@ -108,22 +108,26 @@ class PackedBatch:
         return output[None]
 
     @staticmethod
-    def _attend_group(group: Group, queries, keys, values, pool_keys, pool_values, window, scale,
+    def _attend_group(group: Group, queries, keys, values, pool: Optional[tuple], window, scale,
                       softcap) -> torch.Tensor:
-        """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination."""
+        """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination.
+        `pool`: the layer's keys and values in the pool by slot, then by page (see KVPool.paged_layer)."""
         if group.from_pool:
+            pool_keys, pool_values, paged_keys, paged_values = pool
             new_keys, new_values = (keys, values) if group.uniform else \
                 (keys.index_select(0, group.destination), values.index_select(0, group.destination))
             pool_keys.index_copy_(0, group.write_slots, new_keys)
             pool_values.index_copy_(0, group.write_slots, new_values)
-        key_source, value_source = (pool_keys, pool_values) if group.from_pool else (keys, values)
+            gathered_keys, gathered_values = _gather_pages(paged_keys, group), _gather_pages(paged_values, group)
+        else:
+            gathered_keys, gathered_values = _gather(keys, group.key_index), _gather(values, group.key_index)
         attention = F.scaled_dot_product_attention if softcap is None else partial(softcapped_attention,
                                                                                   softcap=softcap)
         attended = attention(
             queries.unflatten(0, group.query_tokens.shape).transpose(1, 2) if group.uniform else
             _gather(queries, group.query_tokens),
-            _gather(key_source, group.key_index, group.from_pool),  # (n, kv_heads, keys, head_dim)
-            _gather(value_source, group.key_index, group.from_pool),  # queries: (n, heads, queries, head_dim)
+            gathered_keys,  # (n, kv_heads, keys, head_dim)
+            gathered_values,  # queries: (n, heads, queries, head_dim)
             attn_mask=group.masks[window],
             scale=scale,
             enable_gqa=True,
@@ -147,15 +151,17 @@ def softcapped_attention(queries, keys, values, attn_mask: torch.Tensor, scale: 
     return torch.matmul(weights, values[:, :, None]).flatten(1, 2)  # (n, heads, queries, head_dim)
 
 
-def _gather(rows: torch.Tensor, index: torch.Tensor, pages: bool = False) -> torch.Tensor:
-    """rows (tokens or slots, heads, head_dim) picked by index (n, length) -> (n, heads, length, head_dim); with
-    `pages`, the index picks whole pages of PAGE_TOKENS slots: (n, pages) -> (n, heads, pages * PAGE_TOKENS,
-    head_dim), a few long copies rather than many short ones. index_select, not advanced indexing: on a CPU it
-    is several times faster for these shapes."""
-    if pages:
-        rows = rows.unflatten(0, (-1, PAGE_TOKENS))  # (pages, PAGE_TOKENS, heads, head_dim)
-    picked = rows.index_select(0, index.flatten()).unflatten(0, index.shape)
-    return (picked.flatten(1, 2) if pages else picked).transpose(1, 2)
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows (tokens or slots, heads, head_dim) picked by index (n, length) -> (n, heads, length, head_dim).
+    index_select, not advanced indexing: on a CPU it is several times faster for these shapes."""
+    return rows.index_select(0, index.flatten()).unflatten(0, index.shape).transpose(1, 2)
+
+
+def _gather_pages(pages: torch.Tensor, group: Group) -> torch.Tensor:
+    """Whole pages (pages, PAGE_TOKENS, heads, head_dim) picked by the group's page table (n, pages) -> (n, heads,
+    pages * PAGE_TOKENS, head_dim): a few long copies rather than many short ones."""
+    picked = pages.index_select(0, group.key_index.reshape(-1))  # (n * pages, PAGE_TOKENS, heads, head_dim)
+    return picked.view(group.key_index.shape[0], -1, *pages.shape[2:]).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------- built once per round
@@ -193,10 +199,34 @@ def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> 
         segment = sequence[0]
         kind = "cacheless" if segment.cache is None else "decode" if segment.length == 1 else "prefill"
         kinds[kind].append(sequence)
-    groups = [_group(sequences, kind != "cacheless", pool, device) for kind, sequences in kinds.items() if sequences]
-    if len(groups) == 1 and kinds["decode"]:  # sequence i is packed token i
-        groups[0].uniform = True
-    return groups
+    if kinds["decode"] and not kinds["prefill"] and not kinds["cacheless"]:  # sequence i is packed token i
+        return [_decode_group(kinds["decode"], pool, device)]
+    return [_group(sequences, kind != "cacheless", pool, device) for kind, sequences in kinds.items() if sequences]
+
+
+def _decode_group(sequences: list, pool: KVPool, device) -> Group:
+    """A round of decode steps only: _group's tensors for one new query per sequence, worked out on Python ints
+    and made in five small tensor calls (_group's general form issues some forty: on a round of one session,
+    that is most of the round's fixed cost)."""
+    starts = [segment.position for segment, _, _ in sequences]
+    tables = [segment.cache.tables[row][: pages_for(segment.position + 1)] for segment, row, _ in sequences]
+    pages = pages_for(max(starts) + 1)
+    slots = [table[start // PAGE_TOKENS] * PAGE_TOKENS + start % PAGE_TOKENS for table, start in zip(tables, starts)]
+    tokens = torch.arange(len(sequences), device=device)  # sequence i is packed token i
+    query_positions = torch.tensor(starts, device=device)[:, None]  # (n, 1)
+    key_positions = torch.arange(pages * PAGE_TOKENS, device=device)
+    return Group(
+        from_pool=True,
+        query_tokens=tokens[:, None],
+        key_index=pool.page_table(tables, pages).to(device),
+        query_positions=query_positions,
+        key_positions=key_positions,
+        key_valid=key_positions[None, :] <= query_positions,  # (n, keys): its past and its new key
+        real_queries=None,
+        destination=tokens,
+        write_slots=torch.tensor(slots, device=device),
+        uniform=True,
+    )
 
 
 def _group(sequences: list, from_pool: bool, pool: Optional[KVPool], device) -> Group:

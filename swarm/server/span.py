@@ -170,7 +170,7 @@ class BlockSpan(nn.Module):
     def forward_batch(self, hidden: torch.Tensor, batch: PackedBatch, start: int, end: int) -> torch.Tensor:
         """A built batch's packed tokens (1, tokens, hidden), on the span's device, through blocks [start, end):
         the eager path's forward, and what decode graphs capture."""
-        layers = self.layers[start - self.start : end - self.start]
+        layers = list(self.layers)[start - self.start : end - self.start]  # slicing a ModuleList builds a module
         self.family.batch_inputs(self.position_state, hidden, batch)
         batch.build_masks({layer.attention_window for layer in layers}, self.dtype)
         with applied(batch.adapter_tokens, batch.positions):
@@ -218,7 +218,7 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
             quantize_linears(layer, quantization, dtype)
             layer.to(device)  # bitsandbytes quantizes the weights as they move to the device
         layer.attention_window = family.sliding_window(config, index)
-        layers.append(layer.eval())
+        layers.append(layer.eval().requires_grad_(False))  # served, never trained: no autograd state anywhere
     kept_prefixes = tuple(family.layer_key.format(index) for index in kept if start <= index < end)
     kept_names = [name for name in (reuse.loaded_names if reuse else []) if name.startswith(kept_prefixes)] \
         if kept_prefixes else []
