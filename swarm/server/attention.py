@@ -199,43 +199,58 @@ def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> 
         segment = sequence[0]
         kind = "cacheless" if segment.cache is None else "decode" if segment.length == 1 else "prefill"
         kinds[kind].append(sequence)
-    if kinds["decode"] and not kinds["prefill"] and not kinds["cacheless"]:  # sequence i is packed token i
-        return [_decode_group(kinds["decode"], pool, device)]
-    return [_group(sequences, kind != "cacheless", pool, device) for kind, sequences in kinds.items() if sequences]
+    groups = [_pool_group(sequences, pool, device) if kind != "cacheless" else _cacheless_group(sequences, device)
+              for kind, sequences in kinds.items() if sequences]
+    if len(groups) == 1 and kinds["decode"]:  # sequence i is packed token i
+        groups[0].uniform = True
+    return groups
 
 
-def _decode_group(sequences: list, pool: KVPool, device) -> Group:
-    """A round of decode steps only: _group's tensors for one new query per sequence, worked out on Python ints
-    and made in five small tensor calls (_group's general form issues some forty: on a round of one session,
-    that is most of the round's fixed cost)."""
+def _pool_group(sequences: list, pool: KVPool, device) -> Group:
+    """Sequences whose keys are in the pool (decode steps, or prefill chunks and verify steps): which packed token
+    each query is, which slot its keys go to, worked out on Python ints and made in a handful of tensor calls
+    (as tensor arithmetic, some forty calls: on a round of one session, most of the round's fixed cost)."""
+    lengths = [segment.length for segment, _, _ in sequences]
     starts = [segment.position for segment, _, _ in sequences]
-    tables = [segment.cache.tables[row][: pages_for(segment.position + 1)] for segment, row, _ in sequences]
-    pages = pages_for(max(starts) + 1)
-    slots = [table[start // PAGE_TOKENS] * PAGE_TOKENS + start % PAGE_TOKENS for table, start in zip(tables, starts)]
-    tokens = torch.arange(len(sequences), device=device)  # sequence i is packed token i
-    query_positions = torch.tensor(starts, device=device)[:, None]  # (n, 1)
+    firsts = [first for _, _, first in sequences]
+    queries = max(lengths)
+    # every sequence's page table (its pages past its length: the zero page); positions past a sequence's length
+    # within its last page are masked, and hold zeros or an earlier session's finite values
+    tables = [segment.cache.tables[row][: pages_for(segment.position + segment.length)]
+              for segment, row, _ in sequences]
+    pages = pages_for(max(start + length for start, length in zip(starts, lengths)))
+    real = [(index, offset) for index, length in enumerate(lengths) for offset in range(length)]
+    positions = [starts[index] + offset for index, offset in real]
+    slots = [tables[index][position // PAGE_TOKENS] * PAGE_TOKENS + position % PAGE_TOKENS
+             for (index, _), position in zip(real, positions)]
+    destination = [firsts[index] + offset for index, offset in real]
+    padded = len(real) < len(sequences) * queries
+    query_tokens = [[first + offset if offset < length else 0 for offset in range(queries)]
+                    for first, length in zip(firsts, lengths)] if padded else None
     key_positions = torch.arange(pages * PAGE_TOKENS, device=device)
+    ends = torch.tensor([start + length for start, length in zip(starts, lengths)], device=device)
+    destination = torch.tensor(destination, device=device)
     return Group(
         from_pool=True,
-        query_tokens=tokens[:, None],
+        query_tokens=torch.tensor(query_tokens, device=device) if padded else destination.view(len(sequences), -1),
         key_index=pool.page_table(tables, pages).to(device),
-        query_positions=query_positions,
+        query_positions=torch.tensor([[start + offset for offset in range(queries)] for start in starts],
+                                     device=device),  # (n, queries), padding queries' positions included
         key_positions=key_positions,
-        key_valid=key_positions[None, :] <= query_positions,  # (n, keys): its past and its new key
-        real_queries=None,
-        destination=tokens,
+        key_valid=key_positions[None, :] < ends[:, None],  # (n, keys)
+        real_queries=torch.tensor([index * queries + offset for index, offset in real], device=device)
+        if padded else None,
+        destination=destination,
         write_slots=torch.tensor(slots, device=device),
-        uniform=True,
     )
 
 
-def _group(sequences: list, from_pool: bool, pool: Optional[KVPool], device) -> Group:
+def _cacheless_group(sequences: list, device) -> Group:
+    """Sequences with no cache, from position 0: their keys are their own new tokens."""
     lengths = torch.tensor([segment.length for segment, _, _ in sequences])
     starts = torch.tensor([segment.position for segment, _, _ in sequences])
     firsts = torch.tensor([first for _, _, first in sequences])
     max_queries, max_keys = int(lengths.max()), int((starts + lengths).max())
-    if from_pool:  # keys come a whole page at a time
-        max_keys = pages_for(max_keys) * PAGE_TOKENS
     offsets = torch.arange(max_queries)
     query_valid = offsets[None, :] < lengths[:, None]  # (n, queries)
     query_tokens = torch.where(query_valid, firsts[:, None] + offsets, 0)
@@ -243,28 +258,16 @@ def _group(sequences: list, from_pool: bool, pool: Optional[KVPool], device) -> 
     key_positions = torch.arange(max_keys)
     key_valid = key_positions[None, :] < (starts + lengths)[:, None]  # (n, keys)
     flat_valid = query_valid.flatten()
-    write_slots = None
-    if from_pool:
-        # every sequence's page table (its pages past its length: the zero page); positions past a sequence's
-        # length within its last page are masked, and hold zeros or an earlier session's finite values
-        tables = [segment.cache.tables[row][: pages_for(segment.position + segment.length)]
-                  for segment, row, _ in sequences]
-        key_index = pool.page_table(tables, max_keys // PAGE_TOKENS)  # (n, pages)
-        written = key_index.gather(1, query_positions.clamp(max=max_keys - 1) // PAGE_TOKENS) * PAGE_TOKENS \
-            + query_positions % PAGE_TOKENS  # (n, queries): the slot each new token's keys/values go to
-        write_slots = written.flatten()[flat_valid].to(device)
-    else:  # a cache-less sequence starts at position 0: its keys are its own new tokens
-        key_index = torch.where(key_valid, firsts[:, None] + key_positions, 0)
     return Group(
-        from_pool=from_pool,
+        from_pool=False,
         query_tokens=query_tokens.to(device),
-        key_index=key_index.to(device),
+        key_index=torch.where(key_valid, firsts[:, None] + key_positions, 0).to(device),
         query_positions=query_positions.to(device),
         key_positions=key_positions.to(device),
         key_valid=key_valid.to(device),
         real_queries=None if bool(flat_valid.all()) else flat_valid.nonzero().flatten().to(device),
         destination=query_tokens.flatten()[flat_valid].to(device),
-        write_slots=write_slots,
+        write_slots=None,
     )
 
 

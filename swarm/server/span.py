@@ -51,6 +51,7 @@ class BlockSpan(nn.Module):
                  dtype: torch.dtype = torch.float32, quantization: Optional[str] = None):
         super().__init__()
         self.config, self.start, self.end, self.family = config, start, end, family
+        self._device: Optional[torch.device] = None  # of its layers, which load_span placed before
         self.dtype = dtype  # of the hidden states and the cache (quantized weights are stored in fewer bits)
         self.quantization = quantization
         self.layers = nn.ModuleList(layers)
@@ -63,7 +64,9 @@ class BlockSpan(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.layers[0].parameters()).device
+        if self._device is None:  # once: walking a module's parameters costs more than a round's packing
+            self._device = next(self.layers[0].parameters()).device
+        return self._device
 
     def weight_bytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in [*self.parameters(), *self.buffers()])
