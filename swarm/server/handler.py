@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import AsyncIterator, Collection, Optional
 
 from hivemind.p2p import P2PContext, PeerID
@@ -34,6 +35,7 @@ from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.fields import is_int
+from swarm.server.timings import timed_message
 from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, inputs_digest, misshapen_hidden, reply,
                         split_parts, stacked, unpack, unpack_metadata, unstacked)
 
@@ -201,21 +203,22 @@ class BlockHandler(BlockRPC):
                                   replies: asyncio.Queue) -> None:
         running: set[asyncio.Task] = set()
 
-        async def answer(request):
+        async def answer(request, arrived: float):
             try:
-                replies.put_nowait((await self._reply_to_step_message(request, peer_id), True))
+                replies.put_nowait((await self._reply_to_step_message(request, peer_id, arrived), True))
             except Exception as error:  # a bug here must cost one message, never the stream
                 replies.put_nowait((error_reply(error), True))
 
         try:
             async for request in requests:
+                arrived = time.perf_counter()
                 if not await slots.take(STALLED_STREAM_SECONDS):  # none free: not read on until a reply goes out
                     stalled = ServerLimitError(f"peer {peer_id} read none of its replies for "
                                                f"{STALLED_STREAM_SECONDS:.0f} s: this server ends the step stream")
                     replies.put_nowait((error_reply(stalled), False))
                     await _linger(requests)  # unanswered, until the peer ends its side (it may have hung up)
                     return
-                task = asyncio.ensure_future(answer(request))
+                task = asyncio.ensure_future(answer(request, arrived))
                 running.add(task)
                 task.add_done_callback(running.discard)
             await asyncio.gather(*running)
@@ -224,8 +227,10 @@ class BlockHandler(BlockRPC):
                 task.cancel()
             replies.put_nowait(None)
 
-    async def _reply_to_step_message(self, request, peer_id: str):
-        """One message's steps, run as one batch; the reply, and the outputs pushed on to the next servers."""
+    async def _reply_to_step_message(self, request, peer_id: str, arrived: Optional[float] = None):
+        """One message's steps, run as one batch; the reply (with what the message cost here: timings.py), and
+        the outputs pushed on to the next servers. Run in a task of its own (its timings are the task's)."""
+        timings = timed_message(arrived if arrived is not None else time.perf_counter())
         message_id = None
         try:
             metadata = unpack_metadata(request, self._max_metadata_bytes())
@@ -239,6 +244,7 @@ class BlockHandler(BlockRPC):
         self.counters["step_messages"] += 1
         self.counters["steps_received"] += len(entries)
         results, items = self._sessions_of(entries, steps, peer_id)
+        timings.mark_decoded()
         outputs = await self.backend.run_steps([(session, step, entry) for _, session, step, entry, _ in items])
         pushes, answers = [], [{} for _ in results]
         for (index, session, _, entry, push_to), output in zip(items, outputs):
@@ -251,8 +257,8 @@ class BlockHandler(BlockRPC):
         self.pusher.push(pushes)
         answers = [wire_error(result) if isinstance(result, BaseException) else answer
                    for result, answer in zip(results, answers)]
-        return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
-                     {"message_id": message_id, "results": answers})
+        tensors = stacked([result for result in results if not isinstance(result, BaseException)])
+        return reply(tensors, {"message_id": message_id, "results": answers, "timings": timings.wire()})
 
     def _sessions_of(self, entries: list, steps: list, peer_id: str) -> tuple[list, list]:
         """Each step's refusal where it has one (else None), and (index, session, hidden, entry, push target) of
