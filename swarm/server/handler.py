@@ -17,7 +17,7 @@ import logging
 import time
 from typing import AsyncIterator, Collection, Optional
 
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm.protocol import (
@@ -35,6 +35,7 @@ from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.fields import is_int
+from swarm.server.step_entries import check_flowing_shape, push_target, sent_entries, with_flowing
 from swarm.server.timings import timed_message
 from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, inputs_digest, misshapen_hidden, reply,
                         split_parts, stacked, unpack, unpack_metadata, unstacked)
@@ -238,7 +239,7 @@ class BlockHandler(BlockRPC):
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
-            steps = _with_flowing(entries, typed_steps(tensors, unstacked(tensors, _sent(entries))))
+            steps = with_flowing(entries, typed_steps(tensors, unstacked(tensors, sent_entries(entries))))
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
         self.counters["step_messages"] += 1
@@ -267,11 +268,11 @@ class BlockHandler(BlockRPC):
         for index, (entry, step) in enumerate(zip(entries, steps)):
             try:
                 session = self._own_session(entry, peer_id)
-                push_to = _push_target(entry)  # checked first: a step must not run, then be refused
+                push_to = push_target(entry)  # checked first: a step must not run, then be refused
                 if isinstance(step, SwarmError):  # refused undecoded
                     raise step
                 if step is None:  # a flowing step: its inputs come pushed (swarm/server/pushes.awaited_push)
-                    _check_flowing_shape(entry, session.batch_size)
+                    check_flowing_shape(entry, session.batch_size)
                 else:
                     check_rows(step, session.batch_size)
                 items.append((index, session, step.detach() if step is not None else None, entry, push_to))
@@ -365,39 +366,3 @@ async def _linger(requests: AsyncIterator) -> None:
 
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(drain(), REFUSAL_LINGER)
-
-
-def _flowing(entry) -> bool:
-    return isinstance(entry, dict) and entry.get("await_push") is True
-
-
-def _sent(entries: list) -> list:
-    """The entries of the steps whose inputs the message carries (a flowing step's come pushed)."""
-    return [entry for entry in entries if not _flowing(entry)]
-
-
-def _with_flowing(entries: list, sent_steps: list) -> list:
-    """Each entry's step: its inputs, or None for a flowing step."""
-    sent = iter(sent_steps)
-    return [None if _flowing(entry) else next(sent) for entry in entries]
-
-
-def _check_flowing_shape(entry: dict, batch_size: int) -> None:
-    rows, length = entry.get("rows"), entry.get("length")
-    if not (is_int(rows) and is_int(length) and length >= 1):
-        raise BadRequestError("a flowing step must say its 'rows' and 'length' (integers >= 1)")
-    if rows != batch_size:
-        raise BadRequestError(f"this session has batch size {batch_size}, got {rows}")
-
-
-def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
-    target = metadata.get("push_to")
-    if target is None:
-        return None
-    if not (isinstance(target, dict) and isinstance(target.get("peer_id"), str)
-            and isinstance(target.get("session_id"), str)):
-        raise BadRequestError("field 'push_to' must be a map with a 'peer_id' and a 'session_id'")
-    try:
-        return PeerID.from_base58(target["peer_id"]), target["session_id"]
-    except Exception:
-        raise BadRequestError(f"push_to: {target['peer_id']!r:.80} is not a peer id") from None
