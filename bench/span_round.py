@@ -29,6 +29,13 @@ A round's cost that grows with N only through its matrix products (N rows instea
 is what batching promises; per-session work (Python per segment, one attention call per session) shows as a
 ratio of 64 sessions to 1 well above what the arithmetic needs. The target, on the eager decode round: <= 3x
 on the tiny model on a CPU.
+
+Beside it, a reference (one_row_against_transformers): one row's decode round of the span against the same
+layers run by transformers itself (the model's own decoder layers built from the same folder, its rotary and
+causal mask, over its DynamicCache, at the same position), alternately, eagerly on whatever device. A round's
+fixed cost (packing, planning, masks, our attention over the page pool) is what a server adds to its layers; the
+target: one row's round <= 1.2x transformers' layers. (On a GPU the fair reference would be transformers'
+layers in one CUDA graph over a StaticCache: not written; the GPU figure is eager against eager.)
 """
 
 from __future__ import annotations
@@ -97,7 +104,9 @@ def measure_decode_rounds(folder: Path, device: str = "cpu", dtype: torch.dtype 
         rounds = Rounds(span, span.graphs, caches, lengths)
         # min_seconds of rounds per kind, as when the decode round was the only kind: each median as steady
         seconds = _alternate_rounds(rounds, sessions, kinds, (warmup, repeats), min_seconds * len(kinds))
-        return summarize_kinds(seconds, rounds, blocks, lengths, capture)
+        span.graphs = None  # the reference's comparison is with the eager round
+        reference = one_row_against_transformers(span, folder, caches[0], lengths[0], (warmup, repeats), min_seconds)
+        return {**summarize_kinds(seconds, rounds, blocks, lengths, capture), "one_row_vs_transformers": reference}
     finally:
         for cache in caches:
             cache.release()
@@ -202,6 +211,85 @@ def summarize_rounds(seconds: dict[int, list[float]], blocks: int, lengths: list
     }
 
 
+# ---------------------------------------------------------------------- the reference: transformers' own layers
+
+
+class TransformersLayers:
+    """The same blocks run by transformers itself: the model's own decoder layers (built from the same folder:
+    the same config and weights), its rotary embedding and causal mask, over its own DynamicCache, one row
+    decoding at the session's next position, eagerly, as LlamaModel.forward runs them (without the embeddings
+    and the final norm, which a span does not run either). What a span's round of one row should cost: the
+    layers' own work and no more."""
+
+    def __init__(self, folder: Path, device, dtype: torch.dtype, length: int):
+        from transformers import AutoModelForCausalLM
+        from transformers.cache_utils import DynamicCache
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.model, self.inner, self.length = model, model.model, length
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            self.decode(torch.randn(1, length, model.config.hidden_size, device=device, dtype=dtype), 0)
+
+    @torch.inference_mode()
+    def decode(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """hidden (1, positions, hidden) at `position` onwards through every layer, appended to the cache."""
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(position, position + hidden.shape[1], device=hidden.device)[None]
+        mask = create_causal_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=self.cache, position_ids=positions)
+        rotary = self.inner.rotary_emb(hidden, position_ids=positions)
+        for layer in self.inner.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
+                           past_key_values=self.cache, use_cache=True)
+        return hidden
+
+    def timed_round(self) -> float:
+        """One row's decode step at the session's next position; seconds. The cache is cut back after it
+        (untimed), so that every round does the same work."""
+        hidden = torch.randn(1, 1, self.model.config.hidden_size, device=self.model.device, dtype=self.model.dtype)
+        _synchronize(hidden.device)
+        began = time.perf_counter()
+        self.decode(hidden, self.length)
+        _synchronize(hidden.device)
+        elapsed = time.perf_counter() - began
+        self.cache.crop(-1)
+        return elapsed
+
+
+def one_row_against_transformers(span, folder: Path, cache, length: int, warmup_and_repeats,
+                                 min_seconds: float) -> dict:
+    """One session's decode round through the span (eagerly) and through transformers' own layers
+    (TransformersLayers), alternately, at the same position: the medians in ms and their ratio (target: <= 1.2x,
+    a server's round of one row costs what its layers cost)."""
+    warmup, repeats = warmup_and_repeats
+    reference = TransformersLayers(folder, span.device, span.dtype, length)
+    times: dict[str, list[float]] = {"span": [], "transformers": []}
+    repeat = 0
+    while repeat < warmup + repeats or (sum(times["span"]) < min_seconds and repeat < warmup + 10 * MAX_REPEATS):
+        measured = {"span": _timed_round(span, [cache], [length]), "transformers": reference.timed_round()}
+        if repeat >= warmup:
+            for name, elapsed in measured.items():
+                times[name].append(elapsed)
+        repeat += 1
+    span_ms, reference_ms = (statistics.median(times[name]) * 1000 for name in ("span", "transformers"))
+    return {"span_ms": span_ms, "transformers_ms": reference_ms, "ratio": span_ms / reference_ms,
+            "repeats": len(times["span"]), "position": length, "reference": "eager"}
+
+
+def one_row_lines(rounds: dict) -> list[str]:
+    """The comparison of one row's round with transformers' layers, per model measured."""
+    lines = ["", "one row's decode round, the span (eager) against transformers' own decoder layers over a "
+                 "DynamicCache (eager), medians:"]
+    for model, run in rounds.items():
+        found = run.get("one_row_vs_transformers")
+        if found:
+            lines.append(f"  {model}: span {found['span_ms']:.3f} ms, transformers {found['transformers_ms']:.3f} ms"
+                         f" at position {found['position']}: {found['ratio']:.2f}x (target <= 1.2x)")
+    return lines
+
+
 def _prefill(span, cache, length: int) -> None:
     from swarm.server.attention import Segment
 
@@ -239,7 +327,7 @@ def main(argv=None) -> None:
     for dtype in options.dtypes:
         rounds = decode_rounds(options, dtype, SwarmSettings.from_env().cache_dir)
         print("\n".join([f"== {dtype} on {options.device}", *decode_round_lines(rounds),
-                         "  " + decode_round_target(rounds, options.device).describe()]))
+                         "  " + decode_round_target(rounds, options.device).describe(), *one_row_lines(rounds)]))
 
 
 if __name__ == "__main__":

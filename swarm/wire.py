@@ -19,7 +19,9 @@ Messages are hivemind's ExpertRequest/ExpertResponse over libp2p: tensors plus m
                               flattened] {message_id, steps: [{session_id, position, rows, length, step_id?,
                               push_to?: {peer_id, session_id}}, ... n]}
                      reply    [the outputs of the steps that succeeded, stacked likewise] {message_id, results:
-                              [{} or {error}, ... n]}; a request that is no list of steps: {message_id?, error}
+                              [{} or {error}, ... n], timings: {decode, queue, compute, reply, total}: seconds
+                              the message spent on the server (swarm/server/timings.py)}; a request that is no
+                              list of steps: {message_id?, error}
                    a session is stepped only by the peer that opened it, one step at a time (else the step
                    is refused); one step's error leaves the others of its message as they were. A message of
                    more tensors than the server's sessions per peer, or more tokens in all than one request may

@@ -56,9 +56,13 @@ def qk_norm(attention, queries: torch.Tensor, keys: torch.Tensor):
 
 
 def rotate_whole_heads(queries, keys, cos, sin):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb(queries, keys, cos, sin, unsqueeze_dim=2)
+    """transformers' apply_rotary_pos_emb (x * cos + rotate_half(x) * sin, cos and sin (1, tokens, head_dim)
+    unsqueezed at dim 2), on the queries and the keys at once: the same elementwise arithmetic, hence the same
+    bits, in 10 torch calls instead of 16 (on a round of a few rows, a layer's time is its calls)."""
+    both = torch.cat((queries, keys), dim=2)  # (1, tokens, heads + kv heads, head_dim)
+    half = both.shape[-1] // 2
+    rotated = both * cos[:, :, None] + torch.cat((-both[..., half:], both[..., :half]), dim=-1) * sin[:, :, None]
+    return rotated[:, :, : queries.shape[2]], rotated[:, :, queries.shape[2] :]
 
 
 def rotate_head_fronts(queries, keys, cos, sin):

@@ -97,9 +97,9 @@ class PackedBatch:
         (1, tokens, heads * head_dim): the new keys/values go to the pool, each query sees its own past. With
         `softcap`, the scores are capped (tanh(scores / softcap) * softcap) before the mask and softmax."""
         queries, keys, values = queries[0], keys[0], values[0]
-        pool_keys, pool_values = self.pool.layer(self.first_layer + index) if self.pool is not None else (None, None)
-        attend = (lambda group: self._attend_group(group, queries, keys, values, pool_keys, pool_values, window,
-                                                   scale, softcap))
+        layer = self.first_layer + index
+        pool = (*self.pool.layer(layer), *self.pool.paged_layer(layer)) if self.pool is not None else None
+        attend = (lambda group: self._attend_group(group, queries, keys, values, pool, window, scale, softcap))
         if len(self.groups) == 1 and self.groups[0].uniform:  # no reordering to do
             return attend(self.groups[0])[None]
         output = queries.new_empty(queries.shape[0], queries.shape[1] * queries.shape[2])  # (tokens, heads*dim)
@@ -108,22 +108,26 @@ class PackedBatch:
         return output[None]
 
     @staticmethod
-    def _attend_group(group: Group, queries, keys, values, pool_keys, pool_values, window, scale,
+    def _attend_group(group: Group, queries, keys, values, pool: Optional[tuple], window, scale,
                       softcap) -> torch.Tensor:
-        """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination."""
+        """The group's real queries' outputs (real queries, heads * head_dim), in the order of its destination.
+        `pool`: the layer's keys and values in the pool by slot, then by page (see KVPool.paged_layer)."""
         if group.from_pool:
+            pool_keys, pool_values, paged_keys, paged_values = pool
             new_keys, new_values = (keys, values) if group.uniform else \
                 (keys.index_select(0, group.destination), values.index_select(0, group.destination))
             pool_keys.index_copy_(0, group.write_slots, new_keys)
             pool_values.index_copy_(0, group.write_slots, new_values)
-        key_source, value_source = (pool_keys, pool_values) if group.from_pool else (keys, values)
+            gathered_keys, gathered_values = _gather_pages(paged_keys, group), _gather_pages(paged_values, group)
+        else:
+            gathered_keys, gathered_values = _gather(keys, group.key_index), _gather(values, group.key_index)
         attention = F.scaled_dot_product_attention if softcap is None else partial(softcapped_attention,
                                                                                   softcap=softcap)
         attended = attention(
             queries.unflatten(0, group.query_tokens.shape).transpose(1, 2) if group.uniform else
             _gather(queries, group.query_tokens),
-            _gather(key_source, group.key_index, group.from_pool),  # (n, kv_heads, keys, head_dim)
-            _gather(value_source, group.key_index, group.from_pool),  # queries: (n, heads, queries, head_dim)
+            gathered_keys,  # (n, kv_heads, keys, head_dim)
+            gathered_values,  # queries: (n, heads, queries, head_dim)
             attn_mask=group.masks[window],
             scale=scale,
             enable_gqa=True,
@@ -147,15 +151,17 @@ def softcapped_attention(queries, keys, values, attn_mask: torch.Tensor, scale: 
     return torch.matmul(weights, values[:, :, None]).flatten(1, 2)  # (n, heads, queries, head_dim)
 
 
-def _gather(rows: torch.Tensor, index: torch.Tensor, pages: bool = False) -> torch.Tensor:
-    """rows (tokens or slots, heads, head_dim) picked by index (n, length) -> (n, heads, length, head_dim); with
-    `pages`, the index picks whole pages of PAGE_TOKENS slots: (n, pages) -> (n, heads, pages * PAGE_TOKENS,
-    head_dim), a few long copies rather than many short ones. index_select, not advanced indexing: on a CPU it
-    is several times faster for these shapes."""
-    if pages:
-        rows = rows.unflatten(0, (-1, PAGE_TOKENS))  # (pages, PAGE_TOKENS, heads, head_dim)
-    picked = rows.index_select(0, index.flatten()).unflatten(0, index.shape)
-    return (picked.flatten(1, 2) if pages else picked).transpose(1, 2)
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows (tokens or slots, heads, head_dim) picked by index (n, length) -> (n, heads, length, head_dim).
+    index_select, not advanced indexing: on a CPU it is several times faster for these shapes."""
+    return rows.index_select(0, index.flatten()).unflatten(0, index.shape).transpose(1, 2)
+
+
+def _gather_pages(pages: torch.Tensor, group: Group) -> torch.Tensor:
+    """Whole pages (pages, PAGE_TOKENS, heads, head_dim) picked by the group's page table (n, pages) -> (n, heads,
+    pages * PAGE_TOKENS, head_dim): a few long copies rather than many short ones."""
+    picked = pages.index_select(0, group.key_index.reshape(-1))  # (n * pages, PAGE_TOKENS, heads, head_dim)
+    return picked.view(group.key_index.shape[0], -1, *pages.shape[2:]).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------- built once per round
@@ -193,19 +199,58 @@ def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> 
         segment = sequence[0]
         kind = "cacheless" if segment.cache is None else "decode" if segment.length == 1 else "prefill"
         kinds[kind].append(sequence)
-    groups = [_group(sequences, kind != "cacheless", pool, device) for kind, sequences in kinds.items() if sequences]
+    groups = [_pool_group(sequences, pool, device) if kind != "cacheless" else _cacheless_group(sequences, device)
+              for kind, sequences in kinds.items() if sequences]
     if len(groups) == 1 and kinds["decode"]:  # sequence i is packed token i
         groups[0].uniform = True
     return groups
 
 
-def _group(sequences: list, from_pool: bool, pool: Optional[KVPool], device) -> Group:
+def _pool_group(sequences: list, pool: KVPool, device) -> Group:
+    """Sequences whose keys are in the pool (decode steps, or prefill chunks and verify steps): which packed token
+    each query is, which slot its keys go to, worked out on Python ints and made in a handful of tensor calls
+    (as tensor arithmetic, some forty calls: on a round of one session, most of the round's fixed cost)."""
+    lengths = [segment.length for segment, _, _ in sequences]
+    starts = [segment.position for segment, _, _ in sequences]
+    firsts = [first for _, _, first in sequences]
+    queries = max(lengths)
+    # every sequence's page table (its pages past its length: the zero page); positions past a sequence's length
+    # within its last page are masked, and hold zeros or an earlier session's finite values
+    tables = [segment.cache.tables[row][: pages_for(segment.position + segment.length)]
+              for segment, row, _ in sequences]
+    pages = pages_for(max(start + length for start, length in zip(starts, lengths)))
+    real = [(index, offset) for index, length in enumerate(lengths) for offset in range(length)]
+    positions = [starts[index] + offset for index, offset in real]
+    slots = [tables[index][position // PAGE_TOKENS] * PAGE_TOKENS + position % PAGE_TOKENS
+             for (index, _), position in zip(real, positions)]
+    destination = [firsts[index] + offset for index, offset in real]
+    padded = len(real) < len(sequences) * queries
+    query_tokens = [[first + offset if offset < length else 0 for offset in range(queries)]
+                    for first, length in zip(firsts, lengths)] if padded else None
+    key_positions = torch.arange(pages * PAGE_TOKENS, device=device)
+    ends = torch.tensor([start + length for start, length in zip(starts, lengths)], device=device)
+    destination = torch.tensor(destination, device=device)
+    return Group(
+        from_pool=True,
+        query_tokens=torch.tensor(query_tokens, device=device) if padded else destination.view(len(sequences), -1),
+        key_index=pool.page_table(tables, pages).to(device),
+        query_positions=torch.tensor([[start + offset for offset in range(queries)] for start in starts],
+                                     device=device),  # (n, queries), padding queries' positions included
+        key_positions=key_positions,
+        key_valid=key_positions[None, :] < ends[:, None],  # (n, keys)
+        real_queries=torch.tensor([index * queries + offset for index, offset in real], device=device)
+        if padded else None,
+        destination=destination,
+        write_slots=torch.tensor(slots, device=device),
+    )
+
+
+def _cacheless_group(sequences: list, device) -> Group:
+    """Sequences with no cache, from position 0: their keys are their own new tokens."""
     lengths = torch.tensor([segment.length for segment, _, _ in sequences])
     starts = torch.tensor([segment.position for segment, _, _ in sequences])
     firsts = torch.tensor([first for _, _, first in sequences])
     max_queries, max_keys = int(lengths.max()), int((starts + lengths).max())
-    if from_pool:  # keys come a whole page at a time
-        max_keys = pages_for(max_keys) * PAGE_TOKENS
     offsets = torch.arange(max_queries)
     query_valid = offsets[None, :] < lengths[:, None]  # (n, queries)
     query_tokens = torch.where(query_valid, firsts[:, None] + offsets, 0)
@@ -213,28 +258,16 @@ def _group(sequences: list, from_pool: bool, pool: Optional[KVPool], device) -> 
     key_positions = torch.arange(max_keys)
     key_valid = key_positions[None, :] < (starts + lengths)[:, None]  # (n, keys)
     flat_valid = query_valid.flatten()
-    write_slots = None
-    if from_pool:
-        # every sequence's page table (its pages past its length: the zero page); positions past a sequence's
-        # length within its last page are masked, and hold zeros or an earlier session's finite values
-        tables = [segment.cache.tables[row][: pages_for(segment.position + segment.length)]
-                  for segment, row, _ in sequences]
-        key_index = pool.page_table(tables, max_keys // PAGE_TOKENS)  # (n, pages)
-        written = key_index.gather(1, query_positions.clamp(max=max_keys - 1) // PAGE_TOKENS) * PAGE_TOKENS \
-            + query_positions % PAGE_TOKENS  # (n, queries): the slot each new token's keys/values go to
-        write_slots = written.flatten()[flat_valid].to(device)
-    else:  # a cache-less sequence starts at position 0: its keys are its own new tokens
-        key_index = torch.where(key_valid, firsts[:, None] + key_positions, 0)
     return Group(
-        from_pool=from_pool,
+        from_pool=False,
         query_tokens=query_tokens.to(device),
-        key_index=key_index.to(device),
+        key_index=torch.where(key_valid, firsts[:, None] + key_positions, 0).to(device),
         query_positions=query_positions.to(device),
         key_positions=key_positions.to(device),
         key_valid=key_valid.to(device),
         real_queries=None if bool(flat_valid.all()) else flat_valid.nonzero().flatten().to(device),
         destination=query_tokens.flatten()[flat_valid].to(device),
-        write_slots=write_slots,
+        write_slots=None,
     )
 
 

@@ -32,10 +32,11 @@ from typing import Callable, Optional
 
 import torch
 
-from swarm.server import metrics
+from swarm.server import metrics, timings
 from swarm.server.attention import Segment
 from swarm.server.cache import SessionCache
 from swarm.server.span import BlockSpan
+from swarm.server.timings import MessageTimings
 from swarm.protocol import BadRequestError, InternalServerError, ServerUnavailableError, SwarmError
 
 logger = logging.getLogger(__name__)
@@ -104,22 +105,30 @@ class Batch:
     """Jobs submitted together (the steps of one message): resolved together, once the compute thread is done
     with the last of them, each with its outputs or its error, in order."""
 
-    def __init__(self, jobs: list[Job], loop: asyncio.AbstractEventLoop, on_settled: Callable[[list], None]):
+    def __init__(self, jobs: list[Job], loop: asyncio.AbstractEventLoop, on_settled: Callable[[list], None],
+                 timings: Optional[MessageTimings] = None):
         self.jobs, self.loop, self.future = jobs, loop, loop.create_future()
         self.on_settled = on_settled  # called on the event loop with the results, before the future is set
         self.results: list = [None] * len(jobs)
         self.pending = len(jobs)
         for index, job in enumerate(jobs):
             job.batch, job.index = self, index
+        # the message's timings (swarm/server/timings.py): submitted, first round started, last job computed
+        self.timings, self.submitted = timings, time.perf_counter()
+        self.started: Optional[float] = None  # set by the compute thread's first round of one of its jobs
+        self.finished = 0.0
 
     def done(self, job: Job, result) -> None:
         """On the compute thread: one job's outputs (or error); the last one settles the batch."""
         self.results[job.index] = result
         self.pending -= 1
         if self.pending == 0:
+            self.finished = time.perf_counter()
             _call_on(self.loop, self._settle)
 
     def _settle(self) -> None:
+        if self.timings is not None:
+            self.timings.add_batch(self.submitted, self.started or self.finished, self.finished)
         self.on_settled(self.results)
         if not self.future.done():
             self.future.set_result(self.results)
@@ -179,7 +188,7 @@ class Scheduler:
 
     def enqueue_batch(self, jobs: list[Job], on_settled: Callable[[list], None]) -> asyncio.Future:
         """submit_batch without waiting: the future of the jobs' results."""
-        batch = Batch(jobs, asyncio.get_running_loop(), on_settled)
+        batch = Batch(jobs, asyncio.get_running_loop(), on_settled, timings.current())
         self._enqueue(jobs)
         return batch.future
 
@@ -258,10 +267,12 @@ class Scheduler:
         round_ = self._without_stale(round_, span)
         if not round_:
             return None
-        first = round_[0][0]
+        first, began = round_[0][0], time.perf_counter()
         try:
             segments, pieces = [], []
             for job, positions in round_:
+                if job.batch is not None and job.batch.started is None:
+                    job.batch.started = began
                 segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache, job.adapter))
                 pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
             packed = span.on_device((pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None])

@@ -108,6 +108,10 @@ class KVPool:
         self.shared_pages = 0  # pages that more than one page table holds
         self.parked_only_pages = 0  # pages that only parked sessions' tables hold: evicting them frees these
         self._free_lock = threading.Lock()  # a caller on another thread must never get a page handed out twice
+        # each layer's keys and values as slots (slots, kv_heads, head_dim) and as pages (pages, PAGE_TOKENS,
+        # kv_heads, head_dim): views made once, not per layer of every round
+        self._layers = [(self.keys[index], self.values[index]) for index in range(layers)]
+        self._paged = [tuple(tensor.unflatten(0, (-1, PAGE_TOKENS)) for tensor in pair) for pair in self._layers]
 
     @property
     def free_pages(self) -> int:
@@ -131,7 +135,11 @@ class KVPool:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values, (slots, kv_heads, head_dim) each."""
-        return self.keys[index], self.values[index]
+        return self._layers[index]
+
+    def paged_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values by page, (pages, PAGE_TOKENS, kv_heads, head_dim) each."""
+        return self._paged[index]
 
     def page_table(self, tables: list[list[int]], pages: int) -> torch.Tensor:
         """(sequences, pages): each table's first `pages` pages, padded with the zero page."""

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import AsyncIterator, Collection, Optional
 
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm.protocol import (
@@ -34,6 +35,8 @@ from swarm.server.flow import StepFlow, StreamSlots
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.pushes import Pusher, PushTargets, push_of
 from swarm.server.fields import is_int
+from swarm.server.step_entries import check_flowing_shape, push_target, sent_entries, with_flowing
+from swarm.server.timings import timed_message
 from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, inputs_digest, misshapen_hidden, reply,
                         split_parts, stacked, unpack, unpack_metadata, unstacked)
 
@@ -201,21 +204,22 @@ class BlockHandler(BlockRPC):
                                   replies: asyncio.Queue) -> None:
         running: set[asyncio.Task] = set()
 
-        async def answer(request):
+        async def answer(request, arrived: float):
             try:
-                replies.put_nowait((await self._reply_to_step_message(request, peer_id), True))
+                replies.put_nowait((await self._reply_to_step_message(request, peer_id, arrived), True))
             except Exception as error:  # a bug here must cost one message, never the stream
                 replies.put_nowait((error_reply(error), True))
 
         try:
             async for request in requests:
+                arrived = time.perf_counter()
                 if not await slots.take(STALLED_STREAM_SECONDS):  # none free: not read on until a reply goes out
                     stalled = ServerLimitError(f"peer {peer_id} read none of its replies for "
                                                f"{STALLED_STREAM_SECONDS:.0f} s: this server ends the step stream")
                     replies.put_nowait((error_reply(stalled), False))
                     await _linger(requests)  # unanswered, until the peer ends its side (it may have hung up)
                     return
-                task = asyncio.ensure_future(answer(request))
+                task = asyncio.ensure_future(answer(request, arrived))
                 running.add(task)
                 task.add_done_callback(running.discard)
             await asyncio.gather(*running)
@@ -224,8 +228,10 @@ class BlockHandler(BlockRPC):
                 task.cancel()
             replies.put_nowait(None)
 
-    async def _reply_to_step_message(self, request, peer_id: str):
-        """One message's steps, run as one batch; the reply, and the outputs pushed on to the next servers."""
+    async def _reply_to_step_message(self, request, peer_id: str, arrived: Optional[float] = None):
+        """One message's steps, run as one batch; the reply (with what the message cost here: timings.py), and
+        the outputs pushed on to the next servers. Run in a task of its own (its timings are the task's)."""
+        timings = timed_message(arrived if arrived is not None else time.perf_counter())
         message_id = None
         try:
             metadata = unpack_metadata(request, self._max_metadata_bytes())
@@ -233,12 +239,13 @@ class BlockHandler(BlockRPC):
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = await self._unpack_steps(request)
             entries = self._step_entries(metadata)
-            steps = _with_flowing(entries, typed_steps(tensors, unstacked(tensors, _sent(entries))))
+            steps = with_flowing(entries, typed_steps(tensors, unstacked(tensors, sent_entries(entries))))
         except Exception as error:
             return error_reply(error, {"message_id": message_id})
         self.counters["step_messages"] += 1
         self.counters["steps_received"] += len(entries)
         results, items = self._sessions_of(entries, steps, peer_id)
+        timings.mark_decoded()
         outputs = await self.backend.run_steps([(session, step, entry) for _, session, step, entry, _ in items])
         pushes, answers = [], [{} for _ in results]
         for (index, session, _, entry, push_to), output in zip(items, outputs):
@@ -251,8 +258,8 @@ class BlockHandler(BlockRPC):
         self.pusher.push(pushes)
         answers = [wire_error(result) if isinstance(result, BaseException) else answer
                    for result, answer in zip(results, answers)]
-        return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
-                     {"message_id": message_id, "results": answers})
+        tensors = stacked([result for result in results if not isinstance(result, BaseException)])
+        return reply(tensors, {"message_id": message_id, "results": answers, "timings": timings.wire()})
 
     def _sessions_of(self, entries: list, steps: list, peer_id: str) -> tuple[list, list]:
         """Each step's refusal where it has one (else None), and (index, session, hidden, entry, push target) of
@@ -261,11 +268,11 @@ class BlockHandler(BlockRPC):
         for index, (entry, step) in enumerate(zip(entries, steps)):
             try:
                 session = self._own_session(entry, peer_id)
-                push_to = _push_target(entry)  # checked first: a step must not run, then be refused
+                push_to = push_target(entry)  # checked first: a step must not run, then be refused
                 if isinstance(step, SwarmError):  # refused undecoded
                     raise step
                 if step is None:  # a flowing step: its inputs come pushed (swarm/server/pushes.awaited_push)
-                    _check_flowing_shape(entry, session.batch_size)
+                    check_flowing_shape(entry, session.batch_size)
                 else:
                     check_rows(step, session.batch_size)
                 items.append((index, session, step.detach() if step is not None else None, entry, push_to))
@@ -359,39 +366,3 @@ async def _linger(requests: AsyncIterator) -> None:
 
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(drain(), REFUSAL_LINGER)
-
-
-def _flowing(entry) -> bool:
-    return isinstance(entry, dict) and entry.get("await_push") is True
-
-
-def _sent(entries: list) -> list:
-    """The entries of the steps whose inputs the message carries (a flowing step's come pushed)."""
-    return [entry for entry in entries if not _flowing(entry)]
-
-
-def _with_flowing(entries: list, sent_steps: list) -> list:
-    """Each entry's step: its inputs, or None for a flowing step."""
-    sent = iter(sent_steps)
-    return [None if _flowing(entry) else next(sent) for entry in entries]
-
-
-def _check_flowing_shape(entry: dict, batch_size: int) -> None:
-    rows, length = entry.get("rows"), entry.get("length")
-    if not (is_int(rows) and is_int(length) and length >= 1):
-        raise BadRequestError("a flowing step must say its 'rows' and 'length' (integers >= 1)")
-    if rows != batch_size:
-        raise BadRequestError(f"this session has batch size {batch_size}, got {rows}")
-
-
-def _push_target(metadata: dict) -> Optional[tuple[PeerID, str]]:
-    target = metadata.get("push_to")
-    if target is None:
-        return None
-    if not (isinstance(target, dict) and isinstance(target.get("peer_id"), str)
-            and isinstance(target.get("session_id"), str)):
-        raise BadRequestError("field 'push_to' must be a map with a 'peer_id' and a 'session_id'")
-    try:
-        return PeerID.from_base58(target["peer_id"]), target["session_id"]
-    except Exception:
-        raise BadRequestError(f"push_to: {target['peer_id']!r:.80} is not a peer id") from None

@@ -51,6 +51,7 @@ class BlockSpan(nn.Module):
                  dtype: torch.dtype = torch.float32, quantization: Optional[str] = None):
         super().__init__()
         self.config, self.start, self.end, self.family = config, start, end, family
+        self._device: Optional[torch.device] = None  # of its layers, which load_span placed before
         self.dtype = dtype  # of the hidden states and the cache (quantized weights are stored in fewer bits)
         self.quantization = quantization
         self.layers = nn.ModuleList(layers)
@@ -63,7 +64,9 @@ class BlockSpan(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.layers[0].parameters()).device
+        if self._device is None:  # once: walking a module's parameters costs more than a round's packing
+            self._device = next(self.layers[0].parameters()).device
+        return self._device
 
     def weight_bytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in [*self.parameters(), *self.buffers()])
@@ -170,7 +173,7 @@ class BlockSpan(nn.Module):
     def forward_batch(self, hidden: torch.Tensor, batch: PackedBatch, start: int, end: int) -> torch.Tensor:
         """A built batch's packed tokens (1, tokens, hidden), on the span's device, through blocks [start, end):
         the eager path's forward, and what decode graphs capture."""
-        layers = self.layers[start - self.start : end - self.start]
+        layers = list(self.layers)[start - self.start : end - self.start]  # slicing a ModuleList builds a module
         self.family.batch_inputs(self.position_state, hidden, batch)
         batch.build_masks({layer.attention_window for layer in layers}, self.dtype)
         with applied(batch.adapter_tokens, batch.positions):
@@ -218,7 +221,7 @@ def load_span(folder: Path, start: int, end: int, device="cpu", dtype=torch.floa
             quantize_linears(layer, quantization, dtype)
             layer.to(device)  # bitsandbytes quantizes the weights as they move to the device
         layer.attention_window = family.sliding_window(config, index)
-        layers.append(layer.eval())
+        layers.append(layer.eval().requires_grad_(False))  # served, never trained: no autograd state anywhere
     kept_prefixes = tuple(family.layer_key.format(index) for index in kept if start <= index < end)
     kept_names = [name for name in (reuse.loaded_names if reuse else []) if name.startswith(kept_prefixes)] \
         if kept_prefixes else []

@@ -1,0 +1,143 @@
+"""What one step message costs a block server, counted so that it cannot grow back unseen: a message of 1 step
+and one of 64 take the same number of asyncio tasks (none), of hand-offs between the event loop and the compute
+thread (one each way), of rounds, and of torch operators per round; and the reply says what the message cost in
+seconds (metadata "timings", swarm/server/timings.py)."""
+
+import asyncio
+import secrets
+from collections import Counter
+
+import pytest
+import torch
+
+from op_counts import count_torch_ops
+from swarm.server import batching
+from swarm.server.backend import Backend, ServerLimits
+from swarm.server.cache import PAGE_TOKENS, CacheBudget
+from swarm.server.handler import BlockHandler
+from swarm.server.span import load_span
+from swarm.wire import pack, stacked, unpack
+from tiny_model import build_tiny_model
+
+BLOCKS = 2
+TIMINGS = ("decode", "queue", "compute", "reply", "total")
+# torch operators of a round of the tiny Llama's 2 blocks, for 1 row as for 64: per round (the packed batch,
+# rotary, masks) + per layer; a verify step's (1 + a draft) queries are gathered and scattered, 6 more a layer.
+# For 4 blocks: 357 a decode round and 381 a verify round before the round's fixed cost was cut, 286 and 310 after
+ROUND_OPS = {"decode": 38 + 62 * BLOCKS, "verify": 38 + 68 * BLOCKS}
+POSITIONS = {"decode": 1, "verify": 5}
+
+
+@pytest.fixture(scope="module")
+def span(tmp_path_factory):
+    return load_span(build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", BLOCKS), 0, BLOCKS)
+
+
+def message(sessions: list, steps: list[torch.Tensor], positions: list[int]):
+    entries = [{"session_id": session.id, "position": position, "step_id": position + 1, "rows": 1,
+                "length": step.shape[1]} for session, step, position in zip(sessions, steps, positions)]
+    return pack(stacked(steps), {"message_id": 7, "steps": entries})
+
+
+class Counted:
+    """What answering one message did: tasks created on the loop, callbacks handed to it from other threads,
+    wake-ups of the compute thread, rounds computed and the torch operators of each."""
+
+    def __init__(self, monkeypatch, span):
+        self.counts: Counter[str] = Counter()
+        self.round_ops: list[int] = []
+        self.counting = False
+        notify, forward = batching.threading.Condition.notify, span.forward_packed
+
+        def counted_notify(condition, *args):
+            self.counts["compute thread wake-ups"] += self.counting
+            return notify(condition, *args)
+
+        def counted_forward(*args, **kwargs):  # on the compute thread, whose dispatch modes are its own
+            if not self.counting:
+                return forward(*args, **kwargs)
+            outputs = []
+            self.round_ops.append(count_torch_ops(lambda: outputs.append(forward(*args, **kwargs))))
+            return outputs[0]
+
+        monkeypatch.setattr(batching.threading.Condition, "notify", counted_notify)
+        monkeypatch.setattr(span, "forward_packed", counted_forward)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Count the loop's new tasks and its callbacks from other threads."""
+        handed = loop.call_soon_threadsafe
+
+        def counted_call(callback, *args, **kwargs):
+            self.counts["loop wake-ups from other threads"] += self.counting
+            return handed(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted_call
+        loop.set_task_factory(lambda loop, coro, **kwargs: self.counts.update(
+            {"tasks": self.counting}) or asyncio.Task(coro, loop=loop, **kwargs))
+
+
+def answered(span, monkeypatch, sessions: int, positions: int = 1):
+    """A message of `sessions` steps of `positions` positions each (after a message of their prompts) answered by
+    a real backend: the reply's metadata, and what answering it counted (Counted)."""
+    counted = Counted(monkeypatch, span)
+
+    async def scenario():
+        counted.watch(asyncio.get_running_loop())
+        backend = Backend(span, CacheBudget(sessions * 4 * PAGE_TOKENS), ServerLimits(max_sessions_per_peer=64))
+        handler = BlockHandler(backend)
+        try:
+            opened = [await backend.open_session({"start": 0, "end": BLOCKS, "max_length": 64, "batch_size": 1,
+                                                  "session_id": secrets.token_hex(16)}, "peer")
+                      for _ in range(sessions)]
+            prompts = [torch.randn(1, 5 + index % 7, span.config.hidden_size) for index in range(sessions)]
+            await handler._reply_to_step_message(message(opened, prompts, [0] * sessions), "peer")
+            steps = [torch.randn(1, positions, span.config.hidden_size) for _ in range(sessions)]
+            counted.counting = True
+            answer = await handler._reply_to_step_message(
+                message(opened, steps, [prompt.shape[1] for prompt in prompts]), "peer")
+            counted.counting = False
+            for session in opened:
+                session.close()
+            return unpack(answer)[1]
+        finally:
+            backend.close()
+
+    return asyncio.run(scenario()), counted
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+@pytest.mark.parametrize("sessions", [1, 64])
+def test_a_message_costs_one_hand_off_each_way_and_one_round_whatever_its_steps(span, monkeypatch, sessions, kind):
+    metadata, counted = answered(span, monkeypatch, sessions, POSITIONS[kind])
+    assert metadata["results"] == [{}] * sessions
+    assert counted.counts == {"tasks": 0, "compute thread wake-ups": 1, "loop wake-ups from other threads": 1}
+    # one round of the 2 tiny blocks, as many torch operators for 64 rows as for 1 (a layer's calls are per round)
+    assert counted.round_ops == [ROUND_OPS[kind]]
+
+
+def test_the_reply_says_what_the_message_cost(span, monkeypatch):
+    metadata, _ = answered(span, monkeypatch, 3)
+    timings = metadata["timings"]
+    assert set(timings) == set(TIMINGS) and all(isinstance(timings[name], float) for name in TIMINGS)
+    assert all(timings[name] >= 0 and round(timings[name], 6) == timings[name] for name in TIMINGS)
+    assert timings["compute"] > 0  # its round ran
+    parts = timings["decode"] + timings["queue"] + timings["compute"] + timings["reply"]
+    assert parts <= timings["total"] + 4e-6  # the parts never overlap (each is rounded: a few microseconds)
+
+
+def test_a_message_of_refused_steps_only_spent_nothing_computing(span):
+    async def scenario():
+        backend = Backend(span, CacheBudget(4 * PAGE_TOKENS), ServerLimits(max_sessions_per_peer=64))
+        try:
+            hidden = torch.randn(1, 1, span.config.hidden_size)
+            request = pack(stacked([hidden]), {"message_id": 1, "steps": [{"session_id": "nobody", "position": 0,
+                                                                             "rows": 1, "length": 1}]})
+            return unpack(await BlockHandler(backend)._reply_to_step_message(request, "peer"))[1]
+        finally:
+            backend.close()
+
+    metadata = asyncio.run(scenario())
+    assert metadata["results"][0]["error"]["code"]
+    assert metadata["timings"]["queue"] == metadata["timings"]["compute"] == 0.0
+    assert metadata["timings"]["total"] >= metadata["timings"]["decode"]
+
