@@ -8,8 +8,13 @@ sessions generate `--tokens` tokens at once (the first prompt of bench/workload.
 aggregate tok/s, each session's time per token, the CPU the gateway's worker (and its whole process tree: the
 gunicorn master, the worker and its libp2p daemon) and the block servers (with their daemons) spent per generated
 token, and the engine loop's rows per tick
-and chain steps per tick (from its /metrics counters). `--shape tiny` is the tests' tiny model: its compute is
-close to nothing, so what is left is the overhead a GPU box would see. Without --shape: the default model.
+and chain steps per tick (from its /metrics counters), and the time to first token. A second table says where a
+step's time goes, stage by stage (swarm/client/stage_clock.py, read from the gateway's /metrics): the engine loop's
+wake-up and tick, the hand-off to the client's event loop, each hop's queue, round trip and transport, and what
+each server says it spent of it (decoding, waiting for its compute thread, computing, replying), in mean ms per
+step; and each server's busy fraction (its compute over the wall time). `--shape tiny` is the tests' tiny model:
+its compute is close to nothing, so what is left is the overhead a GPU box would see. Without --shape: the default
+model.
 """
 
 from __future__ import annotations
