@@ -8,10 +8,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
     TORCH_THREADS     torch's threads in each process (the gateway's, and block servers' without --threads)
     ALLOWED_SERVERS   a private swarm's servers (peer ids, space- or comma-separated): clients route only to them
     ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
-    FLOWING_STEPS     1 (default): a client's step goes to every server of its chain at once, its inputs only to
-                      the first, and flows down by the servers' pushes; 0: it returns to the client between hops
-    PUSHED_STEPS      unset (default): a relayed step's server pushes its outputs on to the next server only where
-                      that one is 1 ms or more from the client; 1: always; 0: never (flowing steps always push)
+    FLOWING_STEPS, PUSHED_STEPS  whether steps flow down the chain by the servers' pushes, and whether a relayed
+                      step's server pushes on: 1 always, 0 never, unset (default) where the round trips make it pay
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     BLOCK_WAIT_SECONDS  how long the gateway's sessions and requests wait when no server holds some of their blocks
                       (servers restarting, a replica reloading) before they fail (default 30; 0: at once)
@@ -67,17 +65,11 @@ def _split_list(value: str) -> tuple[str, ...]:
     return tuple(item for item in re.split(r"[\s,]+", value) if item)
 
 
-def flowing_steps(environ: Mapping[str, str] = os.environ) -> bool | None:
-    """FLOWING_STEPS: a client's steps flow down its chain by the servers' pushes always (1), never (0: they return
-    to the client between hops), or, unset, where its round trips make it pay (None); see swarm/client/flowing.py."""
-    return {"1": True, "0": False}.get(environ.get("FLOWING_STEPS", "").strip())
-
-
-def pushed_steps(environ: Mapping[str, str] = os.environ) -> bool | None:
-    """PUSHED_STEPS: whether a relayed step's server pushes its outputs on to the next server of the chain, which
-    then computes them before the client relays them: always (1), never (0), or, unset, where that next server is
-    far enough from the client for the relay to cost more than a push (None); see swarm/client/hops.py."""
-    return {"1": True, "0": False}.get(environ.get("PUSHED_STEPS", "").strip())
+def where_it_pays(name: str, environ: Mapping[str, str] = os.environ) -> bool | None:
+    """FLOWING_STEPS (a client's steps flow down its chain by the servers' pushes: swarm/client/flowing.py) or
+    PUSHED_STEPS (a relayed step's server pushes its outputs on to the next one: swarm/client/hops.py): always
+    (1: True), never (0: False), or, unset, where the chain's measured round trips make it pay (None)."""
+    return {"1": True, "0": False}.get(environ.get(name, "").strip())
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -259,10 +251,9 @@ class Limits:
     # drafting is the engine loop's policy: only while at most this many sessions of a model decode together, since
     # each guess costs a position of every server's round (gateway/engine/loop.py); 0: never draft
     speculative_max_sessions: int = 4
-    # the engine loop's pipeline (gateway/engine/loop.py): once this many sessions of a model decode together, they
-    # travel in groups, so that each server of a chain computes one group while the next one computes another
+    # the engine loop's pipeline (gateway/engine/loop.py): past this many sessions of a model decoding together,
+    # they travel in groups (0: a group per server of a session's chain; 1: one, every session in step)
     pipeline_min_sessions: int = 8
-    # how many groups: 0 (default) a group per server of a session's chain; 1 one group (every session in step)
     pipeline_groups: int = 0
 
     def __post_init__(self):
@@ -274,8 +265,8 @@ class Limits:
         if self.speculative_max_sessions < 0:
             raise ValueError(f"SPECULATIVE_MAX_SESSIONS must be 0 or more, got {self.speculative_max_sessions}")
         if self.pipeline_groups < 0 or self.pipeline_min_sessions < 1:
-            raise ValueError(f"PIPELINE_GROUPS must be 0 or more and PIPELINE_MIN_SESSIONS 1 or more, got "
-                             f"{self.pipeline_groups} and {self.pipeline_min_sessions}")
+            raise ValueError(f"PIPELINE_GROUPS, PIPELINE_MIN_SESSIONS: >= 0, >= 1, got {self.pipeline_groups}, "
+                             f"{self.pipeline_min_sessions}")
 
     @property
     def worker_threads(self) -> int:

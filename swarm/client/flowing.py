@@ -61,9 +61,9 @@ HOP_FAULTS = (ServerUnavailableError, InternalServerError, CacheFullError)
 def flowing_by_default() -> Optional[bool]:
     """The FLOWING_STEPS setting: sessions flow their steps always (True), never (False), or where it pays (None,
     the default: see flow_pays); RemoteSession.flowing says per session."""
-    from config import flowing_steps
+    from config import where_it_pays
 
-    return flowing_steps()
+    return where_it_pays("FLOWING_STEPS")
 
 
 class Flow:
