@@ -22,10 +22,10 @@ from tiny_model import build_tiny_model
 
 BLOCKS = 2
 TIMINGS = ("decode", "queue", "compute", "reply", "total")
-# torch operators of a round of the tiny Llama's 2 blocks, for 1 row as for 64: per round (the packed batch,
-# rotary, masks) + per layer; a verify step's (1 + a draft) queries are gathered and scattered, 6 more a layer.
-# For 4 blocks: 357 a decode round and 381 a verify round before the round's fixed cost was cut, 285 and 309 after
-ROUND_OPS = {"decode": 37 + 62 * BLOCKS, "verify": 37 + 68 * BLOCKS}
+# torch operators of a round of the tiny Llama's 2 blocks, for 1 row as for 64, decode steps or verify steps (1 + a
+# draft, all of one length: their queries need no reordering either): per round (the packed batch, rotary, masks)
+# + per layer. For 4 blocks: 357 a decode round and 381 a verify round before the round's fixed cost was cut
+ROUND_OPS = {"decode": 37 + 62 * BLOCKS, "verify": 37 + 62 * BLOCKS}
 # around the round, whatever the number of steps (there were 5 a step on the loop and 8 on the compute thread):
 # on the loop, the reply's one concatenation of the outputs and the message's tensor decoded, split into steps
 # and checked; on the compute thread, the inputs checked for finite values, the outputs split (and the inputs
