@@ -170,6 +170,8 @@ def stacked(steps: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     hidden), decoded and checked once whatever the number of steps (none: no tensor)."""
     if not steps:
         return ()
+    if all(step.shape[0] == 1 for step in steps):  # one call, not one reshape per step: a 64-step message's reply
+        return (torch.cat(steps, dim=1),)
     return (torch.cat([step.reshape(-1, step.shape[-1]) for step in steps])[None],)
 
 
@@ -197,6 +199,8 @@ def unstacked(tensors: list, entries: list) -> list:
     if whole.shape[1] != sum(rows * length for rows, length in shapes):
         raise BadRequestError(f"the steps' rows x length add up to {sum(r * n for r, n in shapes)} tokens, but "
                               f"the message carries {whole.shape[1]}")
+    if all(rows == 1 for rows, _ in shapes):  # one split, not two tensor calls per step
+        return list(whole.split([length for _, length in shapes], dim=1))
     steps, offset = [], 0
     for rows, length in shapes:
         steps.append(whole[0, offset : offset + rows * length].view(rows, length, whole.shape[-1]))

@@ -8,9 +8,10 @@ attention runs per *group* of sequences, never per session:
     prefill    sequences with a chunk of queries, keys gathered from the pool    (n, heads, chunk, keys)
     cacheless  sequences with no cache, keys from the round's own new tokens     (n, heads, length, length)
 
-A round of decode steps only (one group, sequence i is packed token i) needs no reordering of queries or outputs
-at all; nor does a captured round of CUDA graphs (swarm/server/graphs.py), whose n sequences have q query slots
-each, sequence i's being packed tokens i*q .. i*q + q - 1 (padding slots included): such a group is `uniform`.
+A round whose one group has n sequences of q queries each, sequence i's being packed tokens i*q .. i*q + q - 1,
+needs no reordering of queries or outputs at all: decode steps only (q = 1), verify steps of drafts of one length
+(a single session's, always), and a captured round of CUDA graphs (swarm/server/graphs.py, padding slots
+included). Such a group is `uniform`.
 
 Everything a group needs (which packed token each query is, which pool slot each key is, the masks) is
 computed once per round, as tensors, and shared by every layer. Per layer and group: a gather of the
@@ -67,6 +68,8 @@ class Group:
     write_slots: Optional[torch.Tensor]  # (real queries,) pool slots their keys/values go to (pool groups)
     uniform: bool = False  # the round's only group, its (n, q) queries are packed tokens 0 .. n*q - 1 in order
     masks: dict = field(default_factory=dict)  # window -> what scaled_dot_product_attention gets as attn_mask
+    # a lone sequence whose pages lie one after another in the pool: them, read in place rather than gathered
+    consecutive_pages: Optional[slice] = None
 
 
 class PackedBatch:
@@ -160,7 +163,10 @@ def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _gather_pages(pages: torch.Tensor, group: Group) -> torch.Tensor:
     """Whole pages (pages, PAGE_TOKENS, heads, head_dim) picked by the group's page table (n, pages) -> (n, heads,
     pages * PAGE_TOKENS, head_dim): a few long copies rather than many short ones."""
-    picked = pages.index_select(0, group.key_index.reshape(-1))  # (n * pages, PAGE_TOKENS, heads, head_dim)
+    if group.consecutive_pages is not None:  # a view of the pool: no copy of every key, every layer
+        picked = pages[group.consecutive_pages]
+    else:
+        picked = pages.index_select(0, group.key_index.reshape(-1))  # (n * pages, PAGE_TOKENS, heads, head_dim)
     return picked.view(group.key_index.shape[0], -1, *pages.shape[2:]).transpose(1, 2)
 
 
@@ -201,7 +207,9 @@ def group_sequences(segments: list[Segment], pool: Optional[KVPool], device) -> 
         kinds[kind].append(sequence)
     groups = [_pool_group(sequences, pool, device) if kind != "cacheless" else _cacheless_group(sequences, device)
               for kind, sequences in kinds.items() if sequences]
-    if len(groups) == 1 and kinds["decode"]:  # sequence i is packed token i
+    # the round's only group, its n sequences of q queries each (no padding) packed in order: sequence i's are
+    # tokens i*q .. i*q + q - 1 (a decode round; a verify round of drafts of one length, as one session's is)
+    if len(groups) == 1 and groups[0].from_pool and groups[0].real_queries is None:
         groups[0].uniform = True
     return groups
 
@@ -231,6 +239,7 @@ def _pool_group(sequences: list, pool: KVPool, device) -> Group:
     ends = torch.tensor([start + length for start, length in zip(starts, lengths)], device=device)
     destination = torch.tensor(destination, device=device)
     return Group(
+        consecutive_pages=_consecutive(tables[0]) if len(tables) == 1 else None,
         from_pool=True,
         query_tokens=torch.tensor(query_tokens, device=device) if padded else destination.view(len(sequences), -1),
         key_index=pool.page_table(tables, pages).to(device),
@@ -243,6 +252,14 @@ def _pool_group(sequences: list, pool: KVPool, device) -> Group:
         destination=destination,
         write_slots=torch.tensor(slots, device=device),
     )
+
+
+def _consecutive(table: list[int]) -> Optional[slice]:
+    """The pages of a page table as one slice of the pool, where they lie one after another (a lone session's
+    pages mostly do: the pool hands out its lowest free pages first)."""
+    if table and table[-1] - table[0] == len(table) - 1 and all(b == a + 1 for a, b in zip(table, table[1:])):
+        return slice(table[0], table[-1] + 1)
+    return None
 
 
 def _cacheless_group(sequences: list, device) -> Group:

@@ -274,8 +274,8 @@ class Scheduler:
                 if job.batch is not None and job.batch.started is None:
                     job.batch.started = began
                 segments.append(Segment(job.rows, positions, job.position + job.computed, job.cache, job.adapter))
-                pieces.append(job.hidden[:, job.computed : job.computed + positions].reshape(-1, job.hidden.shape[-1]))
-            packed = span.on_device((pieces[0] if len(pieces) == 1 else torch.cat(pieces))[None])
+                pieces.append(_piece(job, positions))
+            packed = span.on_device(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
             # checked on the device, without waiting for it: a token that is not finite is zeroed (nothing not
             # finite reaches a cache page, where a masked NaN still poisons attention), and its job fails on delivery
             finite = torch.isfinite(packed[0]).all(dim=-1)  # (tokens,)
@@ -296,12 +296,13 @@ class Scheduler:
             self._fail(round_, error)
             return
         metrics.BATCH_SIZE.observe(sum(job.rows for job, _ in round_))
+        all_finite = bool(launched.finite.all())  # else each job's tokens are checked
         offset, finished, refused = 0, [], []
-        for (job, positions), segment in zip(round_, segments):
-            if not launched.finite[offset : offset + segment.tokens].all():
+        for (job, positions), segment, part in zip(round_, segments, _parts(output, round_, segments)):
+            if not all_finite and not launched.finite[offset : offset + segment.tokens].all():
                 refused.append(job)
             else:
-                job.outputs.append(output[offset : offset + segment.tokens].view(job.rows, positions, -1))
+                job.outputs.append(part)
                 job.computed += positions
                 if job.remaining == 0:
                     finished.append(job)
@@ -313,7 +314,7 @@ class Scheduler:
             job.resolve(error=BadRequestError("hidden states must be finite (no NaN or infinity)"))
         for job in finished:
             outputs = job.outputs[0] if len(job.outputs) == 1 else torch.cat(job.outputs, dim=1)
-            job.resolve(outputs.to(job.hidden.dtype))
+            job.resolve(outputs if outputs.dtype == job.hidden.dtype else outputs.to(job.hidden.dtype))
 
     def _without_stale(self, round_: list[tuple[Job, int]], span: BlockSpan) -> list[tuple[Job, int]]:
         """The round less the jobs whose cache lies in a pool this span does not use: the server moved to
@@ -340,6 +341,23 @@ class Scheduler:
             failure = error if isinstance(error, SwarmError) else \
                 InternalServerError("internal server error (see the server's log)")
             job.resolve(error=failure)
+
+
+def _piece(job: Job, positions: int) -> torch.Tensor:
+    """The job's next `positions` positions as (1, tokens, hidden): a whole one-row step as it is (no tensor
+    call per step: a round of 64 sessions' steps would issue 128 more)."""
+    if job.rows == 1 and job.computed == 0 and positions == job.hidden.shape[1]:
+        return job.hidden
+    return job.hidden[:, job.computed : job.computed + positions].reshape(1, -1, job.hidden.shape[-1])
+
+
+def _parts(output: torch.Tensor, round_: list[tuple[Job, int]], segments: list[Segment]) -> list[torch.Tensor]:
+    """A round's packed outputs (tokens, hidden) as each job's (rows, positions, hidden): views, in one split
+    where every job has one row."""
+    sizes = [segment.tokens for segment in segments]
+    if all(job.rows == 1 for job, _ in round_):
+        return list(output[None].split(sizes, dim=1))
+    return [part.view(job.rows, positions, -1) for part, (job, positions) in zip(output.split(sizes), round_)]
 
 
 @dataclass

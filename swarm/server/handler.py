@@ -17,6 +17,7 @@ import logging
 import time
 from typing import AsyncIterator, Collection, Optional
 
+import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
@@ -238,6 +239,7 @@ class BlockHandler(BlockRPC):
             message_id = metadata.get("message_id") if is_int(metadata.get("message_id")) else None
             self._check_sizes(request)  # before any tensor is decoded
             tensors, metadata = await self._unpack_steps(request)
+            tensors = [_detached(tensor) for tensor in tensors]  # once for the message, not per step
             entries = self._step_entries(metadata)
             steps = with_flowing(entries, typed_steps(tensors, unstacked(tensors, sent_entries(entries))))
         except Exception as error:
@@ -275,7 +277,7 @@ class BlockHandler(BlockRPC):
                     check_flowing_shape(entry, session.batch_size)
                 else:
                     check_rows(step, session.batch_size)
-                items.append((index, session, step.detach() if step is not None else None, entry, push_to))
+                items.append((index, session, step, entry, push_to))
             except SwarmError as error:
                 refusals[index] = error
         return refusals, items
@@ -320,6 +322,11 @@ class BlockHandler(BlockRPC):
     def _check_caller(self, context: P2PContext) -> None:
         if self.allowed_peers and context.remote_id.to_base58() not in self.allowed_peers:
             raise NotAllowedError(f"peer {context.remote_id.to_base58()} is not on this server's list of clients")
+
+
+def _detached(tensor):
+    """A request may say requires_grad: nothing here needs a graph."""
+    return tensor.detach() if isinstance(tensor, torch.Tensor) and tensor.requires_grad else tensor
 
 
 def _control(session, request):

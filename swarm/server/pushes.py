@@ -123,9 +123,10 @@ class Pusher:
             task.add_done_callback(self.tasks.discard)
 
     async def _send(self, peer: PeerID, items: list[tuple[int, dict, torch.Tensor]]) -> None:
-        targets = self.targets
-        announced = [(entry, output) for block, entry, output in items
-                     if targets is not None and await targets.announce(peer.to_base58(), block)]
+        # looked up once per block (a message's steps mostly go on at the same one), not once per step
+        blocks = {block: await self.targets.announce(peer.to_base58(), block) if self.targets is not None else False
+                  for block in {block for block, _, _ in items}}
+        announced = [(entry, output) for block, entry, output in items if blocks[block]]
         if len(announced) < len(items):
             self._skip(peer, len(items) - len(announced), "it does not announce the next blocks")
         fitting = [(entry, output) for entry, output in announced if _push_bytes(output) <= self.message_bytes]

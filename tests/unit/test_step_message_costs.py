@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from op_counts import count_torch_ops
 from swarm.server import batching
@@ -21,10 +22,16 @@ from tiny_model import build_tiny_model
 
 BLOCKS = 2
 TIMINGS = ("decode", "queue", "compute", "reply", "total")
-# torch operators of a round of the tiny Llama's 2 blocks, for 1 row as for 64: per round (the packed batch,
-# rotary, masks) + per layer; a verify step's (1 + a draft) queries are gathered and scattered, 6 more a layer.
-# For 4 blocks: 357 a decode round and 381 a verify round before the round's fixed cost was cut, 286 and 310 after
-ROUND_OPS = {"decode": 38 + 62 * BLOCKS, "verify": 38 + 68 * BLOCKS}
+# torch operators of a round of the tiny Llama's 2 blocks, for 1 row as for 64, decode steps or verify steps (1 + a
+# draft, all of one length: their queries need no reordering either): per round (the packed batch, rotary, masks)
+# + per layer; a lone session's keys and values are read in place (its pages lie one after another), not gathered.
+# For 4 blocks: 357 a decode round and 381 a verify round before the round's fixed cost was cut
+ROUND_OPS = {"alone": 37 + 60 * BLOCKS, "gathered": 37 + 62 * BLOCKS}
+# around the round, whatever the number of steps (there were 5 a step on the loop and 8 on the compute thread):
+# on the loop, the reply's one concatenation of the outputs and the message's tensor decoded, split into steps
+# and checked; on the compute thread, the inputs checked for finite values, the outputs split (and the inputs
+# concatenated, where a round has more than one step)
+LOOP_OPS, COMPUTE_OPS = 6, 12
 POSITIONS = {"decode": 1, "verify": 5}
 
 
@@ -41,7 +48,8 @@ def message(sessions: list, steps: list[torch.Tensor], positions: list[int]):
 
 class Counted:
     """What answering one message did: tasks created on the loop, callbacks handed to it from other threads,
-    wake-ups of the compute thread, rounds computed and the torch operators of each."""
+    wake-ups of the compute thread, rounds computed and the torch operators of each, and the torch operators
+    issued around the rounds on the compute thread (launching a round, delivering its outputs)."""
 
     def __init__(self, monkeypatch, span):
         self.counts: Counter[str] = Counter()
@@ -53,15 +61,26 @@ class Counted:
             self.counts["compute thread wake-ups"] += self.counting
             return notify(condition, *args)
 
-        def counted_forward(*args, **kwargs):  # on the compute thread, whose dispatch modes are its own
+        monkeypatch.setattr(batching.threading.Condition, "notify", counted_notify)
+        monkeypatch.setattr(span, "forward_packed", self.counted("round ops", forward, self.round_ops))
+        for name in ("_launch", "_deliver"):  # on the compute thread, whose dispatch modes are its own
+            monkeypatch.setattr(batching.Scheduler, name, self.counted("compute ops", getattr(batching.Scheduler,
+                                                                                               name)))
+
+    def counted(self, key: str, function, each: list = None):
+        """`function`, whose torch operators are added to counts[key] (and appended to `each`) while counting."""
+
+        def run(*args, **kwargs):
             if not self.counting:
-                return forward(*args, **kwargs)
+                return function(*args, **kwargs)
             outputs = []
-            self.round_ops.append(count_torch_ops(lambda: outputs.append(forward(*args, **kwargs))))
+            ops = count_torch_ops(lambda: outputs.append(function(*args, **kwargs)))
+            self.counts[key] += ops
+            if each is not None:
+                each.append(ops)
             return outputs[0]
 
-        monkeypatch.setattr(batching.threading.Condition, "notify", counted_notify)
-        monkeypatch.setattr(span, "forward_packed", counted_forward)
+        return run
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Count the loop's new tasks and its callbacks from other threads."""
@@ -74,6 +93,16 @@ class Counted:
         loop.call_soon_threadsafe = counted_call
         loop.set_task_factory(lambda loop, coro, **kwargs: self.counts.update(
             {"tasks": self.counting}) or asyncio.Task(coro, loop=loop, **kwargs))
+
+
+class OpCounter(TorchDispatchMode):
+    """The torch operators run on this thread within the block (count_torch_ops for a block that awaits)."""
+
+    calls = 0
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        self.calls += 1
+        return op(*args, **(kwargs or {}))
 
 
 def answered(span, monkeypatch, sessions: int, positions: int = 1):
@@ -92,27 +121,33 @@ def answered(span, monkeypatch, sessions: int, positions: int = 1):
             prompts = [torch.randn(1, 5 + index % 7, span.config.hidden_size) for index in range(sessions)]
             await handler._reply_to_step_message(message(opened, prompts, [0] * sessions), "peer")
             steps = [torch.randn(1, positions, span.config.hidden_size) for _ in range(sessions)]
+            request = message(opened, steps, [prompt.shape[1] for prompt in prompts])
             counted.counting = True
-            answer = await handler._reply_to_step_message(
-                message(opened, steps, [prompt.shape[1] for prompt in prompts]), "peer")
-            counted.counting = False
+            with OpCounter() as loop_ops:  # the loop's own: only this message's task runs meanwhile
+                answer = await handler._reply_to_step_message(request, "peer")
+            counted.counts["loop ops"] = loop_ops.calls
+            counted.counting = False  # the compute thread may still be delivering: its count comes in on return
             for session in opened:
                 session.close()
             return unpack(answer)[1]
         finally:
             backend.close()
+            backend.scheduler._thread.join(10)  # done delivering: its counts are in
 
     return asyncio.run(scenario()), counted
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify"])
-@pytest.mark.parametrize("sessions", [1, 64])
+@pytest.mark.parametrize("sessions", [1, 2, 64])
 def test_a_message_costs_one_hand_off_each_way_and_one_round_whatever_its_steps(span, monkeypatch, sessions, kind):
     metadata, counted = answered(span, monkeypatch, sessions, POSITIONS[kind])
     assert metadata["results"] == [{}] * sessions
-    assert counted.counts == {"tasks": 0, "compute thread wake-ups": 1, "loop wake-ups from other threads": 1}
-    # one round of the 2 tiny blocks, as many torch operators for 64 rows as for 1 (a layer's calls are per round)
-    assert counted.round_ops == [ROUND_OPS[kind]]
+    # one round of the 2 tiny blocks, as many torch operators for 64 rows as for 2 (a layer's calls are per round)
+    round_ops = ROUND_OPS["alone" if sessions == 1 else "gathered"]
+    assert counted.round_ops == [round_ops]
+    assert counted.counts == {"tasks": 0, "compute thread wake-ups": 1, "loop wake-ups from other threads": 1,
+                              "round ops": round_ops, "compute ops": round_ops + COMPUTE_OPS + (sessions > 1),
+                              "loop ops": LOOP_OPS}
 
 
 def test_the_reply_says_what_the_message_cost(span, monkeypatch):
