@@ -56,7 +56,9 @@ async def start_node(
 
     from swarm import trust
     from swarm.relays import relay_options
+    from swarm.transport import coalesce_small_writes
 
+    coalesce_small_writes()  # before the node's P2P writes to its daemon: a server's and a client's messages alike
     with trust.identity(identity_path) as identity:
         return await DHTNode.create(
             initial_peers=list(initial_peers),

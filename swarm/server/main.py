@@ -37,7 +37,6 @@ from swarm.server.cache import CacheBudget
 from swarm.server.settings import ServerSettings, parse_settings
 from swarm.server.span import BlockSpan, GraphsCaptured, load_span
 from swarm.server.throughput import cached_throughput
-from swarm.server.transport import coalesce_small_writes
 
 if TYPE_CHECKING:
     from swarm.server.pushes import Pusher
@@ -60,7 +59,6 @@ async def serve(settings: ServerSettings) -> None:
         choose_attention_kernels()
     # first, so that a port already taken fails in a second rather than after the weights load
     metrics_server, metrics_address = _start_metrics(settings)
-    coalesce_small_writes()  # before the node's P2P starts writing to its daemon
     node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity,
                                 relays=settings.relay_through, serve_relay=settings.serve_as_relay)
     try:

@@ -7,8 +7,8 @@ followed by a drain, then its body. An asyncio socket transport with nothing buf
 each is a syscall here and a read for the daemon. Profiled on a block server stepping one session of the tiny
 model (py-spy, bench.engine --sessions 1), socket writes were 11-16% of the server's samples, for four messages
 a token. `coalesce_small_writes` makes each small message one write (a message over COALESCE_BYTES keeps
-hivemind's own path: joining would copy its body once more); applied once, in the server's process, before its
-node starts.
+hivemind's own path: joining would copy its body once more); applied once per process, a block server's and a
+client's alike, before its node starts (swarm/dht.py's start_node).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""swarm/server/transport.py: a small message goes to the libp2p daemon in one socket write, the same bytes
+"""swarm/transport.py: a small message goes to the libp2p daemon in one socket write, the same bytes
 hivemind's own framing writes in several."""
 
 import asyncio
@@ -8,7 +8,7 @@ from hivemind.p2p import p2p_daemon
 from hivemind.p2p.p2p_daemon_bindings import control, utils
 from hivemind.proto import p2pd_pb2, runtime_pb2
 
-from swarm.server import transport
+from swarm import transport
 
 
 class Writer:
