@@ -30,10 +30,10 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       the gateway's limits (see Limits); gunicorn's threads are sized from them
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
-    KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user (a laptop's own
-                      gateway): 1 lets them share saved states, MLC's stateful chat and each other's warm prefixes;
-                      default off: those routes answer 403, and a request continues only the conversations of earlier
-                      requests that gave the same cache_salt (see AccessSettings)
+    KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user: 1 lets them share
+                      saved states, MLC's stateful chat and each other's warm prefixes; 0: those routes answer 403, and
+                      a request continues only earlier ones that gave its cache_salt; unset: 1 where the gateway
+                      listens on loopback only (a laptop's own), else 0 (gunicorn.conf.py; see AccessSettings)
     SESSION_STORE     where the gateway keeps its inference sessions (token ids and settings) so that they outlive a
                       restart: an SQLite file (default: SWARM_CACHE_DIR/sessions.sqlite3), or off (memory only)
     LOG_LEVEL         the gateway's log level (default INFO)
@@ -320,9 +320,15 @@ class AccessSettings:
                                                                       "allowed_headers") if environ.get(name.upper())}
         credentials = environ.get("ALLOW_CREDENTIALS", "").lower() in ("1", "true", "yes")
         proxies = int(environ.get("TRUSTED_PROXIES") or 0)
-        sharing = environ.get("KEYLESS_SHARING", "").lower() in ("1", "true", "yes")
         return cls(api_keys=tuple(keys), allow_credentials=credentials, trusted_proxies=proxies,
-                   keyless_sharing=sharing, **lists)
+                   keyless_sharing=keyless_sharing_said(environ) or False, **lists)
+
+
+def keyless_sharing_said(environ: Mapping[str, str] = os.environ) -> bool | None:
+    """KEYLESS_SHARING as set (1, true, yes; 0, false, no), or None where unset: gunicorn.conf.py then sets it by
+    where the gateway listens (on loopback only, everyone who can reach it is on this machine: one trusted user)."""
+    return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
+        environ.get("KEYLESS_SHARING", "").strip().lower())
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ def on_starting(server):
 
     settings = Settings.from_env()
     _size_for_limits(server, settings.gateway.limits)
+    _share_where_only_this_machine_reaches(server, settings.gateway.access)
     if settings.swarm.initial_peers:
         return
     from swarm.local import start_for_models
@@ -50,6 +51,40 @@ def on_starting(server):
     _local_swarm = start_for_models(settings)
     os.environ["INITIAL_PEERS"] = " ".join(_local_swarm.initial_peers)
     server.log.info("local swarm ready: %s", os.environ["INITIAL_PEERS"])
+
+
+def _share_where_only_this_machine_reaches(server, access) -> None:
+    """KEYLESS_SHARING unset: on where every bind is on loopback (or a unix socket), so that the owner of a laptop's
+    gateway gets prefix reuse and the stateful routes as vLLM and llama.cpp give them; off anywhere else, where an
+    address may be a stranger's, with one line saying so (the worker reads the setting from the environment)."""
+    from config import keyless_sharing_said
+
+    if keyless_sharing_said() is not None:
+        return
+    local = all(_loopback_only(bind) for bind in server.cfg.bind)
+    os.environ["KEYLESS_SHARING"] = "1" if local else "0"
+    if not local and not access.api_keys:
+        server.log.warning("listening on %s without API keys: clients are told apart only by their address, so prefix "
+                           "reuse without a cache_salt, saved states and MLC's stateful chat are off; set API_KEYS to "
+                           "give each client its own, or KEYLESS_SHARING=1 if everyone who can reach this gateway is "
+                           "one trusted user", ", ".join(server.cfg.bind))
+
+
+def _loopback_only(bind: str) -> bool:
+    """Whether a gunicorn bind ("HOST:PORT", "[V6]:PORT", "HOST", "unix:PATH", "fd://N") is reachable from this
+    machine alone."""
+    import ipaddress
+
+    if bind.startswith("unix:"):
+        return True
+    host = bind.rpartition(":")[0] if bind.count(":") == 1 or bind.startswith("[") else bind
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost, or fd://N: it may be anything
+        return False
 
 
 def _size_for_limits(server, limits):

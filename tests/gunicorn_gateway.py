@@ -21,7 +21,8 @@ from processes import ROOT, free_port
 class Gateway:
     """A real gunicorn process serving app:app on a free port, healthy once constructed (see running_gateway)."""
 
-    def __init__(self, env: dict, log_path: Path, port: int | None = None):
+    def __init__(self, env: dict, log_path: Path, port: int | None = None, host: str = "127.0.0.1"):
+        """`host`: where it listens (0.0.0.0: every address, loopback included, which the tests use)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
@@ -30,7 +31,7 @@ class Gateway:
         # each gateway its own session store, beside its log, unless the test shares one on purpose
         env = {"SESSION_STORE": str(log_path.parent / "sessions.sqlite3"), **env}
         # the product's gunicorn.conf.py (read from ROOT) decides the worker: threads sized from the limits in `env`
-        command = [sys.executable, "-m", "gunicorn", "app:app", "--bind", f"127.0.0.1:{self.port}"]
+        command = [sys.executable, "-m", "gunicorn", "app:app", "--bind", f"{host}:{self.port}"]
         self.process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -71,12 +72,13 @@ class Gateway:
 
 
 @contextmanager
-def running_gateway(env: dict, log_dir: Path, expected_errors: Sequence[str] = ()) -> Iterator[Gateway]:
+def running_gateway(env: dict, log_dir: Path, expected_errors: Sequence[str] = (), host: str = "127.0.0.1"
+                    ) -> Iterator[Gateway]:
     """gunicorn serving app:app with `env` over this process's environment, healthy when the block begins and
     stopped when it ends; then its log (log_dir/gunicorn.log) must hold no error and no traceback
     (tests/gateway_log.py) but those its tests cause on purpose: `expected_errors`, regular expressions of
     ERROR lines, each of which must appear."""
-    server = Gateway(env, log_dir / "gunicorn.log")
+    server = Gateway(env, log_dir / "gunicorn.log", host=host)
     try:
         yield server
     finally:

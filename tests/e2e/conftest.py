@@ -26,7 +26,8 @@ def tiny_encoders(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gateway(tiny_swarm, tiny_llama, tiny_encoders, tmp_path_factory):
     """gunicorn in front of the tiny swarm, with a small cap on sessions and a short idle timeout, and two embedding
-    models beside the chat model; no API keys, its callers one trusted user (KEYLESS_SHARING)."""
+    models beside the chat model; no API keys, and on loopback: its callers are one trusted user by default
+    (KEYLESS_SHARING unset, as `make run` leaves it)."""
     models = [{"name": "tiny", "path": str(tiny_llama), "dht_prefix": TINY_PREFIX, "max_session_length": TINY_MAX_SESSION_LENGTH}]
     env = {
         "INITIAL_PEERS": " ".join(tiny_swarm.initial_peers),
@@ -36,7 +37,6 @@ def gateway(tiny_swarm, tiny_llama, tiny_encoders, tmp_path_factory):
         "MAX_NEW_TOKENS": "200",
         "WS_PING_INTERVAL": "1",
         "EMBEDDING_MODELS": " ".join(str(folder) for folder in tiny_encoders),
-        "KEYLESS_SHARING": "1",  # no keys, one trusted user: saved states, MLC's stateful chat, shared warm prefixes
     }
     with running_gateway(env, tmp_path_factory.mktemp("gateway")) as server:
         yield server

@@ -97,7 +97,7 @@ def test_stats_show_a_caller_its_own_requests_only(tiny_llama, remote, tmp_path)
     assert client.get("/stats", headers={"Authorization": "Bearer k1"}).get_json()["decode_tokens_per_s"] > 0
 
 
-def test_keyless_sharing_is_off_unless_the_environment_turns_it_on():
+def test_keyless_sharing_is_off_in_settings_unless_the_environment_turns_it_on():
     assert not AccessSettings.from_env({}).keyless_sharing and not AccessSettings.from_env({}).keeps_caller_state
     assert AccessSettings.from_env({"KEYLESS_SHARING": "1"}).keeps_caller_state
     assert AccessSettings.from_env({"API_KEYS": "k1"}).keeps_caller_state
@@ -121,3 +121,56 @@ def test_python_app_py_keyless_sharing_flag_hands_the_setting_to_gunicorn():
 
     assert "KEYLESS_SHARING=1" in gunicorn_argv("--keyless-sharing")
     assert "KEYLESS_SHARING" not in gunicorn_argv()
+
+
+def gunicorn_conf():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "gunicorn.conf.py"
+    spec = importlib.util.spec_from_file_location("gunicorn_conf_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bind, local", [
+    ("127.0.0.1:5000", True), ("127.0.0.1", True), ("[::1]:5000", True), ("::1", True), ("localhost:5000", True),
+    ("unix:/run/gateway.sock", True), ("0.0.0.0:5000", False), ("192.168.1.20:5000", False), ("[::]:5000", False),
+    ("example.org:5000", False), ("fd://3", False),
+])
+def test_a_bind_is_local_only_on_loopback_or_a_unix_socket(bind, local):
+    assert gunicorn_conf()._loopback_only(bind) is local
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, message, *args):
+        self.lines.append(message % args)
+
+
+@pytest.mark.parametrize("binds, keys, said, shared, warned", [
+    (["127.0.0.1:5000"], "", None, True, False),  # `make run`: the machine's owner alone
+    (["127.0.0.1:5000", "[::1]:5000"], "", None, True, False),
+    (["0.0.0.0:5000"], "", None, False, True),  # a public address without keys: strangers, and a line says so
+    (["127.0.0.1:5000", "0.0.0.0:5001"], "", None, False, True),  # one bind beyond loopback is enough
+    (["0.0.0.0:5000"], "k1", None, False, False),  # keys tell clients apart: nothing to warn about
+    (["127.0.0.1:5000"], "", "0", False, False),  # an explicit setting wins either way
+    (["0.0.0.0:5000"], "", "1", True, False),
+])
+def test_keyless_sharing_follows_where_the_gateway_listens_unless_set(monkeypatch, binds, keys, said, shared, warned):
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("KEYLESS_SHARING", raising=False)
+    if said is not None:
+        monkeypatch.setenv("KEYLESS_SHARING", said)
+    server = SimpleNamespace(cfg=SimpleNamespace(bind=binds), log=_Log())
+    gunicorn_conf()._share_where_only_this_machine_reaches(server, AccessSettings(api_keys=(keys,) if keys else ()))
+    import os
+
+    assert AccessSettings.from_env(os.environ).keyless_sharing is shared
+    assert bool(server.log.lines) is warned
+    if warned:
+        assert "API_KEYS" in server.log.lines[0] and "KEYLESS_SHARING=1" in server.log.lines[0]
