@@ -22,12 +22,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
     DISCOVERED_MODELS which models the swarm announces, besides MODEL or MODELS, the gateway serves: none (default),
                       cached (those whose files are in its own cache, SWARM_CACHE_DIR/models/NAME), or a list of
                       such names; a model is never loaded from a path a swarm record names
-    MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SESSION_IDLE_TIMEOUT, WS_IDLE_TIMEOUT, MAX_NEW_TOKENS, MAX_BODY_BYTES,
-    REQUESTS_PER_MINUTE, WS_PING_INTERVAL, WS_MAX_MESSAGE_BYTES, MAX_STORED_RESPONSES, STORED_RESPONSE_IDLE_TIMEOUT,
-    MAX_WEBSOCKETS, MAX_WEBSOCKETS_PER_CLIENT, HTTP_THREADS, HTTP_KEEPALIVE, MAX_LOADED_MODELS,
-    MAX_INPUTS_PER_REQUEST, MAX_INPUT_TOKENS_PER_REQUEST, MAX_STORED_RESPONSE_BYTES, MAX_SAVED_STATES,
-    MAX_SAVED_STATES_PER_CLIENT
-                      the gateway's limits (see Limits); gunicorn's threads are sized from them
+    MAX_SESSIONS, ... every field of Limits in capitals: the gateway's limits and its engine loop's policies
+                      (speculation, the pipeline); gunicorn's threads are sized from the limits
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
     KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user: 1 lets them share
@@ -56,8 +52,7 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16")
 GATEWAY_DTYPES = WIRE_DTYPES
 # a model's name as a folder of the model cache: one path component, never a path (swarm records name models)
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# a device named as torch names it; whether this machine has it is checked where torch is loaded (app.py)
-GATEWAY_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+GATEWAY_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")  # as torch names it (app.py checks it is there)
 MAX_SPECULATIVE_TOKENS = 32  # a step of more positions than this is a prefill, priced and batched as one
 
 
@@ -65,11 +60,14 @@ def _split_list(value: str) -> tuple[str, ...]:
     return tuple(item for item in re.split(r"[\s,]+", value) if item)
 
 
-def where_it_pays(name: str, environ: Mapping[str, str] = os.environ) -> bool | None:
-    """FLOWING_STEPS (a client's steps flow down its chain by the servers' pushes: swarm/client/flowing.py) or
-    PUSHED_STEPS (a relayed step's server pushes its outputs on to the next one: swarm/client/hops.py): always
-    (1: True), never (0: False), or, unset, where the chain's measured round trips make it pay (None)."""
-    return {"1": True, "0": False}.get(environ.get(name, "").strip())
+def said(name: str, environ: Mapping[str, str] = os.environ) -> bool | None:
+    """A yes-or-no setting as set (1, true, yes; 0, false, no), or None where unset: FLOWING_STEPS and PUSHED_STEPS
+    then go where the chain's round trips make them pay (swarm/client/flowing.py, hops.py), KEYLESS_SHARING by where
+    the gateway listens (gunicorn.conf.py)."""
+    return _YES_NO.get(environ.get(name, "").strip().lower())
+
+
+_YES_NO = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -300,9 +298,8 @@ class AccessSettings:
     # the per-client limits go by that address when no API key identifies the client. 0: the socket's peer.
     trusted_proxies: int = 0
     # Without keys a caller is only its address, which everyone behind one NAT or proxy shares: whether they are one
-    # trusted user (KEYLESS_SHARING), who may then continue each other's MLC conversations, use each other's saved
-    # states and reuse each other's warm prefixes (which tells how much of a guessed prompt matched). Off, those
-    # routes are refused, and only a request's own cache_salt (a secret it holds) lets it continue an earlier one.
+    # trusted user (KEYLESS_SHARING), who may continue each other's MLC conversations, use each other's saved states
+    # and warm prefixes. Off, those routes are refused; only a request's own cache_salt continues an earlier one.
     keyless_sharing: bool = False
 
     @property
@@ -318,17 +315,9 @@ class AccessSettings:
             keys += Path(environ["API_KEY_FILE"]).expanduser().read_text().split()
         lists = {name: _split_list(environ[name.upper()]) for name in ("allowed_origins", "allowed_methods",
                                                                       "allowed_headers") if environ.get(name.upper())}
-        credentials = environ.get("ALLOW_CREDENTIALS", "").lower() in ("1", "true", "yes")
-        proxies = int(environ.get("TRUSTED_PROXIES") or 0)
-        return cls(api_keys=tuple(keys), allow_credentials=credentials, trusted_proxies=proxies,
-                   keyless_sharing=keyless_sharing_said(environ) or False, **lists)
-
-
-def keyless_sharing_said(environ: Mapping[str, str] = os.environ) -> bool | None:
-    """KEYLESS_SHARING as set (1, true, yes; 0, false, no), or None where unset: gunicorn.conf.py then sets it by
-    where the gateway listens (on loopback only, everyone who can reach it is on this machine: one trusted user)."""
-    return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
-        environ.get("KEYLESS_SHARING", "").strip().lower())
+        return cls(api_keys=tuple(keys), allow_credentials=said("ALLOW_CREDENTIALS", environ) or False,
+                   trusted_proxies=int(environ.get("TRUSTED_PROXIES") or 0),
+                   keyless_sharing=said("KEYLESS_SHARING", environ) or False, **lists)
 
 
 @dataclass(frozen=True)
@@ -337,15 +326,12 @@ class GatewaySettings:
     limits: Limits = field(default_factory=Limits)
     access: AccessSettings = field(default_factory=AccessSettings)
     log_level: str = "INFO"
-    # the gateway's half of each model (embeddings, final norm, LM head): a GPU takes the LM head's matmul, the
-    # client's largest, off the CPU; logits still come back as float32 on the CPU, where sampling runs
+    # where the gateway's half of each model runs (embeddings, final norm, LM head: a GPU takes the head's matmul)
     device: str = "cpu"
     dtype: str = "float32"
-    # which models the swarm announces, besides `models`, are served (DISCOVERED_MODELS): "none"; "cached", those
-    # found in this gateway's model cache by name; or names of such models (space- or comma-separated)
+    # DISCOVERED_MODELS: which models the swarm announces besides `models` are served: none, cached, or names
     discovered_models: str = "none"
-    # the SQLite file that keeps sessions across restarts (SESSION_STORE); None: memory only (from_env's default is
-    # a file in the cache folder; "off" turns it off)
+    # SESSION_STORE: the SQLite file that keeps sessions across restarts (from_env: one in the cache); None: memory
     session_store: str | None = None
     # encoders served beside the chat models, in this process (EMBEDDING_MODELS): their names are the folders'
     embedding_models: tuple[EmbeddingModelConfig, ...] = ()

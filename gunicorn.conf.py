@@ -57,9 +57,9 @@ def _share_where_only_this_machine_reaches(server, access) -> None:
     """KEYLESS_SHARING unset: on where every bind is on loopback (or a unix socket), so that the owner of a laptop's
     gateway gets prefix reuse and the stateful routes as vLLM and llama.cpp give them; off anywhere else, where an
     address may be a stranger's, with one line saying so (the worker reads the setting from the environment)."""
-    from config import keyless_sharing_said
+    from config import said
 
-    if keyless_sharing_said() is not None:
+    if said("KEYLESS_SHARING") is not None:
         return
     local = all(_loopback_only(bind) for bind in server.cfg.bind)
     os.environ["KEYLESS_SHARING"] = "1" if local else "0"

@@ -80,9 +80,9 @@ def best_chain(servers: Sequence[LiveServer], start: int, end: int) -> Optional[
 
 def _flowing() -> bool:
     """Whether the gateways flow their steps (FLOWING_STEPS, which they inherit): routing prices chains so."""
-    from config import where_it_pays
+    from config import said
 
-    return where_it_pays("FLOWING_STEPS") is not False
+    return said("FLOWING_STEPS") is not False
 
 
 def _routing_inputs(servers: Sequence[LiveServer]):

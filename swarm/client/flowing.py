@@ -61,9 +61,9 @@ HOP_FAULTS = (ServerUnavailableError, InternalServerError, CacheFullError)
 def flowing_by_default() -> Optional[bool]:
     """The FLOWING_STEPS setting: sessions flow their steps always (True), never (False), or where it pays (None,
     the default: see flow_pays); RemoteSession.flowing says per session."""
-    from config import where_it_pays
+    from config import said
 
-    return where_it_pays("FLOWING_STEPS")
+    return said("FLOWING_STEPS")
 
 
 class Flow:

@@ -28,9 +28,9 @@ PUSH_MIN_ROUND_TRIP = 0.001
 
 def pushing_by_default() -> Optional[bool]:
     """The PUSHED_STEPS setting: relayed steps push always (True), never (False), or where it pays (None)."""
-    from config import where_it_pays
+    from config import said
 
-    return where_it_pays("PUSHED_STEPS")
+    return said("PUSHED_STEPS")
 
 
 class Hop:
