@@ -54,5 +54,6 @@ def coalesce_small_writes() -> None:
         await stream.drain()
 
     send_protobuf_in_one_write.coalesced = True
+    send_protobuf_in_one_write.hiveminds = (send_protobuf, write_pbmsg)  # hivemind's own, for the tests to compare
     peer.send_protobuf = staticmethod(send_protobuf_in_one_write)
     control.write_pbmsg = write_pbmsg_in_one_write

@@ -32,9 +32,13 @@ def written(send, message) -> list[bytes]:
 
 @pytest.fixture
 def patched(monkeypatch):
-    """hivemind's framing writers before and after coalesce_small_writes (restored after the test)."""
+    """hivemind's framing writers before and after coalesce_small_writes (restored after the test; a node this
+    process started already has them coalesced: hivemind's own are kept on them)."""
     monkeypatch.setattr(p2p_daemon.P2P, "send_protobuf", p2p_daemon.P2P.__dict__["send_protobuf"])
     monkeypatch.setattr(control, "write_pbmsg", control.write_pbmsg)
+    before = getattr(p2p_daemon.P2P.send_protobuf, "hiveminds", None)
+    if before is not None:  # put hivemind's own back, to be coalesced again here
+        p2p_daemon.P2P.send_protobuf, control.write_pbmsg = staticmethod(before[0]), before[1]
     before = (p2p_daemon.P2P.send_protobuf, control.write_pbmsg)
     transport.coalesce_small_writes()
     transport.coalesce_small_writes()  # idempotent: not wrapped twice
