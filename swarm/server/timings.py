@@ -10,8 +10,8 @@ Seconds on the server's own clock, durations only, rounded to microseconds:
     total    arrival to the reply built
 
 A few perf_counter calls per message, never per step. The handler opens a message's timings for its task
-(`timed_message`); the scheduler's Batch of that task's steps finds them there (`current`) and adds its wait and
-its rounds when it settles. A context variable, not a parameter: the message's timings reach its batches without
+(`timed_message`); the scheduler's Batch of that task's steps finds them there and adds its wait and
+its rounds when it settles (`current_timings`). A context variable, not a parameter: the message's timings reach its batches without
 being threaded through the backend and the step planning, which tests and fault injectors replace.
 """
 
@@ -62,6 +62,6 @@ def timed_message(arrived: float) -> MessageTimings:
     return timings
 
 
-def current() -> Optional[MessageTimings]:
+def current_timings() -> Optional[MessageTimings]:
     """The timings of the message the calling task answers, if any (a push's steps have none)."""
     return _CURRENT.get()
