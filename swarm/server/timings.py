@@ -10,9 +10,10 @@ Seconds on the server's own clock, durations only, rounded to microseconds:
     total    arrival to the reply built
 
 A few perf_counter calls per message, never per step. The handler opens a message's timings for its task
-(`timed_message`); the scheduler's Batch of that task's steps finds them there and adds its wait and
-its rounds when it settles (`current_timings`). A context variable, not a parameter: the message's timings reach its batches without
-being threaded through the backend and the step planning, which tests and fault injectors replace.
+(`timed_message`); the scheduler's Batch of that task's steps finds them there (`current_timings`) and adds its
+wait and its rounds when it settles. A context variable, not a parameter: the message's timings reach its
+batches without being threaded through the backend and the step planning, which tests and fault injectors
+replace.
 """
 
 from __future__ import annotations
