@@ -6,7 +6,7 @@ Seconds on the server's own clock, durations only, rounded to microseconds:
     decode   from the message's arrival in the handler to its steps decoded and checked
     queue    waiting for the compute thread: from its batch submitted to its (first) round started
     compute  its round(s), from the first one started to its last step computed
-    reply    from computed (or, with nothing computed, decoded) to the reply built
+    reply    from computed (or, with nothing computed, decoded) to the reply built (its tensors serialized)
     total    arrival to the reply built
 
 A few perf_counter calls per message, never per step. The handler opens a message's timings for its task
