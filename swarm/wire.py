@@ -72,13 +72,18 @@ def unary_payload_bytes() -> int:
     return DEFAULT_MAX_MSG_SIZE - ENVELOPE_BYTES
 
 
-def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None, request: bool = True):
+def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict | Callable[[], dict]] = None,
+         request: bool = True):
+    """A message of `tensors` and `metadata`; metadata given as a function is made once the tensors are
+    serialized (a reply that says how long it took to build, see swarm/server/timings.py)."""
     message = runtime_pb2.ExpertRequest() if request else runtime_pb2.ExpertResponse()
     bfloat16 = [index for index, tensor in enumerate(tensors) if tensor.dtype == torch.bfloat16]
     if bfloat16:
-        metadata = {**(metadata or {}), BFLOAT16_KEY: bfloat16}
         tensors = tuple(tensor.view(torch.int16) if index in bfloat16 else tensor for index, tensor in enumerate(tensors))
     message.tensors.extend(serialize_torch_tensor(tensor) for tensor in tensors)
+    metadata = metadata() if callable(metadata) else metadata
+    if bfloat16:
+        metadata = {**(metadata or {}), BFLOAT16_KEY: bfloat16}
     message.metadata = MSGPackSerializer.dumps(metadata or {})
     return message
 
@@ -215,7 +220,7 @@ def inputs_digest(hidden: torch.Tensor) -> str:
     return hashlib.sha256(f"{hidden.dtype}{tuple(hidden.shape)}".encode() + data).hexdigest()[:32]
 
 
-def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict] = None):
+def reply(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict | Callable[[], dict]] = None):
     return pack(tensors, metadata, request=False)
 
 

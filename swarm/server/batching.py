@@ -32,11 +32,11 @@ from typing import Callable, Optional
 
 import torch
 
-from swarm.server import metrics, timings
+from swarm.server import metrics
 from swarm.server.attention import Segment
 from swarm.server.cache import SessionCache
 from swarm.server.span import BlockSpan
-from swarm.server.timings import MessageTimings
+from swarm.server.timings import MessageTimings, current_timings
 from swarm.protocol import BadRequestError, InternalServerError, ServerUnavailableError, SwarmError
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class Scheduler:
 
     def enqueue_batch(self, jobs: list[Job], on_settled: Callable[[list], None]) -> asyncio.Future:
         """submit_batch without waiting: the future of the jobs' results."""
-        batch = Batch(jobs, asyncio.get_running_loop(), on_settled, timings.current())
+        batch = Batch(jobs, asyncio.get_running_loop(), on_settled, current_timings())
         self._enqueue(jobs)
         return batch.future
 

@@ -42,10 +42,14 @@ class StreamSlots:
 
     async def take(self, timeout: float) -> bool:
         """A slot for one more message; False if none freed up within `timeout` seconds."""
-        try:
-            await asyncio.wait_for(self.peer.slots.acquire(), timeout)
-        except asyncio.TimeoutError:
-            return False
+        slots = self.peer.slots
+        if slots.locked():  # none free: wait (wait_for makes a task of its own: only when it must wait)
+            try:
+                await asyncio.wait_for(slots.acquire(), timeout)
+            except asyncio.TimeoutError:
+                return False
+        else:
+            await slots.acquire()  # returns at once
         self.held += 1
         self.peer.in_flight += 1
         return True

@@ -260,8 +260,8 @@ class BlockHandler(BlockRPC):
         self.pusher.push(pushes)
         answers = [wire_error(result) if isinstance(result, BaseException) else answer
                    for result, answer in zip(results, answers)]
-        tensors = stacked([result for result in results if not isinstance(result, BaseException)])
-        return reply(tensors, {"message_id": message_id, "results": answers, "timings": timings.wire()})
+        return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
+                     lambda: {"message_id": message_id, "results": answers, "timings": timings.wire()})
 
     def _sessions_of(self, entries: list, steps: list, peer_id: str) -> tuple[list, list]:
         """Each step's refusal where it has one (else None), and (index, session, hidden, entry, push target) of

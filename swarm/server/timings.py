@@ -6,13 +6,14 @@ Seconds on the server's own clock, durations only, rounded to microseconds:
     decode   from the message's arrival in the handler to its steps decoded and checked
     queue    waiting for the compute thread: from its batch submitted to its (first) round started
     compute  its round(s), from the first one started to its last step computed
-    reply    from computed (or, with nothing computed, decoded) to the reply built
+    reply    from computed (or, with nothing computed, decoded) to the reply built (its tensors serialized)
     total    arrival to the reply built
 
 A few perf_counter calls per message, never per step. The handler opens a message's timings for its task
-(`timed_message`); the scheduler's Batch of that task's steps finds them there (`current`) and adds its wait and
-its rounds when it settles. A context variable, not a parameter: the message's timings reach its batches without
-being threaded through the backend and the step planning, which tests and fault injectors replace.
+(`timed_message`); the scheduler's Batch of that task's steps finds them there (`current_timings`) and adds its
+wait and its rounds when it settles. A context variable, not a parameter: the message's timings reach its
+batches without being threaded through the backend and the step planning, which tests and fault injectors
+replace.
 """
 
 from __future__ import annotations
@@ -62,6 +63,6 @@ def timed_message(arrived: float) -> MessageTimings:
     return timings
 
 
-def current() -> Optional[MessageTimings]:
+def current_timings() -> Optional[MessageTimings]:
     """The timings of the message the calling task answers, if any (a push's steps have none)."""
     return _CURRENT.get()

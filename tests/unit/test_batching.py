@@ -222,9 +222,10 @@ def test_sessions_take_pages_as_they_grow_and_give_all_back(llama_span):
 
 
 @pytest.mark.parametrize("sessions", [8, 64])
-def test_a_decode_round_issues_as_many_torch_ops_for_many_sessions_as_for_one(family_span, sessions):
+def test_a_decode_round_issues_as_many_torch_ops_for_many_sessions_as_for_two(family_span, sessions):
     """Attention runs per group of sequences over the page pool, never per session: a round's op count does
-    not grow with the number of sessions (what a GPU needs, so that its CPU is not the bottleneck)."""
+    not grow with the number of sessions (what a GPU needs, so that its CPU is not the bottleneck); a lone
+    session's may be lower (swarm/server/attention.py: its consecutive pages are read in place)."""
     span = family_span
     span.new_pool(64 * 64 * 2)
 
@@ -242,7 +243,8 @@ def test_a_decode_round_issues_as_many_torch_ops_for_many_sessions_as_for_one(fa
             for segment in segments:
                 segment.cache.release()
 
-    assert decode_round(sessions) == decode_round(1)
+    # a lone session's pages lie one after another here: it reads them in place, one call fewer per gather
+    assert decode_round(sessions) == decode_round(2) >= decode_round(1)
 
 
 # ------------------------------------------------------------------------------------------- decode graphs

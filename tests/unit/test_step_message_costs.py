@@ -176,3 +176,43 @@ def test_a_message_of_refused_steps_only_spent_nothing_computing(span):
     assert metadata["timings"]["queue"] == metadata["timings"]["compute"] == 0.0
     assert metadata["timings"]["total"] >= metadata["timings"]["decode"]
 
+
+
+@pytest.mark.parametrize("sessions", [1, 64])
+def test_a_step_stream_answers_each_message_in_one_task_of_its_own(span, monkeypatch, sessions):
+    """A step stream's reader (rpc_steps) starts one task per message, which answers it (so that a long message
+    does not hold up a short one), whatever its number of steps, and nothing else (no task to take its slot)."""
+    counted = Counted(monkeypatch, span)
+
+    async def scenario():
+        backend = Backend(span, CacheBudget(sessions * 4 * PAGE_TOKENS), ServerLimits(max_sessions_per_peer=64))
+        handler = BlockHandler(backend)
+        try:
+            opened = [await backend.open_session({"start": 0, "end": BLOCKS, "max_length": 64, "batch_size": 1,
+                                                  "session_id": secrets.token_hex(16)}, "peer")
+                      for _ in range(sessions)]
+            prompts = [torch.randn(1, 5, span.config.hidden_size) for _ in range(sessions)]
+            steps = [torch.randn(1, 1, span.config.hidden_size) for _ in range(sessions)]
+
+            replies: asyncio.Queue = asyncio.Queue()
+            answers = []
+
+            async def requests():  # the steps once their prompts are answered, as a client sends them
+                yield message(opened, prompts, [0] * sessions)
+                answers.append(await replies.get())
+                yield message(opened, steps, [5] * sessions)
+
+            slots = handler.flow.open_stream("peer", end=lambda: None)
+            counted.watch(asyncio.get_running_loop())
+            counted.counting = True
+            await handler._read_step_messages(requests(), "peer", slots, replies)
+            counted.counting = False
+            answers += [replies.get_nowait() for _ in range(2)]
+            assert answers[2] is None and all(unpack(reply)[1]["results"] == [{}] * sessions
+                                              for reply, _ in answers[:2])
+        finally:
+            backend.close()
+            backend.scheduler._thread.join(10)
+
+    asyncio.run(scenario())
+    assert counted.counts["tasks"] == 2  # one per message
