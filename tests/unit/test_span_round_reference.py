@@ -43,3 +43,13 @@ def test_one_row_against_transformers_reports_both_medians_and_their_ratio(folde
     assert found["span_ms"] > 0 and found["transformers_ms"] > 0
     assert found["ratio"] == pytest.approx(found["span_ms"] / found["transformers_ms"])
     assert "tiny: span" in "\n".join(one_row_lines({"tiny": {"one_row_vs_transformers": found}}))
+
+
+def test_the_decode_rounds_carry_the_reference_when_asked(folder):
+    from bench.span_round import measure_decode_rounds
+
+    rounds = measure_decode_rounds(folder, sessions=(1, 2), repeats=1, warmup=0, min_seconds=0.0, drafts=())
+    assert rounds["one_row_vs_transformers"]["repeats"] == 1 and rounds["one_row_vs_transformers"]["ratio"] > 0
+    without = measure_decode_rounds(folder, sessions=(1,), repeats=1, warmup=0, min_seconds=0.0, drafts=(),
+                                    reference=False)
+    assert "one_row_vs_transformers" not in without and set(without["ms_per_round"]) == {"1"}
