@@ -13,6 +13,7 @@ Two packages, and what both share:
     weights.py    resolve a model name or folder; convert the shipped GGUF once; read only the tensors asked for
     trust.py      identity keys, and the DHT record validator: only records signed under their writer's subkey
     dht.py        the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`
+    transport.py  a small message written to the libp2p daemon in one socket write (hivemind's framing, joined)
     relays.py     servers behind a NAT: libp2p circuit relays through public peers (p2pd's flags, the wait)
     local.py      LocalSwarm: a bootstrap peer and block servers as child processes on this machine
     network_map.py  a simulated network map (NETWORK_MAP, --network-map): regions and the round trip of each link

@@ -24,6 +24,8 @@ In data-flow order:
     generate.py      `python -m swarm.client.generate`, an operator's quick check
     catalogue.py     `python -m swarm.client.catalogue`, the models a swarm serves
     metrics.py       Prometheus counters: retries, failovers, spot checks (in the default registry)
+    stage_clock.py   where steps' time goes, stage by stage (engine loop, hand-off, each hop and its server's own
+                     timings), summed for /metrics and bench.engine
 
 The public API is what this module exports (__all__); the gateway imports nothing else of swarm but
 swarm.protocol's errors and records. It never imports swarm.server. Importing it loads no torch, hivemind or

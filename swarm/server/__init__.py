@@ -6,7 +6,6 @@ In data-flow order, from the command line to the compute thread:
     main.py        the process: join the DHT, claim a span, load it, announce it (Presence), serve until stopped
     placement.py   where the server sits: the span it claims, when to move to one the swarm serves less
     throughput.py  what it announces as its speed (timed once per model, span, device and dtype; kept on disk)
-    transport.py   a small message written to the libp2p daemon in one socket write (hivemind's framing, joined)
     handler.py     the RPC handlers (swarm/wire.py's BlockRPC): decode, hand to the backend, encode, push on
     step_entries.py  a step message's entries: which steps flow, where each one's outputs are pushed on to
     timings.py     what a step message cost on the server (decode, queue, compute, reply), carried in its reply
