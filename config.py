@@ -8,8 +8,8 @@ Each command-line tool takes its defaults from here, so an operator can set them
     TORCH_THREADS     torch's threads in each process (the gateway's, and block servers' without --threads)
     ALLOWED_SERVERS   a private swarm's servers (peer ids, space- or comma-separated): clients route only to them
     ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
-    FLOWING_STEPS, PUSHED_STEPS  whether steps flow down the chain by the servers' pushes, and whether a relayed
-                      step's server pushes on: 1 always, 0 never, unset (default) where the round trips make it pay
+    FLOWING_STEPS     whether steps flow down the chain by the servers' pushes: 1 always, 0 never, unset (default)
+                      where the round trips make it pay; PUSHED_STEPS=0: relayed steps ask for no push (default 1)
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     BLOCK_WAIT_SECONDS  how long the gateway's sessions and requests wait when no server holds some of their blocks
                       (servers restarting, a replica reloading) before they fail (default 30; 0: at once)
@@ -61,9 +61,9 @@ def _split_list(value: str) -> tuple[str, ...]:
 
 
 def said(name: str, environ: Mapping[str, str] = os.environ) -> bool | None:
-    """A yes-or-no setting as set (1, true, yes; 0, false, no), or None where unset: FLOWING_STEPS and PUSHED_STEPS
-    then go where the chain's round trips make them pay (swarm/client/flowing.py, hops.py), KEYLESS_SHARING by where
-    the gateway listens (gunicorn.conf.py)."""
+    """A yes-or-no setting as set (1, true, yes; 0, false, no), or None where unset: FLOWING_STEPS then goes where
+    the chain's round trips make it pay (swarm/client/flowing.py), KEYLESS_SHARING by where the gateway listens
+    (gunicorn.conf.py)."""
     return _YES_NO.get(environ.get(name, "").strip().lower())
 
 

@@ -79,10 +79,9 @@ class RemoteSession:
     are the same as without the failure. Retries are bounded, with backoff. When no server holds some of its blocks,
     it waits up to the client's block_wait for one (SwarmClient.wait_for_chain), telling `on_wait(message)`, if set.
 
-    With `pushing` (True, or None: where the next server is far enough from the client, see Hop.takes_pushes),
-    each server pushes a step's outputs on to the next, which starts at once, within the positions the session
-    declared its next step there may carry (`next_positions`, at the opening and in each step: a short step by
-    default). With `flowing` (True, or None: where the chain's round trips make it pay), a short step goes to every
+    With `pushing` (PUSHED_STEPS, on by default), each server pushes a step's outputs on to the next, which starts
+    at once, within the positions the session declared its next step there may carry (`next_positions`, at the
+    opening and in each step: a short step by default). With `flowing` (True, or None: where the chain's round trips make it pay), a short step goes to every
     server at once, its inputs only to the first, and flows down the chain by the pushes (swarm/client/flowing.py);
     else the client relays each hop's outputs on.
 
@@ -93,7 +92,7 @@ class RemoteSession:
 
     flowing, flow_grace = False, FLOW_GRACE  # see swarm/client/flowing.py (flowing: FLOWING_STEPS by default)
     pushes_missed = 0  # flowing steps whose push did not come in time: the client sent their inputs
-    pushing: Optional[bool] = None  # whether relayed steps push (see Hop.takes_pushes): PUSHED_STEPS by default
+    pushing = True  # whether relayed steps push (see Hop.takes_pushes): PUSHED_STEPS by default
     group = 0  # its steps travel with its group's (the engine loop's pipeline: see StepChannel.step)
 
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
@@ -204,13 +203,13 @@ class RemoteSession:
         check = await asyncio.to_thread(spot_checks.plan, self.route, self.chain) if spot_checks.rate > 0 else None
         timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * output.shape[1]
         flow = Flow.of_step(self, output, position, timeout)  # None: the step is relayed
-        pushing = True if flow is not None else self.pushing  # a flowing step goes on by its pushes
+        pushing = flow is not None or self.pushing  # a flowing step goes on by its pushes
         try:
             while index < len(self.hops):
                 hop = self.hops[index]
                 hop.record(output, position)
                 following = self.hops[index + 1] if index + 1 < len(self.hops) else None
-                if following is not None and not following.takes_pushes(output.shape[1], pushing, self.services.load):
+                if following is not None and not following.takes_pushes(output.shape[1], pushing):
                     following = None
                 try:
                     if flow is not None and flow.flows_to(hop):

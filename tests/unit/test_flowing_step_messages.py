@@ -152,7 +152,7 @@ def client_session(streams, grace=5.0):
 
     session = RemoteSession.__new__(RemoteSession)  # its chain by hand: no network
     session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0),
-                                       step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None, round_trips=dict))
+                                       step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None))
     session.max_length, session.position, session._steps, session.next_positions = 100, 0, 0, 8
     session.flowing, session.flow_grace = True, grace
     session.hops = [Hop(ChainLink(stream.name, index, index + 1), stream, declared=8)

@@ -154,7 +154,7 @@ def test_a_client_declares_its_next_step_and_asks_no_server_for_a_push_the_next_
     streams = [Stream("first"), Stream("second")]
     session = RemoteSession.__new__(RemoteSession)  # its chain by hand: no network
     session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0),
-                                       step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None, round_trips=dict))
+                                       step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None))
     session.max_length, session.position, session._steps = 1000, 0, 0
     session.next_positions = NEXT_STEP_POSITIONS
     session.hops = [Hop(ChainLink(stream.name, index, index + 1), stream) for index, stream in enumerate(streams)]
@@ -172,29 +172,21 @@ def test_a_client_declares_its_next_step_and_asks_no_server_for_a_push_the_next_
     assert session.position == 142
 
 
-@pytest.mark.parametrize("pushing, round_trip, pushes", [
-    (None, 0.0003, False),  # loopback or a LAN: relaying costs less than a push costs both servers
-    (None, 0.004, True),  # far from the client: the next server computes while the outputs travel
-    (None, None, True),  # not measured yet: counts as far
-    (True, 0.0003, True), (False, 0.050, False),  # PUSHED_STEPS=1, =0
-])
-def test_a_relayed_step_is_pushed_on_only_where_the_next_server_is_far_from_the_client(pushing, round_trip, pushes):
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("pushing", [True, False])
+def test_a_relayed_step_is_pushed_on_within_what_was_declared_unless_pushes_are_off(pushing):
     from swarm.client.hops import Hop
     from swarm.client.routing import ChainLink
 
     following = Hop(ChainLink("second", 1, 2), stream=None, declared=8)
-    load = SimpleNamespace(round_trips=lambda: {} if round_trip is None else {"second": round_trip})
-    assert following.takes_pushes(1, pushing, load) is pushes
-    assert following.takes_pushes(9, pushing, load) is False  # past what its server was told: never
+    assert following.takes_pushes(1, pushing) is pushing and following.takes_pushes(8, pushing) is pushing
+    assert following.takes_pushes(9, pushing) is False  # past what its server was told: never
 
 
 def test_the_pushed_steps_setting(monkeypatch):
     from swarm.client.hops import pushing_by_default
 
     monkeypatch.delenv("PUSHED_STEPS", raising=False)
-    assert pushing_by_default() is None
-    for value, expected in (("0", False), ("1", True), ("auto", None)):
+    assert pushing_by_default() is True
+    for value, expected in (("0", False), ("1", True), ("no", False)):
         monkeypatch.setenv("PUSHED_STEPS", value)
         assert pushing_by_default() is expected
