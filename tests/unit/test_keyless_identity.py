@@ -151,23 +151,26 @@ class _Log:
         self.lines.append(message % args)
 
 
-@pytest.mark.parametrize("binds, keys, said, shared, warned", [
-    (["127.0.0.1:5000"], "", None, True, False),  # `make run`: the machine's owner alone
-    (["127.0.0.1:5000", "[::1]:5000"], "", None, True, False),
-    (["0.0.0.0:5000"], "", None, False, True),  # a public address without keys: strangers, and a line says so
-    (["127.0.0.1:5000", "0.0.0.0:5001"], "", None, False, True),  # one bind beyond loopback is enough
-    (["0.0.0.0:5000"], "k1", None, False, False),  # keys tell clients apart: nothing to warn about
-    (["127.0.0.1:5000"], "", "0", False, False),  # an explicit setting wins either way
-    (["0.0.0.0:5000"], "", "1", True, False),
+@pytest.mark.parametrize("binds, keys, said, shared, warned, proxies", [
+    (["127.0.0.1:5000"], "", None, True, False, 0),  # `make run`: the machine's owner alone
+    (["127.0.0.1:5000"], "", None, False, True, 1),  # behind nginx on this machine: its callers are anyone's
+    (["127.0.0.1:5000", "[::1]:5000"], "", None, True, False, 0),
+    (["0.0.0.0:5000"], "", None, False, True, 0),  # a public address without keys: strangers, and a line says so
+    (["127.0.0.1:5000", "0.0.0.0:5001"], "", None, False, True, 0),  # one bind beyond loopback is enough
+    (["0.0.0.0:5000"], "k1", None, False, False, 0),  # keys tell clients apart: nothing to warn about
+    (["127.0.0.1:5000"], "", "0", False, False, 0),  # an explicit setting wins either way
+    (["0.0.0.0:5000"], "", "1", True, False, 0),
 ])
-def test_keyless_sharing_follows_where_the_gateway_listens_unless_set(monkeypatch, binds, keys, said, shared, warned):
+def test_keyless_sharing_follows_where_the_gateway_listens_unless_set(monkeypatch, binds, keys, said, shared, warned,
+                                                                     proxies):
     from types import SimpleNamespace
 
     monkeypatch.delenv("KEYLESS_SHARING", raising=False)
     if said is not None:
         monkeypatch.setenv("KEYLESS_SHARING", said)
     server = SimpleNamespace(cfg=SimpleNamespace(bind=binds), log=_Log())
-    gunicorn_conf()._share_where_only_this_machine_reaches(server, AccessSettings(api_keys=(keys,) if keys else ()))
+    access = AccessSettings(api_keys=(keys,) if keys else (), trusted_proxies=proxies)
+    gunicorn_conf()._share_where_only_this_machine_reaches(server, access)
     import os
 
     assert AccessSettings.from_env(os.environ).keyless_sharing is shared
