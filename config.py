@@ -54,20 +54,20 @@ GATEWAY_DTYPES = WIRE_DTYPES
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 GATEWAY_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")  # as torch names it (app.py checks it is there)
 MAX_SPECULATIVE_TOKENS = 32  # a step of more positions than this is a prefill, priced and batched as one
+_YES_NO = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def _split_list(value: str) -> tuple[str, ...]:
     return tuple(item for item in re.split(r"[\s,]+", value) if item)
 
 
-def said(name: str, environ: Mapping[str, str] = os.environ) -> bool | None:
-    """A yes-or-no setting as set (1, true, yes; 0, false, no), or None where unset: FLOWING_STEPS then goes where
-    the chain's round trips make it pay (swarm/client/flowing.py), KEYLESS_SHARING by where the gateway listens
-    (gunicorn.conf.py)."""
-    return _YES_NO.get(environ.get(name, "").strip().lower())
-
-
-_YES_NO = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+def said(name: str, environ: Mapping[str, str] = os.environ, strict: bool = False) -> bool | None:
+    """A yes-or-no setting (1, true, yes; 0, false, no), or None unset or "auto" (FLOWING_STEPS: where it pays;
+    KEYLESS_SHARING: by where the gateway listens); `strict`: any other value is refused, else read as unset."""
+    value = environ.get(name, "").strip().lower()
+    if strict and value not in _YES_NO and value not in ("", "auto"):
+        raise ValueError(f"{name} must be 1 or 0 (true or false, yes or no), got {environ[name]!r}")
+    return _YES_NO.get(value)
 
 
 def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -315,9 +315,9 @@ class AccessSettings:
             keys += Path(environ["API_KEY_FILE"]).expanduser().read_text().split()
         lists = {name: _split_list(environ[name.upper()]) for name in ("allowed_origins", "allowed_methods",
                                                                       "allowed_headers") if environ.get(name.upper())}
-        return cls(api_keys=tuple(keys), allow_credentials=said("ALLOW_CREDENTIALS", environ) or False,
+        return cls(api_keys=tuple(keys), allow_credentials=said("ALLOW_CREDENTIALS", environ, strict=True) or False,
                    trusted_proxies=int(environ.get("TRUSTED_PROXIES") or 0),
-                   keyless_sharing=said("KEYLESS_SHARING", environ) or False, **lists)
+                   keyless_sharing=said("KEYLESS_SHARING", environ, strict=True) or False, **lists)
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,10 @@ def test_keyless_sharing_follows_where_the_gateway_listens_unless_set(monkeypatc
     assert bool(server.log.lines) is warned
     if warned:
         assert "API_KEYS" in server.log.lines[0] and "KEYLESS_SHARING=1" in server.log.lines[0]
+
+
+@pytest.mark.parametrize("name", ["KEYLESS_SHARING", "ALLOW_CREDENTIALS"])
+def test_a_yes_or_no_setting_that_is_neither_is_refused_naming_it(name):
+    with pytest.raises(ValueError, match=name):
+        AccessSettings.from_env({name: "ture"})
+    assert AccessSettings.from_env({name: "yes"}) == AccessSettings.from_env({name: "1"})
