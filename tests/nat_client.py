@@ -50,7 +50,8 @@ def decode(model, prompt: list[int], tokens: int) -> dict:
 
 def ping_medians(client, peers, rounds: int) -> dict:
     """Median seconds of an info request to each of `peers`, asked in turns `rounds` times: a round trip through
-    the network and the server's event loop, without compute."""
+    the network and the server's event loop, without compute. The client's routing counts each one, as its own
+    probes would over a while (PeerLoad.round_trip keeps the least of the last few)."""
     from swarm.client.stubs import call_info
 
     async def timed(peer):
@@ -62,6 +63,7 @@ def ping_medians(client, peers, rounds: int) -> dict:
     for _ in range(rounds):
         for peer in peers:
             times[peer].append(client.loop.run(timed(peer)))
+            client.load.round_trip(peer, times[peer][-1])
     return {peer: statistics.median(seconds) for peer, seconds in times.items() if seconds}
 
 
@@ -84,6 +86,9 @@ def main() -> None:
     try:
         avoided: set = set()
         avoiding(model.client, avoided)
+        if args.pings:  # routing prices links measured a few times, not one first probe of a busy machine
+            ping_medians(model.client, [server.peer_id for server in model.client.servers(args.prefix,
+                                                                                          model.num_blocks)], 6)
         sessions = []
         for index in range(args.sessions):
             turn = args.turns[index % len(args.turns)]

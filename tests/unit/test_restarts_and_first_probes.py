@@ -113,7 +113,9 @@ def test_a_clients_first_routing_waits_only_for_the_probes_the_bounds_allow(rpc_
     began = time.monotonic()
     probes.measure_new(second, wait=0.3)  # every first probe allowed is on its way: none begins, none waited for
     assert time.monotonic() - began < 0.2
-    assert len(rpc_info.asked) == FIRST_PROBES_AT_ONCE < FIRST_PROBES_PER_PERIOD
+    # only this test's peers count: a prober another test of this process left running may ask its own meanwhile
+    asked = [peer for peer in rpc_info.asked if peer in {*first, *second}]
+    assert len(asked) == FIRST_PROBES_AT_ONCE < FIRST_PROBES_PER_PERIOD
 
 
 def test_first_probes_begun_per_period_are_bounded_even_when_they_end_at_once(rpc_info):
