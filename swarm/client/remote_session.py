@@ -81,9 +81,9 @@ class RemoteSession:
 
     With `pushing` (PUSHED_STEPS, on by default), each server pushes a step's outputs on to the next, which starts
     at once, within the positions the session declared its next step there may carry (`next_positions`, at the
-    opening and in each step: a short step by default). With `flowing` (True, or None: where the chain's round trips make it pay), a short step goes to every
-    server at once, its inputs only to the first, and flows down the chain by the pushes (swarm/client/flowing.py);
-    else the client relays each hop's outputs on.
+    opening and in each step: a short step by default). With `flowing` (True, or None: where the chain's round
+    trips make it pay), a short step goes to every server at once, its inputs only to the first, and flows down the
+    chain by the pushes (swarm/client/flowing.py); else the client relays each hop's outputs on.
 
     A session kept for reuse while it has no step to send is parked (park): its servers may then close it to
     make room, and its next step recomputes it (replay) where they did. A fork (fork) continues from its first

@@ -3,8 +3,8 @@
     gateway tick ──handoff──> client's event loop ──queue──> message sent ──wire──> server: decode, queue, compute,
     reply (the server's own clock, carried back in the reply's metadata) ──> outputs delivered ──wake──> next tick
 
-The gateway's engine loop, the client's step channels and each server's timings (swarm/wire.py's reply
-"timings") add to one StageClock per process: a sum of seconds and a count per (stage, blocks), "blocks" naming
+The gateway's engine loop, the client's step channels and each server's timings (swarm/server/timings.py, in its
+replies' metadata) add to one StageClock per process: a sum of seconds and a count per (stage, blocks), "blocks" naming
 the hop for the stages of one server ("" for the others). Adding costs two dict updates; nothing is computed
 per step beyond that. /metrics exposes the sums (`swarm_step_stage_seconds_total`, `swarm_step_stage_events_total`),
 and `python -m bench.engine` prints their means per step, side by side with each process's CPU.
