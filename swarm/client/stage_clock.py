@@ -5,8 +5,8 @@
 
 The gateway's engine loop, the client's step channels and each server's timings (swarm/server/timings.py, in its
 replies' metadata) add to one StageClock per process: a sum of seconds and a count per (stage, blocks), "blocks" naming
-the hop for the stages of one server ("" for the others). Adding costs two dict updates; nothing is computed
-per step beyond that. /metrics exposes the sums (`swarm_step_stage_seconds_total`, `swarm_step_stage_events_total`),
+the hop for the stages of one server ("" for the others). Adding costs two dict updates under a lock; nothing
+is computed per step beyond that. /metrics exposes the sums (`swarm_step_stage_seconds_total`, `swarm_step_stage_events_total`),
 and `python -m bench.engine` prints their means per step, side by side with each process's CPU.
 
 Stages are added from several threads (the engine loop's, the client's event loop's, the readers'): an

@@ -300,11 +300,12 @@ def _clock_answer(message: _Message, metadata: dict) -> None:
     round_trip, steps, blocks = now() - message.sent, len(message.steps), _blocks_of(message.steps[0])
     CLOCK.add("hop_round_trip", round_trip, steps, blocks)
     timings = metadata.get("timings")
+    if not isinstance(timings, dict):  # a server is free not to say
+        return
     CLOCK.add_server_timings(timings, blocks, steps)
-    compute = timings.get("compute") if isinstance(timings, dict) else None
+    compute, total = timings.get("compute"), timings.get("total")
     if isinstance(compute, float) and 0.0 <= compute <= round_trip:  # once per message: a server's busy time
         CLOCK.add("server_busy", compute, 1, blocks)
-    total = timings.get("total") if isinstance(timings, dict) else None
     if isinstance(total, float) and 0.0 <= total <= round_trip:
         CLOCK.add("hop_transport", round_trip - total, steps, blocks)
 
