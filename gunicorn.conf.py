@@ -53,17 +53,17 @@ def on_starting(server):
     server.log.info("local swarm ready: %s", os.environ["INITIAL_PEERS"])
 
 
-def _share_where_only_this_machine_reaches(server, access) -> None:
+def _share_where_only_this_machine_reaches(server, access, environ=os.environ) -> None:
     """KEYLESS_SHARING unset: on where every bind is on loopback (or a unix socket), so that the owner of a laptop's
     gateway gets prefix reuse and the stateful routes as vLLM and llama.cpp give them; off anywhere else, where an
     address may be a stranger's, with one line saying so (the worker reads the setting from the environment). A
     gateway behind reverse proxies (TRUSTED_PROXIES) listens on loopback for them: that says nothing of its callers."""
     from config import said
 
-    if said("KEYLESS_SHARING") is not None:
+    if said("KEYLESS_SHARING", environ) is not None:
         return
     local = all(_loopback_only(bind) for bind in server.cfg.bind) and not access.trusted_proxies
-    os.environ["KEYLESS_SHARING"] = "1" if local else "0"
+    environ["KEYLESS_SHARING"] = "1" if local else "0"
     if not local and not access.api_keys:
         server.log.warning("listening on %s without API keys: clients are told apart only by their address, so prefix "
                            "reuse without a cache_salt, saved states and MLC's stateful chat are off; set API_KEYS to "

@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # Two xdist workers share 2 cores, each with servers and gateways of its own: a second compute thread per process
 # only spins waiting for a core (a fifth more CPU for the same work, measured). Every process of the suite, its
@@ -37,3 +39,14 @@ os.environ["SWARM_CACHE_DIR"] = str(_cache_of_the_suite())
 os.environ.pop("SESSION_STORE", None)  # the default store, inside that folder
 
 pytest_plugins = ["fixtures.swarms"]
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found():
+    """A test that changes this process's environment and leaves it so decides for every gateway and server a later
+    test of the same worker starts (a KEYLESS_SHARING left set once made another test's gateway share)."""
+    before = dict(os.environ)
+    yield
+    names = (before.keys() | os.environ.keys()) - {"PYTEST_CURRENT_TEST"}  # pytest's own, per phase
+    changed = sorted(name for name in names if before.get(name) != os.environ.get(name))
+    assert not changed, f"the test left the environment changed: {changed}"

@@ -161,19 +161,16 @@ class _Log:
     (["127.0.0.1:5000"], "", "0", False, False, 0),  # an explicit setting wins either way
     (["0.0.0.0:5000"], "", "1", True, False, 0),
 ])
-def test_keyless_sharing_follows_where_the_gateway_listens_unless_set(monkeypatch, binds, keys, said, shared, warned,
-                                                                     proxies):
+def test_keyless_sharing_follows_where_the_gateway_listens_unless_set(binds, keys, said, shared, warned, proxies):
     from types import SimpleNamespace
 
-    monkeypatch.delenv("KEYLESS_SHARING", raising=False)
-    if said is not None:
-        monkeypatch.setenv("KEYLESS_SHARING", said)
+    # an environment of its own: the decision writes to it, and one leaked into this worker's os.environ would
+    # decide for every gateway a later test starts
+    environ = {} if said is None else {"KEYLESS_SHARING": said}
     server = SimpleNamespace(cfg=SimpleNamespace(bind=binds), log=_Log())
     access = AccessSettings(api_keys=(keys,) if keys else (), trusted_proxies=proxies)
-    gunicorn_conf()._share_where_only_this_machine_reaches(server, access)
-    import os
-
-    assert AccessSettings.from_env(os.environ).keyless_sharing is shared
+    gunicorn_conf()._share_where_only_this_machine_reaches(server, access, environ)
+    assert AccessSettings.from_env(environ).keyless_sharing is shared
     assert bool(server.log.lines) is warned
     if warned:
         assert "API_KEYS" in server.log.lines[0] and "KEYLESS_SHARING=1" in server.log.lines[0]
