@@ -41,12 +41,27 @@ os.environ.pop("SESSION_STORE", None)  # the default store, inside that folder
 pytest_plugins = ["fixtures.swarms"]
 
 
+def _settings_read_from_the_environment() -> frozenset[str]:
+    """The names the product's settings read: quoted in config.py, gunicorn.conf.py and the servers' settings, and
+    config.Limits' fields (each read as its name in capitals)."""
+    import re
+
+    from config import Limits
+
+    sources = ("config.py", "gunicorn.conf.py", "swarm/server/settings.py")
+    quoted = {name for source in sources for name in re.findall(r'"([A-Z][A-Z0-9_]{2,})"', (ROOT / source).read_text())}
+    return frozenset(quoted | {name.upper() for name in Limits.__dataclass_fields__})
+
+
+SETTINGS = _settings_read_from_the_environment()
+
+
 @pytest.fixture(autouse=True)
-def _environment_left_as_found():
-    """A test that changes this process's environment and leaves it so decides for every gateway and server a later
-    test of the same worker starts (a KEYLESS_SHARING left set once made another test's gateway share)."""
-    before = dict(os.environ)
+def _settings_left_as_found():
+    """A test that changes a setting in this process's environment and leaves it so decides for every gateway and
+    server a later test of the same worker starts (a KEYLESS_SHARING left set once made another test's gateway
+    share). Libraries' own variables (torch's caches) are theirs to set."""
+    before = {name: os.environ.get(name) for name in SETTINGS}
     yield
-    names = (before.keys() | os.environ.keys()) - {"PYTEST_CURRENT_TEST"}  # pytest's own, per phase
-    changed = sorted(name for name in names if before.get(name) != os.environ.get(name))
-    assert not changed, f"the test left the environment changed: {changed}"
+    changed = sorted(name for name in SETTINGS if before[name] != os.environ.get(name))
+    assert not changed, f"the test left settings changed in the environment: {changed}"
