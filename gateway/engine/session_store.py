@@ -6,7 +6,8 @@ goes on exactly where it stopped: a fresh chain of servers is opened and the sto
 
 A session's lists (its token ids, and lists in a dialect's state such as the chat transcript) are kept as parts,
 rows of consecutive items: a save writes only what changed since this process's last save of the session (the new
-items of a turn, or from a rewound part on), so that a turn costs its own size, however long the conversation.
+items of a turn, or from a rewound part on), merged with the last parts while they are small beside it (up to a
+bound), so that a turn costs about its own size however long the conversation, and a list loads from a few rows.
 
 Every save is one transaction (WAL, synchronous=FULL): a process killed mid-write leaves the last committed state.
 One connection serves the whole process behind a lock (gunicorn's thousands of threads would otherwise hold three
@@ -38,6 +39,7 @@ from gateway.engine.served import GatewaySession
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 1: lists were JSON columns of the sessions row, rewritten whole by every save
+MERGED_PART_BYTES = 64 * 1024  # parts merge up to this size: what a turn rewrites beyond its own, at most
 BUSY_TIMEOUT_SECONDS = 10.0  # another process writing: wait this long for SQLite's lock before failing
 SESSIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -181,24 +183,33 @@ class SessionStore:
             return _Written(0.0)
         return written
 
-    def _write_parts(self, session_id: str, name: str, before: Optional[tuple[list, list[int]]],
-                     items: list) -> tuple[list, list[int]]:
+    def _write_parts(self, session_id: str, name: str, before: Optional[tuple[list, list[tuple[int, int]]]],
+                     items: list) -> tuple[list, list[tuple[int, int]]]:
         """One list's parts brought up to `items`: the parts that end within what is unchanged stay, the others go,
-        and one new part holds the rest. Returns the list's fingerprints and its parts' starts, for the next save."""
-        marks, (marks_before, starts) = _fingerprints(items), before or ([], [])
-        unchanged = _common_length(marks_before, marks)
-        ends = [*starts[1:], len(marks_before)]
-        kept = next((index for index, end in enumerate(ends) if end > unchanged), len(starts))
-        start = starts[kept] if kept < len(starts) else len(marks_before)
-        if kept < len(starts):
-            self._db.execute("DELETE FROM session_parts WHERE session_id = ? AND list = ? AND start >= ?",
-                             (session_id, name, start))
-        starts = starts[:kept]
+        and one new part holds the rest, merged with the last kept parts while each is at most twice its size and
+        the whole stays under MERGED_PART_BYTES: small parts never pile up (a list loads from a few rows), and a turn
+        writes its own size and at most one bounded merge. Returns the list's items as written (a copy) and its
+        parts' (start, JSON size), for the next save."""
+        items_before, parts = before or ([], [])
+        unchanged = _common_length(items_before, items)
+        ends = [*(start for start, _ in parts[1:]), len(items_before)]
+        kept = next((index for index, end in enumerate(ends) if end > unchanged), len(parts))
+        start = parts[kept][0] if kept < len(parts) else len(items_before)
+        parts = parts[:kept]
         if len(items) > start:
-            self._db.execute("INSERT INTO session_parts VALUES (?, ?, ?, ?)",
-                             (session_id, name, start, json.dumps(items[start:])))
-            starts.append(start)
-        return marks, starts
+            text = json.dumps(items[start:])
+            merged, size = start, len(text)
+            while parts and parts[-1][1] <= 2 * size and parts[-1][1] + size <= MERGED_PART_BYTES:
+                merged, part_size = parts.pop()
+                size += part_size
+            if merged != start:
+                start, text = merged, json.dumps(items[merged:])
+        self._db.execute("DELETE FROM session_parts WHERE session_id = ? AND list = ? AND start >= ?",
+                         (session_id, name, start))
+        if len(items) > start:
+            self._db.execute("INSERT INTO session_parts VALUES (?, ?, ?, ?)", (session_id, name, start, text))
+            parts.append((start, len(text)))
+        return list(items), parts
 
     def release(self, session_id: str, idle_timeout: float) -> None:
         """This process lets the session go but keeps it (a WebSocket gone): another may reopen it until it expires."""
@@ -277,11 +288,12 @@ class SessionStore:
 
 @dataclass
 class _Written:
-    """What this process last wrote of one session: its row's updated_at, and each list's fingerprints and the starts
-    of its parts (see SessionStore._write_parts)."""
+    """What this process last wrote of one session: its row's updated_at, and each list's items and its parts'
+    starts and sizes (see SessionStore._write_parts). The items are compared by value with the next save's, never
+    re-encoded: token ids, and a dialect's entries, which it builds afresh for each save (model_dump)."""
 
     updated_at: float
-    lists: dict[str, tuple[list, list[int]]] = field(default_factory=dict)
+    lists: dict[str, tuple[list, list[tuple[int, int]]]] = field(default_factory=dict)
 
 
 def _split_state(state: dict) -> tuple[dict[str, list], dict]:
@@ -291,14 +303,9 @@ def _split_state(state: dict) -> tuple[dict[str, list], dict]:
     return lists, {key: value for key, value in state.items() if STATE_LIST + key not in lists}
 
 
-def _fingerprints(items: list) -> list:
-    """What tells a list's items apart from what was written: a token id itself, else the hash of its JSON (only
-    ever compared within this process)."""
-    return [item if type(item) is int else hash(json.dumps(item)) for item in items]
-
-
 def _common_length(before: list, now: list) -> int:
-    """How many leading items the two lists share."""
+    """How many leading items the two lists share (compared at C speed: an entry that is the same object is equal
+    without a look inside)."""
     if now[:len(before)] == before:  # the common case, at C speed: the list only grew
         return len(before)
     return next((index for index, (old, new) in enumerate(zip(before, now)) if old != new), min(len(before), len(now)))

@@ -16,7 +16,7 @@ from config import GatewaySettings, Limits, ModelConfig, Settings, SwarmSettings
 from gateway import create_app
 from gateway.engine.generation import Engine, GenerationRequest
 from gateway.engine.sampling import SamplingParams
-from gateway.engine.session_store import SessionStore, SessionStoreError, holder_alive, open_store, this_process
+from gateway.engine.session_store import MERGED_PART_BYTES, SessionStore, SessionStoreError, holder_alive, open_store, this_process
 from gateway.errors import NotFound, SessionBusy, TooManySessions
 from test_engine import LocalRemote
 
@@ -331,11 +331,12 @@ def pages_written(store: SessionStore) -> int:
 
 def test_a_turn_writes_its_own_size_however_long_the_conversation(tmp_path):
     """Each save rewrote the whole row (token ids and transcript): a WebSocket chat's turns cost more and more (50 MiB
-    and 246 ms a turn after 30 turns with big messages); now a turn writes its new items and the row's few fields."""
+    and 246 ms a turn after 30 turns with big messages); now a turn writes its new items, the row's few fields, and
+    at most one bounded merge of small parts."""
     store = SessionStore(tmp_path / "sessions.sqlite3")
     session = fake_session(history=(), pending=())
     transcript, pages = [], []
-    for turn in range(30):
+    for turn in range(40):
         transcript += [{"role": "user", "content": f"question {turn} " + "x" * 2000},
                        {"role": "assistant", "content": f"answer {turn} " + "y" * 2000}]
         session.history += list(range(turn * 300, turn * 300 + 300))
@@ -343,9 +344,11 @@ def test_a_turn_writes_its_own_size_however_long_the_conversation(tmp_path):
         pages_written(store)
         store.save(session, idle_timeout=60)
         pages.append(pages_written(store))
-    assert max(pages[-10:]) <= max(pages[1:5]) + 1, pages  # flat: the 30th turn writes what the 2nd did
+    # flat: the 40th turn writes what the 2nd did, and at most one merge of small parts (a rewrite of the whole
+    # transcript would be 40 pages by then)
+    assert max(pages[-10:]) <= max(pages[1:5]) + MERGED_PART_BYTES // 4096 + 2, pages
     stored = SessionStore(tmp_path / "sessions.sqlite3").load("s1")
-    assert stored.history == tuple(range(9000)) and stored.state == {"chat": transcript, "mode": "chat"}
+    assert stored.history == tuple(range(12000)) and stored.state == {"chat": transcript, "mode": "chat"}
 
 
 def test_every_edit_of_a_sessions_lists_loads_back_as_it_was(tmp_path):
@@ -376,6 +379,40 @@ def test_every_edit_of_a_sessions_lists_loads_back_as_it_was(tmp_path):
             assert (list(stored.history), stored.state.get("chat", [])) == (session.history, chat), (step, kind)
     store.delete("s1")
     assert store._db.execute("SELECT COUNT(*) FROM session_parts").fetchone()[0] == 0
+
+
+def test_a_long_conversation_keeps_few_parts_and_a_save_encodes_only_what_it_writes(tmp_path, monkeypatch):
+    """A session gained a part every turn (a load read one row per turn), and each save re-encoded the whole
+    transcript to tell what changed (a turn's CPU grew with the conversation): now parts merge as they pile up, at
+    few of them (geometric sizes up to MERGED_PART_BYTES), and what a save encodes is what it writes, each item a
+    few times over its life."""
+    import math
+
+    from gateway.engine import session_store
+
+    encoded = []
+
+    def dumps(value):
+        text = json.dumps(value)
+        encoded.append(len(text))
+        return text
+
+    monkeypatch.setattr(session_store, "json", type("Json", (), {"dumps": staticmethod(dumps), "loads": json.loads}))
+    store = SessionStore(tmp_path / "sessions.sqlite3")
+    session, transcript, turns = fake_session(history=(), pending=()), [], 100
+    for turn in range(turns):
+        transcript += [{"role": "user", "content": f"question {turn} " + "x" * 500},
+                       {"role": "assistant", "content": f"answer {turn} " + "y" * 500}]
+        session.history += list(range(turn * 50, turn * 50 + 50))
+        session.state = {"chat": [dict(entry) for entry in transcript]}  # afresh, as a dialect builds it
+        store.save(session, idle_timeout=60)
+    parts = dict(store._db.execute("SELECT list, COUNT(*) FROM session_parts GROUP BY list").fetchall())
+    whole = len(json.dumps(transcript))
+    assert parts["history"] <= math.log2(len(session.history)) + 1  # 5,000 token ids: under the bound, all merged
+    assert parts["state.chat"] <= whole / (MERGED_PART_BYTES / 2) + math.log2(turns * 2) + 1, parts
+    assert sum(encoded) < 8 * whole, sum(encoded) / whole  # was a whole transcript a save: 50 of them
+    stored = SessionStore(tmp_path / "sessions.sqlite3").load("s1")
+    assert list(stored.history) == session.history and stored.state == {"chat": transcript}
 
 
 def test_a_store_of_the_first_schema_is_carried_over(tmp_path):
