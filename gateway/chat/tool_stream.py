@@ -34,6 +34,11 @@ import regex  # for partial matches: whether the text so far can still become a 
 from gateway.chat.schemas import Tool
 
 TAG, END_TAG = "<tool_call>", "</tool_call>"
+# A call's head that has not come whole within this many characters is no call to tell as it comes (a tool's name
+# is at most 64): it is held to the end and parsed whole, so that a reply that keeps a head open (an endless name,
+# endless blanks) costs one bounded look per token, not one over all it wrote.
+HEAD_CHARS = 256
+MAX_DEPTH = 64  # of a call's arguments: deeper is no call (json's own decoder recurses, and tells it as an error)
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ def parse_calls(segment: str, tools: list[Tool]) -> Optional[list[tuple[str, str
             return None
         try:
             value, position = DECODER.raw_decode(segment, position)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the decoder follows
             return None
         block = calls_of(value, names)
         if block is None:
@@ -158,9 +163,10 @@ class ToolCallStream:
             self.told = len(self.raw)
             self.text, self.calls = self.raw, None
             return self.new_text(), events
-        if self.call is not None:  # its arguments never closed
-            events.append(CallEnded(self.index, self.number, self.call.name, self.call.arguments, complete=False))
         calls = parse_calls(self.raw[self.segment:], self.tools)
+        if self.call is not None:  # its arguments never closed (or nested too deep): it ends as told, the rest text
+            events.append(CallEnded(self.index, self.number, self.call.name, self.call.arguments, complete=False))
+            calls = None
         if calls is None:
             self.text = self.raw
             if self.number == 0 and self.call is None:  # nothing told of it: it is text
@@ -217,7 +223,7 @@ class ToolCallStream:
             if found is None:
                 continue
             if found.partial:
-                waiting = True
+                waiting = waiting or len(self.raw) - self.position <= HEAD_CHARS
                 continue
             self.position = found.end()
             if state != "call":
@@ -312,7 +318,7 @@ class JsonRewriter:
         if char == '"' and expect != COLON and expect != NEXT:
             self.in_string, self.key = True, expect in (KEY, KEY_OR_CLOSE)
             return char
-        if expect in (VALUE, VALUE_OR_CLOSE) and char in "{[":
+        if expect in (VALUE, VALUE_OR_CLOSE) and char in "{[" and len(self.closers) < MAX_DEPTH:
             self.closers.append("}" if char == "{" else "]")
             self.expect = KEY_OR_CLOSE if char == "{" else VALUE_OR_CLOSE
             return char

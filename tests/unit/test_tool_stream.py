@@ -145,3 +145,43 @@ def test_text_that_cannot_be_json_breaks_the_rewriter(text):
     rewriter = JsonRewriter()
     rewriter.feed(text + " ")
     assert rewriter.broken and not rewriter.done
+
+
+DEEP = 5000  # past the recursion json's own decoder follows
+
+
+@pytest.mark.parametrize("reply", ["[" * DEEP, "[" * DEEP + "]" * DEEP,
+                                   '{"name": "get_weather", "arguments": {"a": ' + "[" * DEEP,
+                                   '{"name": "get_weather", "arguments": {"a": ' + "[" * 100 + "]" * 100 + "}}"])
+def test_a_reply_nested_past_any_calls_depth_is_text_and_what_was_told_ends_incomplete(reply):
+    """Nested "[" raised RecursionError (a 500, a traceback in the log): now it is text; a call already told whose
+    arguments nest deeper than MAX_DEPTH ends as told, incomplete, streamed or whole alike."""
+    for pieces in ([reply], list(reply)):
+        text, events, stream = told(pieces)
+        assert stream.calls is None and stream.text == reply
+        ended = [event for event in events if isinstance(event, CallEnded)]
+        assert all(not event.complete for event in ended) and len(ended) == (1 if "get_weather" in reply else 0)
+
+
+@pytest.mark.parametrize("opening, token", [('{"name": "', "ab"), ("{", "  "), ('{"name": "get_weather", ', " ")])
+def test_a_head_that_never_closes_is_looked_at_a_bounded_number_of_characters(monkeypatch, opening, token):
+    """An endless call name cost 3.5 s of CPU a reply: each token's partial match read the head again from its
+    start. Now a head longer than HEAD_CHARS is held and parsed once at the end: the characters the matches look at
+    stay bounded however long the reply."""
+    from gateway.chat import tool_stream
+
+    looked = []
+
+    class Counted:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def match(self, text, position, partial):
+            looked.append(len(text) - position)
+            return self.pattern.match(text, position, partial=partial)
+
+    moves = {state: [(Counted(pattern), to) for pattern, to in moves] for state, moves in tool_stream.MOVES.items()}
+    monkeypatch.setattr(tool_stream, "MOVES", moves)
+    text, events, stream = told([opening] + [token] * 5000)
+    assert stream.calls is None and stream.text == opening + token * 5000 and not events
+    assert sum(looked) < 2 * tool_stream.HEAD_CHARS ** 2, sum(looked)
