@@ -194,7 +194,7 @@ def error_body(error: APIError) -> dict:
 class OllamaReply:
     """One reply (Ollama has no n) in Ollama's wire format: whole, or a line per delta and a last line with the counts
     and durations. A tool call is a line of its own once it is whole, as Ollama streams calls (its arguments an
-    object); a call cut short is not sent. A client that leaves closes the lines' generator, and so the session."""
+    object); a call cut short is not sent: its text is, at the end, as the whole reply's content. A client that leaves closes the lines' generator, and so the session."""
 
     def __init__(self, shape: str, plan: Plan, stats: RequestStats, load_seconds: float, top: Optional[int] = None,
                  context: Optional[list[int]] = None):
@@ -208,17 +208,20 @@ class OllamaReply:
                     logprobs=self.logprobs(reply.logprobs), context=self.context(reply), thinking=reply.reasoning)
 
     def lines(self) -> Iterator[dict]:
-        reply = Reply(0)
+        reply, told, called = Reply(0), "", False
         for event in self.replies.events():
             if isinstance(event, Piece):
-                logprobs = self.logprobs(event.delta.logprobs)
+                logprobs, told = self.logprobs(event.delta.logprobs), told + event.text
                 if event.text or event.reasoning or logprobs:
                     yield part(self.shape, self.model.name, event.text, logprobs, thinking=event.reasoning)
             elif isinstance(event, CallEnded) and event.complete:
-                call = tool_call(event.number, event.name, event.arguments)
+                call, called = tool_call(event.number, event.name, event.arguments), True
                 yield part(self.shape, self.model.name, "", tool_calls=[call])
             elif isinstance(event, Finished):
                 reply = event.reply
+        if not called and reply.text.startswith(told) and len(reply.text) > len(told):
+            # a call cut short (max_tokens) was held, never sent: the reply is its text, as the whole reply says
+            yield part(self.shape, self.model.name, reply.text[len(told):])
         yield done(self.shape, self.model.name, "", reply.ended_by, self.durations(), context=self.context(reply))
 
     @staticmethod
