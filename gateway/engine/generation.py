@@ -19,6 +19,7 @@ from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
 from gateway.engine.metrics import CACHED_PROMPT_TOKENS, observe_token
 from gateway.engine.loop import EngineLoop, Pipeline
+from gateway.engine.turns import Sharing
 from gateway.engine.outputs import Delta, ReplyReader, TokenLogprob, detokenizer, inputs_taken
 from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import SamplingParams
@@ -322,8 +323,10 @@ class Engine:
         """The model's engine loop (started on first use)."""
         with self._client_lock:
             if model not in self._loops:
-                self._loops[model] = EngineLoop(model, self.limits.speculative_max_sessions,
-                                                Pipeline(self.limits.pipeline_groups, self.limits.pipeline_min_sessions))
+                limits = self.limits
+                self._loops[model] = EngineLoop(model, limits.speculative_max_sessions,
+                                                Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions),
+                                                Sharing(limits.engine_max_steps, limits.engine_sharing))
             return self._loops[model]
 
     def _sequence(self, session: GatewaySession, request: GenerationRequest, feed: list[int], budget: int) -> Sequence:
