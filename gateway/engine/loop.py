@@ -9,7 +9,8 @@ Each tick (vLLM's EngineCore is the model; the block servers have the same shape
   1. takes new sequences and aborts;
   2. takes the sequences whose steps came back: their rows go through the LM head in one call, and every plain row
      is sampled in one batched call on the head's device (sampler.py); only the chosen ids cross to the host;
-  3. embeds the next tokens of every sequence with a step to send, in one call;
+  3. embeds the next tokens of every sequence with a step to send (all, or their turns once saturated: below), in
+     one call;
   4. starts all those steps at once without waiting (swarm.client: the steps bound for one server leave in one
      message), and goes back to waiting.
 A session on a slow chain is simply not among the arrivals of a tick: it never holds the others, and a failover
@@ -24,7 +25,8 @@ computes one group while the second computes the one before. Fewer sessions trav
 never held up by a group.
 
 Past ENGINE_MAX_STEPS steps in flight the loop is saturated: the sessions ready past it wait for steps to come back,
-and take their turns shared between clients (or sessions: ENGINE_SHARING), see turns.py.
+and take turns shared between clients, not sessions (or between sessions: ENGINE_SHARING), see turns.py: one
+client's many sessions cannot take the servers' rounds from another client's one.
 
 Speculation is the loop's policy: sequences draft only while few decode together (vLLM and Arctic turn drafting
 off under load too: verifying k guesses costs k positions of every server's round for each session).

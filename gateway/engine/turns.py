@@ -1,8 +1,8 @@
 """Which ready sessions step now, once the engine loop is saturated: the loop shared between clients, not sessions.
 
-A tick starts the step of every session that is ready, up to ENGINE_MAX_STEPS steps in flight (the rows the servers
-take in a round for about the cost of one); past it the loop is saturated, and the sessions left over wait here
-until steps come back. Taken in turn by session, one client's sixteen sessions would get sixteen of every seventeen
+A tick starts the step of every session that is ready, up to ENGINE_MAX_STEPS steps in flight (best set near the
+rows the servers take in a round for little more than one row's cost); past it the loop is saturated, and the
+sessions left over wait here until steps come back. Taken in turn by session, one client's sixteen sessions would get sixteen of every seventeen
 steps beside another client's one. So by default (ENGINE_SHARING=client) the steps in flight are shared between
 clients (access.client_id, a session's owner): the waiting client with the fewest steps in flight goes next, the
 oldest waiting session of its own first. A client whose sessions cannot use its part (one session: one step at a
