@@ -23,7 +23,7 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       cached (those whose files are in its own cache, SWARM_CACHE_DIR/models/NAME), or a list of
                       such names; a model is never loaded from a path a swarm record names
     MAX_SESSIONS, ... every field of Limits in capitals: the gateway's limits and its engine loop's policies
-                      (speculation, the pipeline); gunicorn's threads are sized from the limits
+                      (speculation, the pipeline, turns); gunicorn's threads are sized from the limits
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
     KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user: 1 lets them share
@@ -253,6 +253,9 @@ class Limits:
     # they travel in groups (0: a group per server of a session's chain; 1: one, every session in step)
     pipeline_min_sessions: int = 8
     pipeline_groups: int = 0
+    # past this many steps of a model's sessions in flight (0: never), sessions take turns (gateway/engine/turns.py)
+    engine_max_steps: int = 16
+    engine_sharing: str = "client"  # the turns shared between clients (each one's sessions share its part), or session
 
     def __post_init__(self):
         if self.max_loaded_models < 1:
@@ -265,6 +268,9 @@ class Limits:
         if self.pipeline_groups < 0 or self.pipeline_min_sessions < 1:
             raise ValueError(f"PIPELINE_GROUPS, PIPELINE_MIN_SESSIONS: >= 0, >= 1, got {self.pipeline_groups}, "
                              f"{self.pipeline_min_sessions}")
+        if self.engine_max_steps < 0 or self.engine_sharing not in ("client", "session"):
+            raise ValueError(f"ENGINE_MAX_STEPS >= 0, ENGINE_SHARING client or session: got {self.engine_max_steps}, "
+                             f"{self.engine_sharing!r}")
 
     @property
     def worker_threads(self) -> int:

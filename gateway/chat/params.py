@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from config import GenerationDefaults
-from gateway.chat.schemas import NamedToolChoice, SamplerOverride, SamplingFields, Tool
+from gateway.chat.schemas import MAX_LOGIT_BIAS, NamedToolChoice, SamplerOverride, SamplingFields, Tool
 from gateway.engine.lengths import check_new_tokens
 from gateway.engine.sampling import SamplingParams
 from gateway.errors import BadRequest
@@ -89,6 +89,9 @@ def ai00_sampler(override: SamplerOverride) -> dict:
 
 def logit_bias(fields: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
     merged = {**(fields.bias or {}), **(fields.logit_bias or {})}
+    if len(merged) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens (logit_bias and bias together), got "
+                         f"{len(merged)}", field="logit_bias")
     for token, bias in merged.items():
         if not 0 <= token < vocab_size:
             raise BadRequest(f"logit_bias: token id {token} is not in [0, {vocab_size})", field="logit_bias")

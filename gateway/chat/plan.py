@@ -83,7 +83,7 @@ class Plan:
     def __post_init__(self):
         max_length = len(self.prompt_ids) + self.request.max_new_tokens
         self.session, self.cached_tokens = self.engine.open_for_prompt(self.model, self.prompt_ids, max_length,
-                                                                       client_id(), self.cache_salt)
+                                                                       client_id(), self.cache_salt, self.n)
         self._given_back = threading.Lock()  # held once the session is given back: it is then another request's
         held_sessions.hold(self)
 

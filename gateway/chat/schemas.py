@@ -14,6 +14,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI allows
+
 
 class ExtensibleRequest(BaseModel):
     """A request shape that accepts, and ignores, fields it does not know."""
@@ -82,8 +84,10 @@ class SamplingFields(ExtensibleRequest):
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
     penalty_decay: Optional[float] = Field(None, gt=0, le=1)
-    logit_bias: Optional[dict[int, float]] = None
-    bias: Optional[dict[int, float]] = None  # Ai00's name for logit_bias
+    # OpenAI's bound on the entries (both names' together: chat/params.py): each request's bias is a tensor of the
+    # vocabulary's size on the LM head's device, built once (engine/sampler.py)
+    logit_bias: Optional[dict[int, float]] = Field(None, max_length=MAX_LOGIT_BIAS)
+    bias: Optional[dict[int, float]] = Field(None, max_length=MAX_LOGIT_BIAS)  # Ai00's name for logit_bias
     mirostat: Optional[int] = Field(None, ge=0, le=2)
     mirostat_tau: Optional[float] = Field(None, gt=0)
     mirostat_eta: Optional[float] = Field(None, gt=0, le=1)

@@ -9,6 +9,7 @@ In data-flow order:
     loop.py        EngineLoop, one per served model on a thread of its own: each tick embeds every ready session's
                    tokens in one call, starts their chain steps without waiting, runs the LM head once over every
                    row that came back and samples them in one batched call on the head's device
+    turns.py       which ready sessions step once ENGINE_MAX_STEPS are in flight: turns shared between clients
     sequences.py   Sequence: one request's reply inside the loop (feed, drafts, verification, its end), and the one
                    writer of a session's token history
     outputs.py     a request's output stream (token ids from the loop) and its reader: detokenizing, stop sequences,

@@ -5,6 +5,10 @@ servers share the prompt's cache, copy-on-write: swarm.client's fork) from that 
 started before any is read, so the engine loop steps them in the same ticks. Their deltas come choice after choice
 (the later ones wait in their output streams meanwhile). The first choice continues the request's own session; the
 forks are closed once the replies are read.
+
+Each fork is a session on the servers, so each holds a slot under MAX_SESSIONS and its client's cap while it lives
+(held before the prompt is computed: a request refused costs nothing): n choices never take more of the servers'
+allowance than n sessions of the client's would.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from gateway.engine.sequences import restore
 def generate_choices(engine, session, requests: list, cancelled: Callable[[], bool], stats) -> Iterator[tuple]:
     """(choice index, delta) of every choice in turn. requests[0] carries the prompt's tokens past what the session
     holds (input_ids); the others only their own sampling (seeds)."""
+    with engine.sessions.reserve(session.owner, len(requests) - 1):
+        yield from _choices(engine, session, requests, cancelled, stats)
+
+
+def _choices(engine, session, requests: list, cancelled: Callable[[], bool], stats) -> Iterator[tuple]:
     prompt = session.history + session.pending + list(requests[0].input_ids)
     if len(prompt) - 1 > len(session.history):  # the prompt but its last token, into the servers' caches once
         engine.prefill(session, prompt[len(session.history) + len(session.pending) : -1])

@@ -19,6 +19,7 @@ from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
 from gateway.engine.metrics import CACHED_PROMPT_TOKENS, observe_token
 from gateway.engine.loop import EngineLoop, Pipeline
+from gateway.engine.turns import Sharing
 from gateway.engine.outputs import Delta, ReplyReader, TokenLogprob, detokenizer, inputs_taken
 from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import SamplingParams
@@ -200,13 +201,16 @@ class Engine:
         session.close()
 
     def open_for_prompt(self, model: ServedModel, prompt_ids: list[int], max_length: int, owner: str,
-                        salt: str = "") -> tuple[GatewaySession, int]:
+                        salt: str = "", choices: int = 1) -> tuple[GatewaySession, int]:
         """A session for one request's prompt, and how many of its tokens the servers hold already: a warm
         conversation of the same client continued (see warm.py), else a new session. Either way it may be
-        continued by a later request of the same client once `finish_session` has parked it."""
+        continued by a later request of the same client once `finish_session` has parked it. `choices`: the
+        request's n, each a session on the servers (choices.py holds the forks' slots): refused now, before any
+        reply begins, if the caps have no room for them all."""
         check_max_length(model.config, max_length)
+        self._check_choices(choices)
         key = WarmKey(model.name, owner, salt)
-        with self.sessions.reserve(owner):
+        with self.sessions.reserve(owner, choices):
             reuse = self.warm.take(key, prompt_ids, max_length)
             if reuse is not None:
                 session, cached = reuse.session, reuse.cached
@@ -216,6 +220,13 @@ class Engine:
                 session, cached = self._warm_session(model, key, max_length), 0
             self.sessions.add(session)
         return session, cached
+
+    def _check_choices(self, choices: int) -> None:
+        """n choices that no client could ever hold at once are a 400, not a 429 to retry."""
+        most = min(self.sessions.max_per_client, self.sessions.max_sessions)
+        if choices > most:
+            raise BadRequest(f"n: at most {most} choices here, each holds one of the client's inference sessions "
+                             f"(MAX_SESSIONS_PER_CLIENT), got {choices}", field="n")
 
     @staticmethod
     def _warm_session(model: ServedModel, key: WarmKey, max_length: int = 0) -> GatewaySession:
@@ -312,8 +323,10 @@ class Engine:
         """The model's engine loop (started on first use)."""
         with self._client_lock:
             if model not in self._loops:
-                self._loops[model] = EngineLoop(model, self.limits.speculative_max_sessions,
-                                                Pipeline(self.limits.pipeline_groups, self.limits.pipeline_min_sessions))
+                limits = self.limits
+                self._loops[model] = EngineLoop(model, limits.speculative_max_sessions,
+                                                Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions),
+                                                Sharing(limits.engine_max_steps, limits.engine_sharing))
             return self._loops[model]
 
     def _sequence(self, session: GatewaySession, request: GenerationRequest, feed: list[int], budget: int) -> Sequence:

@@ -9,7 +9,8 @@ Each tick (vLLM's EngineCore is the model; the block servers have the same shape
   1. takes new sequences and aborts;
   2. takes the sequences whose steps came back: their rows go through the LM head in one call, and every plain row
      is sampled in one batched call on the head's device (sampler.py); only the chosen ids cross to the host;
-  3. embeds the next tokens of every sequence with a step to send, in one call;
+  3. embeds the next tokens of every sequence with a step to send (all, or their turns once saturated: below), in
+     one call;
   4. starts all those steps at once without waiting (swarm.client: the steps bound for one server leave in one
      message), and goes back to waiting.
 A session on a slow chain is simply not among the arrivals of a tick: it never holds the others, and a failover
@@ -22,6 +23,10 @@ loop keeps sessions in groups (a group per server of a chain, by default: vLLM's
 and each server's step channel carries one group per message (swarm/client/step_channel.py): the first server
 computes one group while the second computes the one before. Fewer sessions travel as one group: a session alone is
 never held up by a group.
+
+Past ENGINE_MAX_STEPS steps in flight the loop is saturated: the sessions ready past it wait for steps to come back,
+and take turns shared between clients, not sessions (or between sessions: ENGINE_SHARING), see turns.py: one
+client's many sessions cannot take the servers' rounds from another client's one.
 
 Speculation is the loop's policy: sequences draft only while few decode together (vLLM and Arctic turn drafting
 off under load too: verifying k guesses costs k positions of every server's round for each session).
@@ -40,6 +45,7 @@ import torch
 from gateway.engine.metrics import ABORTED_REPLIES, ENGINE_ROWS, ENGINE_STEPS, ENGINE_TICKS
 from gateway.engine.sampler import sample_rows
 from gateway.engine.sequences import Sequence
+from gateway.engine.turns import Sharing, Turns
 from gateway.errors import NotFound
 from swarm.client import stage_clock
 
@@ -73,10 +79,13 @@ class Pipeline:
 
 
 class EngineLoop:
-    def __init__(self, model, max_drafting_sessions: int, pipeline: Pipeline = Pipeline()):
-        """`model`: a ServedModel; sequences draft only while at most `max_drafting_sessions` are decoding."""
+    def __init__(self, model, max_drafting_sessions: int, pipeline: Pipeline = Pipeline(),
+                 sharing: Sharing = Sharing()):
+        """`model`: a ServedModel; sequences draft only while at most `max_drafting_sessions` are decoding;
+        `sharing`: how many steps may be in flight, and who takes turns past it (turns.py)."""
         self.model, self.remote = model, model.remote
         self.max_drafting_sessions, self.pipeline = max_drafting_sessions, pipeline
+        self.turns = Turns(sharing)  # ready sequences waiting for room among the steps in flight
         self._serials = itertools.count()  # each sequence's: its group in the pipeline
         self.counts = TickCounts()
         self._inbox: deque = deque()  # ("start", sequence) or ("abort", sequence, kept)
@@ -128,6 +137,8 @@ class EngineLoop:
             if arrived:
                 ready += self._sample(arrived)
                 stage_clock.CLOCK.add("engine_sample", stage_clock.now() - began, len(arrived))
+            self.turns.add(ready)
+            ready = self.turns.take()  # all of them, unless the loop is saturated
             if ready:
                 sending = stage_clock.now()
                 self._send(ready)
@@ -165,6 +176,7 @@ class EngineLoop:
             sequence, outputs, error, came = self._arrivals.popleft()
             stage_clock.CLOCK.add("engine_wake", taken - came)
             sequence.in_flight = False
+            self.turns.landed(sequence)
             if error is not None:
                 sequence.session.broken = True  # the servers may hold some of the step or none of it
                 self._fail(sequence, error)
@@ -225,6 +237,8 @@ class EngineLoop:
         self.counts.steps += len(steps)
         ENGINE_STEPS.labels(self.model.name).inc(len(steps))
         self.remote.start_steps(steps, self._arrived)
+        for sequence, *_ in steps:  # (their outputs land in a later tick, on this thread: never before this)
+            self.turns.flew(sequence)
 
     def _count_rows(self, rows: int) -> None:
         self.counts.rows += rows
@@ -270,6 +284,7 @@ class EngineLoop:
         sequence.settle(kept)
         sequence.stream.end()  # a reader still waiting (its session closed under it) stops waiting
         self._running.discard(sequence)
+        self.turns.discard(sequence)
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         sequence.done = True
@@ -277,3 +292,4 @@ class EngineLoop:
         sequence.settled.set()
         sequence.stream.fail(error)
         self._running.discard(sequence)
+        self.turns.discard(sequence)

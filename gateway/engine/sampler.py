@@ -58,7 +58,15 @@ class Sampler:
         if self.penalizes_context and context:
             self.seen[torch.tensor(context, device=self.device)] = True
         self.counts = torch.zeros(size, device=self.device)  # (vocab,) decayed output counts
+        self.bias = self._bias_row(params.logit_bias, size)  # (vocab,) or None
         self.mu = 2.0 * params.mirostat_tau  # Mirostat's surprise ceiling, in bits
+
+    def _bias_row(self, bias: tuple[tuple[int, float], ...], size: int) -> Optional[torch.Tensor]:
+        """logit_bias as one row over the vocabulary, made once here, in the request's thread: each tick then adds
+        it as a tensor already on the head's device, whatever the number of entries."""
+        if not bias:
+            return None
+        return apply_logit_bias(torch.zeros(size, device=self.device), bias)
 
     def processed_logits(self, logits: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(vocab,) logits after penalties, logit_bias and the allowed mask, before temperature; no state change."""
@@ -101,6 +109,8 @@ class Sampler:
             extra = size - len(self.seen)
             self.seen = torch.cat([self.seen, self.seen.new_zeros(extra)])
             self.counts = torch.cat([self.counts, self.counts.new_zeros(extra)])
+            if self.bias is not None:
+                self.bias = torch.cat([self.bias, self.bias.new_zeros(extra)])
 
 
 def sample_rows(logits: torch.Tensor, samplers: Sequence[Sampler], allowed: Sequence[Optional[torch.Tensor]]
@@ -135,9 +145,10 @@ def _processed(logits: torch.Tensor, samplers: Sequence[Sampler], allowed: Seque
                          lambda row: (samplers[row].params.presence_penalty, samplers[row].params.frequency_penalty),
                          lambda part, penalties, members: apply_presence_frequency(
                              part, torch.stack([samplers[row].counts[:vocab] for row in members]), *penalties))
-    logits = _by_setting(logits, [row for row in rows if samplers[row].params.logit_bias],
-                         lambda row: samplers[row].params.logit_bias,
-                         lambda part, bias, members: apply_logit_bias(part, bias))
+    biased = [row for row in rows if samplers[row].bias is not None]
+    if biased:  # rows made once per request (Sampler._bias_row): no Python list becomes a tensor here
+        biases = torch.stack([samplers[row].bias[:vocab] for row in biased])
+        logits = _at_rows(logits, biased, lambda part: part + biases)
     masked = [row for row in rows if allowed[row] is not None]
     if masked:
         masks = torch.stack([_padded(allowed[row], vocab) for row in masked]).to(logits.device)

@@ -47,7 +47,9 @@ class SessionRegistry:
         self.store, self.reopen = store, reopen
         self._reopening: dict[str, tuple[threading.Lock, int]] = {}  # id -> (its lock, requests waiting on it)
         self._sessions: dict = {}  # id -> engine.GatewaySession
-        self._opening: Counter[str] = Counter()  # per client: slots held by sessions still contacting servers
+        # per client: slots held by sessions still contacting servers, by work that opens none, and by the forks of
+        # n choices (each fork is a session on the servers: it counts under both caps while it lives)
+        self._reserved: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
 
@@ -55,27 +57,33 @@ class SessionRegistry:
         return len(self._sessions)
 
     def _held_by(self, owner: str) -> int:
-        return self._opening[owner] + sum(1 for session in list(self._sessions.values()) if session.owner == owner)
+        return self._reserved[owner] + sum(1 for session in list(self._sessions.values()) if session.owner == owner)
 
     @contextmanager
-    def reserve(self, owner: str) -> Iterator[None]:
-        """Hold a slot under both caps while `owner`'s session opens (that takes network round trips), or while a
-        request of `owner`'s that needs no session runs its cache-less forwards (embeddings: web/limits.work_slot)."""
+    def reserve(self, owner: str, count: int = 1) -> Iterator[None]:
+        """Hold `count` slots under both caps, all or none: while `owner`'s session opens (that takes network round
+        trips), while a request of `owner`'s that needs no session runs its cache-less forwards (embeddings:
+        web/limits.work_slot), or while the forks of a request's n choices live (choices.py)."""
         with self._lock:
-            if len(self._sessions) + self._opening.total() >= self.max_sessions:
+            if count and len(self._sessions) + self._reserved.total() + count > self.max_sessions:
                 raise TooManySessions(f"too many open inference sessions ({self.max_sessions}, MAX_SESSIONS); "
                                       "close one or retry later")
-            if self._held_by(owner) >= self.max_per_client:
+            if count and self._held_by(owner) + count > self.max_per_client:
                 raise TooManySessions(f"this client holds {self.max_per_client} open inference sessions, the most "
                                       "it may (MAX_SESSIONS_PER_CLIENT); close one or retry later")
-            self._opening[owner] += 1
+            self._reserved[owner] += count
         try:
             yield
         finally:
             with self._lock:
-                self._opening[owner] -= 1
-                if not self._opening[owner]:
-                    del self._opening[owner]
+                self._reserved[owner] -= count
+                if self._reserved[owner] <= 0:
+                    del self._reserved[owner]
+
+    @property
+    def held(self) -> int:
+        """Slots held under MAX_SESSIONS: open sessions, the forks of n choices, sessions opening."""
+        return len(self._sessions) + self._reserved.total()
 
     def add(self, session) -> None:
         self.save(session)
