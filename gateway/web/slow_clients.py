@@ -15,8 +15,10 @@ to gunicorn's parser. So a thread serves requests only, never waits for one. A h
   (with a 431);
 - is not counted among gunicorn's worker_connections (silent sockets never stop the worker accepting), but at most
   MAX_HALF_OPEN of them are kept, the oldest closed to make room for a newcomer;
-- counts against its address's `half_open_per_address`: past it, that address's new connections are closed at once
-  (a unix socket's peers have no address: only the global bound holds there).
+- counts against its address's `half_open_per_address`: past it, once the oldest of them has waited HALF_OPEN_GRACE
+  seconds, that address's new connections are closed at once (a unix socket's peers have no address: only the
+  global bound holds there). The grace spares a burst: a client opening a thousand WebSockets at once has many
+  connections accepted before it has sent their requests, none of them for long.
 
 A kept-alive connection whose next request begins goes through the same stage. TLS (gunicorn's certfile) is left
 to gunicorn's own handling: its bytes must be decrypted before the headers can be seen.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import errno
 import selectors
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 from gunicorn import http, util
 from gunicorn.workers.gthread import TConn, ThreadWorker
@@ -37,6 +39,8 @@ HEADER_END = b"\r\n\r\n"
 HEADER_BYTES = 64 << 10
 MAX_HALF_OPEN = 4096  # half-open connections at once, every address together (gunicorn.conf.py adds their files)
 READ_BYTES = 16 << 10
+HALF_OPEN_GRACE = 2.0  # seconds an address's half-open connections may exceed its limit (see the docstring)...
+GRACE_OF_THE_TIMEOUT = 0.25  # ... and at most this share of the header timeout
 ACCEPTS_AT_ONCE = 256  # connections accepted per turn of the event loop, which then reads those that sent bytes
 REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 HEADERS_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
@@ -56,7 +60,7 @@ class HeaderReadingWorker(ThreadWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.half_open: OrderedDict[TConn, None] = OrderedDict()  # oldest first: their deadlines in order
-        self.half_open_by_address: Counter = Counter()
+        self.half_open_by_address: dict[str, dict[TConn, None]] = {}  # each address's, oldest first
 
     # ---- where connections come from: a new one, or a kept-alive one whose next request begins
 
@@ -77,12 +81,20 @@ class HeaderReadingWorker(ThreadWorker):
     def _admit(self, listener, client, address) -> None:
         """A new connection awaits its headers, unless its address already has too many connections doing so."""
         where = _address_of(address)
-        if where is not None and self.half_open_by_address[where] >= self.half_open_per_address:
-            util.close(client)  # this address already keeps that many waiting: the newest is refused, not the others
+        if self._too_many_waiting(where):
+            util.close(client)  # the newest is refused, not the others
             return
         conn = TConn(self.cfg, client, address, listener.getsockname())
         conn.address = where
         self._await_headers(conn, b"")
+
+    def _too_many_waiting(self, address) -> bool:
+        """Whether an address keeps its limit of connections waiting for their headers, for HALF_OPEN_GRACE already."""
+        waiting = self.half_open_by_address.get(address, {})
+        if len(waiting) < self.half_open_per_address:
+            return False
+        grace = min(HALF_OPEN_GRACE, self.header_timeout * GRACE_OF_THE_TIMEOUT)
+        return next(iter(waiting)).header_deadline - self.header_timeout + grace <= time.monotonic()
 
     def on_client_socket_readable(self, conn, client):
         """A kept-alive connection's next request begins: its headers are awaited like a new connection's."""
@@ -112,7 +124,7 @@ class HeaderReadingWorker(ThreadWorker):
             self._close_half_open(next(iter(self.half_open)), REQUEST_TIMEOUT)  # the oldest makes room
         self.half_open[conn] = None
         if conn.address is not None:
-            self.half_open_by_address[conn.address] += 1
+            self.half_open_by_address.setdefault(conn.address, {})[conn] = None
         conn.sock.setblocking(False)
         self.poller.register(conn.sock, selectors.EVENT_READ, lambda _sock: self._read_headers(conn))
 
@@ -152,8 +164,9 @@ class HeaderReadingWorker(ThreadWorker):
         except (KeyError, ValueError, OSError):
             pass
         if conn.address is not None:
-            self.half_open_by_address[conn.address] -= 1
-            if not self.half_open_by_address[conn.address]:
+            waiting = self.half_open_by_address[conn.address]
+            del waiting[conn]
+            if not waiting:
                 del self.half_open_by_address[conn.address]
 
     def _close_half_open(self, conn, reply: bytes = b"") -> None:
