@@ -313,8 +313,15 @@ class Engine:
         with self._client_lock:
             if model not in self._loops:
                 self._loops[model] = EngineLoop(model, self.limits.speculative_max_sessions,
-                                                Pipeline(self.limits.pipeline_groups, self.limits.pipeline_min_sessions))
+                                                Pipeline(self.limits.pipeline_groups, self.limits.pipeline_min_sessions),
+                                                on_end=self._forget_loop)
             return self._loops[model]
+
+    def _forget_loop(self, loop: EngineLoop) -> None:
+        """A let-go model's loop ended (its sessions have): the engine holds neither any longer."""
+        with self._client_lock:
+            if self._loops.get(loop.model) is loop:
+                del self._loops[loop.model]
 
     def _sequence(self, session: GatewaySession, request: GenerationRequest, feed: list[int], budget: int) -> Sequence:
         model = session.model
