@@ -20,8 +20,8 @@ to gunicorn's parser. So a thread serves requests only, never waits for one. A h
   global bound holds there). The grace spares a burst: a client opening a thousand WebSockets at once has many
   connections accepted before it has sent their requests, none of them for long.
 
-A kept-alive connection whose next request begins goes through the same stage. TLS (gunicorn's certfile) is left
-to gunicorn's own handling: its bytes must be decrypted before the headers can be seen.
+A kept-alive connection whose next request begins goes through the same stage. TLS (gunicorn's certfile) and HTTP/2
+with prior knowledge are left to gunicorn's own handling: their bytes are no HTTP/1 headers to look for.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 
 from gunicorn import http, util
+from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 HEADER_END = b"\r\n\r\n"
@@ -73,7 +74,9 @@ class HeaderReadingWorker(ThreadWorker):
             try:
                 client, address = listener.accept()
             except OSError as error:
-                if error.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                if error.errno in (errno.EMFILE, errno.ENFILE) and self.half_open:
+                    self._close_half_open(next(iter(self.half_open)), REQUEST_TIMEOUT)  # a file for the next one
+                elif error.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                     raise
                 return
             self._admit(listener, client, address)
@@ -85,6 +88,9 @@ class HeaderReadingWorker(ThreadWorker):
             util.close(client)  # the newest is refused, not the others
             return
         conn = TConn(self.cfg, client, address, listener.getsockname())
+        if negotiation.prior_knowledge_allowed(self.cfg, address):  # HTTP/2 without TLS: gunicorn sniffs its preface
+            self.nr_conns += 1
+            return super().enqueue_req(conn)
         conn.address = where
         self._await_headers(conn, b"")
 

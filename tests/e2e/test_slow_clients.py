@@ -5,7 +5,8 @@
 default limits), each of which gunicorn's own worker gave one for good. Meanwhile /health answers (gunicorn's worker
 left it unanswered): the worst of several calls, once the gateway has taken in the burst, is printed with -s (about
 1 ms; the first call, queued behind the 2,000 connections, 0.3 to 0.5 s), its bound a hang detector on a loaded
-2-core machine. Once HTTP_HEADER_TIMEOUT has passed the gateway has closed every silent socket, each with a 408.
+2-core machine. Once HTTP_HEADER_TIMEOUT has passed the gateway has closed every silent socket, each with a 408 (one
+of them a kept-alive connection that began its next request). Headers past 64 KiB get a 431 at once.
 The sockets come from 20 loopback addresses, under each one's HALF_OPEN_PER_ADDRESS; one more address past it (and
 past the grace that spares a burst) has its newest connections closed at once, the others kept.
 """
@@ -19,7 +20,7 @@ import socket
 import time
 
 from config import Limits
-from gateway.web.slow_clients import GRACE_OF_THE_TIMEOUT, HALF_OPEN_GRACE
+from gateway.web.slow_clients import GRACE_OF_THE_TIMEOUT, HALF_OPEN_GRACE, HEADER_BYTES
 from shared_gateways import TINY_HEADER_TIMEOUT
 
 SILENT = 2000
@@ -42,6 +43,17 @@ def _silent_socket(port: int, source: str) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
     sock.sendall(PARTIAL_REQUEST)
     return sock
+
+
+def _kept_alive_then_silent(port: int) -> socket.socket:
+    """A connection that gets one reply, kept alive, then begins its next request and goes silent."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/health")
+    reply = connection.getresponse()
+    assert reply.status == 200 and reply.getheader("Connection") == "keep-alive"
+    reply.read()
+    connection.sock.sendall(PARTIAL_REQUEST)
+    return connection.sock
 
 
 def _health_timings(port: int, calls: int = HEALTH_CALLS) -> list[float]:
@@ -87,7 +99,8 @@ def test_silent_sockets_take_no_thread_and_are_closed_after_the_header_timeout(g
     sockets = []
     _health_timings(gateway.port, calls=1)  # its look at the swarm fresh (health.py): what is timed next is the sockets' cost
     try:
-        sockets = [_silent_socket(gateway.port, f"127.0.0.{2 + index % ADDRESSES}") for index in range(SILENT)]
+        sockets = [_silent_socket(gateway.port, f"127.0.0.{2 + index % ADDRESSES}") for index in range(SILENT - 1)]
+        sockets.append(_kept_alive_then_silent(gateway.port))
         held_at = time.monotonic()
         _health_timings(gateway.port, calls=1)  # answered once the gateway has taken in the burst (its accept queue)
         timings = _health_timings(gateway.port)
@@ -113,6 +126,11 @@ def test_one_address_past_its_half_open_limit_has_its_newest_connections_closed(
         assert _closed_by_the_gateway(past, within=10) == [b""] * PAST_THE_LIMIT  # at once, without a word
         assert len(_health_timings(gateway.port)) == HEALTH_CALLS  # another address is served meanwhile
         assert _closed_by_the_gateway(first, within=0.1) == []  # the first ones wait on, till their header timeout
+        too_large = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)
+        past.append(too_large)
+        too_large.sendall(PARTIAL_REQUEST + b"X-Padding: " + b"x" * HEADER_BYTES)  # past the limit, still no end
+        assert _closed_by_the_gateway([too_large], within=10) == [
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"]
     finally:
         for sock in first + past:
             sock.close()
