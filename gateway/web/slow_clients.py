@@ -8,7 +8,8 @@ thousand silent sockets from one machine left /health unanswered.
 
 Here a connection is half-open until its request's headers are complete (up to the blank line): the event loop
 reads its bytes as they come, without a thread, and hands it to a thread only then, the bytes already read given
-to gunicorn's parser. So a thread serves requests only, never waits for one. A half-open connection:
+to gunicorn's parser. So no thread waits for a request's headers (a body is read by the thread, as before). A
+half-open connection:
 
 - is closed once `header_timeout` seconds pass without complete headers (with a 408 if it sent anything), as
   nginx's client_header_timeout and Node's headersTimeout do; and so is one whose headers outgrow HEADER_BYTES

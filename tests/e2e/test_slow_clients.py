@@ -97,7 +97,7 @@ def _closed_by_the_gateway(sockets: list[socket.socket], within: float) -> list[
 def test_silent_sockets_take_no_thread_and_are_closed_after_the_header_timeout(gateway):
     _raise_open_files(SILENT + PER_ADDRESS + 1024)
     sockets = []
-    _health_timings(gateway.port, calls=1)  # its look at the swarm fresh (health.py): what is timed next is the sockets' cost
+    _health_timings(gateway.port, calls=1)  # its look at the swarm fresh (health.py): what is timed is the sockets'
     try:
         sockets = [_silent_socket(gateway.port, f"127.0.0.{2 + index % ADDRESSES}") for index in range(SILENT - 1)]
         sockets.append(_kept_alive_then_silent(gateway.port))
