@@ -1,6 +1,6 @@
 """The product's entry point: the gateway (Petals Chat HTTP and WebSocket APIs) in front of a swarm.
 
-    gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: a gthread worker, threads sized from the limits)
+    gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: gthread, headers read without a thread)
     python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
                   [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16] [--embedding-models FOLDER ...]
 

@@ -23,6 +23,9 @@ half-open connection:
 
 A kept-alive connection whose next request begins goes through the same stage. TLS (gunicorn's certfile) and HTTP/2
 with prior knowledge are left to gunicorn's own handling: their bytes are no HTTP/1 headers to look for.
+
+It builds on gthread's own parts (TConn, enqueue_req, finish_request, murder_pending), as gunicorn 27.0.1 has them:
+requirements.txt pins that version.
 """
 
 from __future__ import annotations
