@@ -1,6 +1,6 @@
 """The product's entry point: the gateway (Petals Chat HTTP and WebSocket APIs) in front of a swarm.
 
-    gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: a gthread worker, threads sized from the limits)
+    gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: gthread, headers read without a thread)
     python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
                   [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16] [--embedding-models FOLDER ...]
 
@@ -19,6 +19,7 @@ from config import Settings
 from gateway import create_app
 from gateway.engine.encoders import EmbeddingModelError
 from gateway.engine.session_store import SessionStoreError
+from gateway.errors import APIError
 from gateway.web.request_ids import configure_logging
 from swarm.cli import fail, settings_from_env
 
@@ -53,6 +54,18 @@ def gateway_device(text: str) -> str:
     return text
 
 
+def load_embedding_models(engine) -> None:
+    """EMBEDDING_MODELS loaded as gunicorn's worker imports the app, before it serves. Loaded by a request instead,
+    the first load (importing sentence-transformers and the model's code: 2 s for a tiny encoder) held the GIL up
+    to 0.3 s at a time, and every other request meanwhile, /health included, waited (measured: see tests/e2e/
+    test_encoder_loads.py). An encoder that fails here is logged, and tried again by a request naming it."""
+    for encoder in engine.encoders:
+        try:
+            encoder.load()
+        except APIError:  # logged by the encoder, with why; the request naming it gets the error
+            pass
+
+
 _settings = settings_from_env(Settings.from_env)  # a malformed variable: one line, not a traceback
 _device_problem = device_problem(_settings.gateway.device)
 if _device_problem:  # one line now, rather than a 500 on the first request that needs a model
@@ -65,6 +78,7 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
         fail(str(_error), status=APP_LOAD_ERROR)
     except EmbeddingModelError as _error:  # an EMBEDDING_MODELS folder that cannot be served: one line, no start
         fail(str(_error), status=APP_LOAD_ERROR)
+    load_embedding_models(app.extensions["engine"])
 
 
 def _parser():

@@ -11,14 +11,12 @@ Each command-line tool takes its defaults from here, so an operator can set them
     FLOWING_STEPS     whether steps flow down the chain by the servers' pushes: 1 always, 0 never, unset (default)
                       where the round trips make it pay; PUSHED_STEPS=0: relayed steps ask for no push (default 1)
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
-    BLOCK_WAIT_SECONDS  how long the gateway's sessions and requests wait when no server holds some of their blocks
-                      (servers restarting, a replica reloading) before they fail (default 30; 0: at once)
+    BLOCK_WAIT_SECONDS  seconds a request waits where no server holds some of its blocks, then fails (default 30)
     MODEL             the model served by default (a known name or a local Hugging Face folder)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
-    EMBEDDING_MODELS  embedding models served beside the chat models, run in the gateway's own process: local
-                      sentence-transformers folders (space- or comma-separated), each served under its folder's name
-                      (gateway/engine/encoders.py); nothing is downloaded
+    EMBEDDING_MODELS  local sentence-transformers folders (space- or comma-separated) run in the gateway's process
+                      beside the chat models, each served under its folder's name (gateway/engine/encoders.py)
     DISCOVERED_MODELS which models the swarm announces, besides MODEL or MODELS, the gateway serves: none (default),
                       cached (those whose files are in its own cache, SWARM_CACHE_DIR/models/NAME), or a list of
                       such names; a model is never loaded from a path a swarm record names
@@ -26,15 +24,13 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       (speculation, the pipeline, turns); gunicorn's threads are sized from the limits
     API_KEYS, API_KEY_FILE, ALLOWED_ORIGINS, ALLOWED_METHODS, ALLOWED_HEADERS, ALLOW_CREDENTIALS, TRUSTED_PROXIES
                       who may call the APIs (see AccessSettings)
-    KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user: 1 lets them share
-                      saved states, MLC's stateful chat and each other's warm prefixes; 0: those routes answer 403, and
-                      a request continues only earlier ones that gave its cache_salt; unset: 1 where the gateway
-                      listens on loopback only (a laptop's own), else 0 (gunicorn.conf.py; see AccessSettings)
+    KEYLESS_SHARING   without API keys, whether everyone behind one address is one trusted user, sharing saved states,
+                      MLC's stateful chat and warm prefixes (1), or not (0: those routes say 403; see AccessSettings);
+                      unset: 1 where the gateway listens on loopback only (a laptop's own), else 0 (gunicorn.conf.py)
     SESSION_STORE     where the gateway keeps its inference sessions (token ids and settings) so that they outlive a
                       restart: an SQLite file (default: SWARM_CACHE_DIR/sessions.sqlite3), or off (memory only)
     LOG_LEVEL         the gateway's log level (default INFO)
-    GATEWAY_DEVICE    where the gateway runs its half of each model (embeddings, final norm, LM head): cpu (default),
-                      cuda or cuda:N
+    GATEWAY_DEVICE    where the gateway runs its half of each model (embeddings, final norm, LM head): cpu, cuda[:N]
     GATEWAY_DTYPE     that half's weights: float32 (default, exact), bfloat16 or float16
 """
 
@@ -135,8 +131,7 @@ class SwarmSettings:
             cache_dir=_default_cache_dir(environ),
             model=environ.get("MODEL", DEFAULT_MODEL),
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
-            wire_dtype=environ.get("WIRE_DTYPE", "float32"),
-            torch_threads=_positive_int(environ, "TORCH_THREADS"),
+            wire_dtype=environ.get("WIRE_DTYPE", "float32"), torch_threads=_positive_int(environ, "TORCH_THREADS"),
             allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
             allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
             spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
@@ -216,6 +211,8 @@ class Limits:
     # header): longer than common clients keep one (Node's undici 4 s, httpx 5 s), so that none reuses a connection
     # the gateway has just closed without a word, and above a load balancer's usual 60 s
     http_keepalive: float = 65.0
+    http_header_timeout: float = 20.0  # seconds a request's headers may take to arrive (web/slow_clients.py)
+    half_open_per_address: int = 128  # one address's connections whose request headers are still awaited
     ws_max_message_bytes: int = 1 << 20  # a larger WebSocket message closes the connection (code 1009)
     # stored replies of the Responses API (store: true), kept in this process's memory like sessions: a cap on their
     # number (the least recently used goes first) and idle expiry
@@ -266,6 +263,9 @@ class Limits:
                              f"got {self.speculative_tokens}")
         if self.speculative_max_sessions < 0:
             raise ValueError(f"SPECULATIVE_MAX_SESSIONS must be 0 or more, got {self.speculative_max_sessions}")
+        if not (self.http_header_timeout > 0 and self.half_open_per_address >= 1):  # NaN fails too
+            raise ValueError(f"HTTP_HEADER_TIMEOUT must be above 0 and HALF_OPEN_PER_ADDRESS at least 1, got "
+                             f"{self.http_header_timeout} and {self.half_open_per_address}")
         if self.pipeline_groups < 0 or self.pipeline_min_sessions < 1:
             raise ValueError(f"PIPELINE_GROUPS, PIPELINE_MIN_SESSIONS: >= 0, >= 1, got {self.pipeline_groups}, "
                              f"{self.pipeline_min_sessions}")

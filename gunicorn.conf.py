@@ -9,12 +9,15 @@ thread of its own), so the threads are sized from the limits at start (config.Li
 MAX_WEBSOCKETS + MAX_SESSIONS + HTTP_THREADS), with as many connections and open files as that takes; the
 gateway refuses WebSockets past MAX_WEBSOCKETS, so they can never take the threads that HTTP requests need.
 An idle thread costs little: it waits in a system call, and the pool starts threads only as they are needed.
+
+The worker is gunicorn's gthread with each request's headers read by its event loop, never by a thread, within
+HTTP_HEADER_TIMEOUT (gateway/web/slow_clients.py): silent or slow clients cannot take the threads.
 """
 
 import math
 import os
 
-worker_class = "gthread"
+worker_class = "gateway.web.slow_clients.HeaderReadingWorker"
 workers = 1
 threads = 1  # raised to the limits' worker_threads in on_starting, once gunicorn's --env values are in place
 bind = ["127.0.0.1:5000"]
@@ -98,8 +101,24 @@ def _size_for_limits(server, limits):
     connections = max(server.cfg.worker_connections, threads + KEEPALIVE_CONNECTIONS)
     server.cfg.set("threads", threads)
     server.cfg.set("worker_connections", connections)
-    _raise_open_files(server, connections + FILES_PER_PROCESS)
+    _read_headers_within_limits(server, limits)
+    _raise_open_files(server, connections + _half_open_connections(server) + FILES_PER_PROCESS)
     server.log.info("%d threads (MAX_WEBSOCKETS + MAX_SESSIONS + HTTP_THREADS), %d connections", threads, connections)
+
+
+def _read_headers_within_limits(server, limits) -> None:
+    """The header-reading worker's limits (HTTP_HEADER_TIMEOUT, HALF_OPEN_PER_ADDRESS), set on its class in the
+    master: the worker forked from it has them. Another worker class (--worker-class) is left as it is."""
+    worker = server.cfg.worker_class
+    if hasattr(worker, "limits_from"):
+        worker.limits_from(limits)
+
+
+def _half_open_connections(server) -> int:
+    """The connections the worker may keep waiting for their headers besides worker_connections (their files)."""
+    from gateway.web.slow_clients import HeaderReadingWorker, MAX_HALF_OPEN
+
+    return MAX_HALF_OPEN if issubclass(server.cfg.worker_class, HeaderReadingWorker) else 0
 
 
 def _say_keep_alive(seconds: int) -> None:

@@ -5,6 +5,7 @@ fixtures, tests/e2e/conftest.py): the tests that check a limit read it here."""
 TINY_MAX_SESSIONS = 6
 TINY_MAX_SESSION_LENGTH = 1024  # the tiny tokenizer spends a token on nearly every character
 TINY_IDLE_TIMEOUT = 3.0
+TINY_HEADER_TIMEOUT = 3.0  # HTTP_HEADER_TIMEOUT: tests/e2e/test_slow_clients.py waits it out
 # its embedding models (EMBEDDING_MODELS, tests/tiny_encoder.py), served under these folder names: one normalizes
 TINY_ENCODER, TINY_RAW_ENCODER = "tiny-encoder", "tiny-encoder-raw"
 

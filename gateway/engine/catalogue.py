@@ -16,7 +16,8 @@ seconds.
 
 Loaded: a model's client half (embeddings, LM head, tokenizer) is loaded by the first request that uses it,
 under a lock of its own (a model loading holds up no request for another), and at most `max_loaded_models`
-stay loaded: the least recently used is let go first (sessions open on it keep it until they end).
+stay loaded: the least recently used is let go first (sessions open on it keep it until they end, and its engine
+loop until then: loop.py).
 """
 
 from __future__ import annotations
@@ -234,17 +235,18 @@ class ServedModels:
     def _adapted_model(self, config: ModelConfig, base: ServedModel, adapter: str) -> ServedModel:
         with self._lock:
             adapted = self._adapted.get(config.name)
-            if adapted is None or adapted.parent is not base:  # base reloaded
+            if adapted is None or adapted.parent is not base:  # base reloaded (the old view was let go with it)
                 adapted = ServedModel(config, base.remote.with_adapter(adapter), parent=base)
             self._adapted[config.name] = adapted
             self._adapted.move_to_end(config.name)
             while len(self._adapted) > ADAPTER_VIEWS:
-                self._adapted.popitem(last=False)  # a view: its sessions keep it, a request makes it again
+                self._adapted.popitem(last=False)[1].let_go_of()  # its sessions keep it, a request makes it again
             return adapted
 
     def _evict(self) -> None:
         while len(self._loaded) > self.max_loaded:
-            name, _ = self._loaded.popitem(last=False)
+            name, model = self._loaded.popitem(last=False)
+            model.let_go_of()  # its views too: their engine loops end once their sessions have
             logger.info("let go of model %s, the least recently used (MAX_LOADED_MODELS=%d)", name, self.max_loaded)
 
     def loaded(self) -> list[ServedModel]:

@@ -326,8 +326,15 @@ class Engine:
                 limits = self.limits
                 self._loops[model] = EngineLoop(model, limits.speculative_max_sessions,
                                                 Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions),
-                                                Sharing(limits.engine_max_steps, limits.engine_sharing))
+                                                Sharing(limits.engine_max_steps, limits.engine_sharing),
+                                                on_end=self._forget_loop)
             return self._loops[model]
+
+    def _forget_loop(self, loop: EngineLoop) -> None:
+        """A let-go model's loop ended (its sessions have): the engine holds neither any longer."""
+        with self._client_lock:
+            if self._loops.get(loop.model) is loop:
+                del self._loops[loop.model]
 
     def _sequence(self, session: GatewaySession, request: GenerationRequest, feed: list[int], budget: int) -> Sequence:
         model = session.model

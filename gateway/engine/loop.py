@@ -24,9 +24,12 @@ and each server's step channel carries one group per message (swarm/client/step_
 computes one group while the second computes the one before. Fewer sessions travel as one group: a session alone is
 never held up by a group.
 
-Past ENGINE_MAX_STEPS steps in flight the loop is saturated: the sessions ready past it wait for steps to come back,
-and take turns shared between clients, not sessions (or between sessions: ENGINE_SHARING), see turns.py: one
-client's many sessions cannot take the servers' rounds from another client's one.
+Past a bound of steps in flight (ENGINE_MAX_STEPS, or found from their round trips) the loop is saturated: the
+sessions ready past it wait for steps to come back, and take turns shared between clients, not sessions (or between
+sessions: ENGINE_SHARING), see turns.py: one client's many sessions cannot take the servers' rounds from another's.
+
+A model the catalogue lets go (MAX_LOADED_MODELS) keeps its loop while sessions on it run; the thread then ends, and
+starts again if a late one submits (`on_end` tells the engine, which forgets the loop and with it the model).
 
 Speculation is the loop's policy: sequences draft only while few decode together (vLLM and Arctic turn drafting
 off under load too: verifying k guesses costs k positions of every server's round for each session).
@@ -50,6 +53,7 @@ from gateway.errors import NotFound
 from swarm.client import stage_clock
 
 logger = logging.getLogger(__name__)
+LET_GO_CHECK_SECONDS = 1.0  # how often an idle loop looks whether its model was let go (nothing wakes it for that)
 
 
 @dataclass
@@ -80,9 +84,10 @@ class Pipeline:
 
 class EngineLoop:
     def __init__(self, model, max_drafting_sessions: int, pipeline: Pipeline = Pipeline(),
-                 sharing: Sharing = Sharing()):
+                 sharing: Sharing = Sharing(), on_end=lambda loop: None):
         """`model`: a ServedModel; sequences draft only while at most `max_drafting_sessions` are decoding;
-        `sharing`: how many steps may be in flight, and who takes turns past it (turns.py)."""
+        `sharing`: how many steps may be in flight, and who takes turns past it (turns.py); `on_end(loop)`: its
+        thread ended, its model let go."""
         self.model, self.remote = model, model.remote
         self.max_drafting_sessions, self.pipeline = max_drafting_sessions, pipeline
         self.turns = Turns(sharing)  # ready sequences waiting for room among the steps in flight
@@ -92,15 +97,23 @@ class EngineLoop:
         self._arrivals: deque = deque()  # (sequence, outputs, error)
         self._wake = threading.Event()
         self._running: set[Sequence] = set()
-        self._thread = threading.Thread(target=self._run, name=f"engine-loop-{model.name}", daemon=True)
-        self._thread.start()
+        self._on_end, self._thread_lock, self._thread = on_end, threading.Lock(), None
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        """Its thread runs a tick soon: started (again) where it had ended."""
+        with self._thread_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"engine-loop-{self.model.name}", daemon=True)
+                self._thread.start()
+        self._wake.set()
 
     # ---- the face the engine's request threads use
 
     def submit(self, *sequences: Sequence) -> None:
         """Start these replies (in the same tick: n choices, or a test's sessions)."""
         self._inbox.extend(("start", sequence) for sequence in sequences)
-        self._wake.set()
+        self._wake_up()
 
     def abort(self, sequence: Sequence, kept: int, wait: bool = True) -> None:
         """End the reply after its first `kept` tokens (its reader stopped there: a stop sequence, a client gone, a
@@ -110,20 +123,31 @@ class EngineLoop:
             sequence.aborted = True
             ABORTED_REPLIES.labels(self.model.name).inc()
             self._inbox.append(("abort", sequence, kept))
-            self._wake.set()
+            self._wake_up()
         if wait and threading.current_thread() is not self._thread:
             sequence.settled.wait()
 
     # ---- the loop
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait()
+        while not self._ended():
+            self._wake.wait(LET_GO_CHECK_SECONDS)
             self._wake.clear()
             try:
                 self._tick()
             except Exception:  # a bug: logged, and the loop goes on serving (the sequences at fault were failed)
                 logger.exception("the engine loop of %s failed a tick", self.model.name)
+        self._on_end(self)
+
+    def _ended(self) -> bool:
+        """Whether the thread ends here: its model let go, and nothing to do (a submit after this starts another)."""
+        if not getattr(self.model, "let_go", False):
+            return False
+        with self._thread_lock:
+            if self._inbox or self._arrivals or self._running:
+                return False
+            self._thread = None
+            return True
 
     def _tick(self) -> None:
         ready, arrived = [], []

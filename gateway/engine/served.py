@@ -34,6 +34,16 @@ class ServedModel:
         self._grammars, self._grammars_lock = None, threading.Lock()
         self.step_costs = StepCosts()  # what its decode steps cost, by positions: how long drafts pay to be
         self._swarm_context: tuple[float, Optional[int]] = (-CATALOGUE_SECONDS, None)  # (when asked, answer)
+        self._let_go = False
+
+    @property
+    def let_go(self) -> bool:
+        """Whether the catalogue let it go (MAX_LOADED_MODELS), or its parent: sessions open on it still run, and its
+        engine loop ends once none does (loop.py)."""
+        return self._let_go or (self.parent is not self and self.parent.let_go)
+
+    def let_go_of(self) -> None:
+        self._let_go = True
 
     @property
     def name(self) -> str:

@@ -10,7 +10,8 @@ import pytest
 
 from gunicorn_gateway import running_gateway
 from shared_gateways import (STRICT_CONTEXT, STRICT_KEYS, STRICT_LIMITS, STRICT_ORIGIN, TINY_ENCODER,
-                             TINY_IDLE_TIMEOUT, TINY_MAX_SESSION_LENGTH, TINY_MAX_SESSIONS, TINY_RAW_ENCODER)
+                             TINY_HEADER_TIMEOUT, TINY_IDLE_TIMEOUT, TINY_MAX_SESSION_LENGTH, TINY_MAX_SESSIONS,
+                             TINY_RAW_ENCODER)
 from shared_swarm import TINY_PREFIX
 from tiny_encoder import build_tiny_encoder
 
@@ -34,6 +35,7 @@ def gateway(tiny_swarm, tiny_llama, tiny_encoders, tmp_path_factory):
         "MODELS": json.dumps(models),
         "MAX_SESSIONS": str(TINY_MAX_SESSIONS),
         "SESSION_IDLE_TIMEOUT": str(TINY_IDLE_TIMEOUT),
+        "HTTP_HEADER_TIMEOUT": str(TINY_HEADER_TIMEOUT),
         "MAX_NEW_TOKENS": "200",
         "WS_PING_INTERVAL": "1",
         "EMBEDDING_MODELS": " ".join(str(folder) for folder in tiny_encoders),
