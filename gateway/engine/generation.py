@@ -18,8 +18,7 @@ from config import ModelConfig, Settings
 from gateway.errors import BadRequest, LengthExceeded, NotFound
 from gateway.engine.lengths import check_max_length
 from gateway.engine.metrics import CACHED_PROMPT_TOKENS, observe_token
-from gateway.engine.loop import EngineLoop, Pipeline
-from gateway.engine.turns import Sharing
+from gateway.engine.loop import EngineLoop
 from gateway.engine.outputs import Delta, ReplyReader, TokenLogprob, detokenizer, inputs_taken
 from gateway.engine.sampler import Sampler
 from gateway.engine.sampling import SamplingParams
@@ -323,11 +322,7 @@ class Engine:
         """The model's engine loop (started on first use)."""
         with self._client_lock:
             if model not in self._loops:
-                limits = self.limits
-                self._loops[model] = EngineLoop(model, limits.speculative_max_sessions,
-                                                Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions),
-                                                Sharing(limits.engine_max_steps, limits.engine_sharing),
-                                                on_end=self._forget_loop)
+                self._loops[model] = EngineLoop.under(self.limits, model, on_end=self._forget_loop)
             return self._loops[model]
 
     def _forget_loop(self, loop: EngineLoop) -> None:

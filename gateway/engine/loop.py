@@ -83,6 +83,12 @@ class Pipeline:
 
 
 class EngineLoop:
+    @classmethod
+    def under(cls, limits, model, on_end=lambda loop: None) -> "EngineLoop":
+        """The loop of `model` with the policies of config.Limits: drafting, the pipeline, the turns."""
+        return cls(model, limits.speculative_max_sessions, Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions),
+                   Sharing(limits.engine_max_steps, limits.engine_sharing), on_end)
+
     def __init__(self, model, max_drafting_sessions: int, pipeline: Pipeline = Pipeline(),
                  sharing: Sharing = Sharing(), on_end=lambda loop: None):
         """`model`: a ServedModel; sequences draft only while at most `max_drafting_sessions` are decoding;
