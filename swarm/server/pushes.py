@@ -25,7 +25,7 @@ from swarm.protocol import (MAX_ROUND_TRIPS, BadRequestError, NoPushError, Serve
                             error_from_wire)
 from swarm.server import metrics
 from swarm.server.batching import Job
-from swarm.server.fields import is_int
+from swarm.server.fields import is_int, step_id_field
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.round_trips import PushRoundTrips
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
@@ -220,9 +220,7 @@ async def awaited_push(session, metadata: dict) -> tuple[torch.Tensor, torch.Ten
     Its outputs once computed, or NoPushError where no push of it came within 'push_wait' seconds (or the
     client's own copy of the step came first): the client then sends the inputs itself. (outputs, the inputs
     the push carried)."""
-    step_id, wait = metadata.get("step_id"), metadata.get("push_wait")
-    if not is_int(step_id):
-        raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r:.80}")
+    step_id, wait = step_id_field(metadata), metadata.get("push_wait")
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_PUSH_WAIT:
         raise BadRequestError(f"field 'push_wait' must be a number of seconds in [0, {MAX_PUSH_WAIT:g}], got "
                               f"{wait!r:.80}")

@@ -154,7 +154,7 @@ def test_pushes_go_only_to_servers_announcing_the_next_blocks(client, server, ti
 # ------------------------------------------------------------------------------------------------ fuzzer
 
 SEED = 20240907
-FIELDS = ["start", "end", "max_length", "batch_size", "session_id", "position", "step_id", "push_to",
+FIELDS = ["start", "end", "max_length", "batch_size", "session_id", "position", "step_id", "push_to", "rows", "length",
           "bfloat16_tensors"]
 VALUES = [0, 1, 2, 3, 4, 7, 31, -1, MAX_REQUEST_TOKENS + 1, 2**31, 2**63 - 1, -2**63, True, False, None, 0.5,
           float("nan"), float("inf"), "2", "", "x" * 32, b"\x00", [], [0], [1, 2], {},
