@@ -257,7 +257,7 @@ class BlockHandler(BlockRPC):
             results[index] = output
             if push_to is not None and not isinstance(output, BaseException):
                 pushes.append(push_of(push_to, session.end, entry, output))
-        self.pusher.push(pushes)
+        self.pusher.push(pushes, peer_id)
         answers = [wire_error(result) if isinstance(result, BaseException) else answer
                    for result, answer in zip(results, answers)]
         return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
