@@ -72,6 +72,18 @@ def unary_payload_bytes() -> int:
     return DEFAULT_MAX_MSG_SIZE - ENVELOPE_BYTES
 
 
+def step_message_bytes() -> int:
+    """The most tensor bytes one message of steps (rpc_steps), or its reply, may carry: a unary call's, as pushes
+    (the outputs of the same steps). A client splits a longer step (a long prompt) into steps of the same session
+    under it (swarm/client/step_channel.py), and a server refuses a message over it before decoding it."""
+    return unary_payload_bytes()
+
+
+def tensor_bytes(message) -> int:
+    """The bytes of a message's tensors, as its protobuf carries them."""
+    return sum(len(tensor.buffer) for tensor in message.tensors)
+
+
 def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict | Callable[[], dict]] = None,
          request: bool = True):
     """A message of `tensors` and `metadata`; metadata given as a function is made once the tensors are
