@@ -16,7 +16,8 @@ from swarm.protocol import (PROTOCOL_VERSION, BadRequestError, ServerLimitError,
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, SessionCache, pages_for
 from swarm.server.fields import declared_positions, int_field, is_int
-from swarm.server.sessions import OpenSessions, ServerServices, ServerSession
+from swarm.server.open_sessions import OpenSessions
+from swarm.server.sessions import ServerServices, ServerSession
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
 from swarm.server.step_batch import run_steps, start_pushed

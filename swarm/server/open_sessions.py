@@ -11,33 +11,31 @@ first), so that a flood of short sessions costs the server a bounded amount of m
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING, Iterator
-
-if TYPE_CHECKING:
-    from swarm.server.sessions import ServerSession
+from typing import Iterator
 
 CLOSED_IDS_KEPT = 1 << 16  # at 64 characters each, some 8 MB at most
 
 
 class OpenSessions:
     """The server's open sessions: every one (idle ones may be closed to make room), those a previous server
-    may push steps to (by id), how many each peer has open, and what they have computed."""
+    may push steps to (by id), how many each peer has open, and what they have computed. Its sessions are
+    sessions.py's ServerSession (not imported: sessions.py imports this module)."""
 
     def __init__(self):
-        self._all: set[ServerSession] = set()
-        self.by_id: dict[str, ServerSession] = {}
+        self._all: set = set()
+        self.by_id: dict = {}  # session id -> its ServerSession
         self.per_peer: Counter[str] = Counter()
         self.positions_served = 0  # positions run through sessions: shows what clients re-send
         self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
         self._closed_ids: OrderedDict[str, None] = OrderedDict()  # least recently closed first
 
-    def add(self, session: ServerSession) -> None:
+    def add(self, session) -> None:
         self._all.add(session)
         self.per_peer[session.peer_id] += 1
         if session.id is not None:
             self.by_id[session.id] = session
 
-    def discard(self, session: ServerSession) -> None:
+    def discard(self, session) -> None:
         self._all.discard(session)
         self.per_peer -= Counter([session.peer_id])  # a peer with none left leaves the counter
         if session.id is not None and self.by_id.get(session.id) is session:
@@ -50,7 +48,7 @@ class OpenSessions:
         """Whether `session_id` names a session this server closed lately (by its client, or itself)."""
         return isinstance(session_id, str) and session_id in self._closed_ids
 
-    def __iter__(self) -> Iterator[ServerSession]:
+    def __iter__(self) -> Iterator:
         return iter(self._all)
 
     def __len__(self) -> int:
