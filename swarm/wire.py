@@ -72,6 +72,18 @@ def unary_payload_bytes() -> int:
     return DEFAULT_MAX_MSG_SIZE - ENVELOPE_BYTES
 
 
+def step_message_bytes() -> int:
+    """The most tensor bytes one message of steps (rpc_steps), or its reply, may carry: a unary call's, as pushes
+    (the outputs of the same steps). A client splits a longer step (a long prompt) into steps of the same session
+    under it (swarm/client/step_channel.py), and a server refuses a message over it before decoding it."""
+    return unary_payload_bytes()
+
+
+def tensor_bytes(message) -> int:
+    """The bytes of a message's tensors, as its protobuf carries them."""
+    return sum(len(tensor.buffer) for tensor in message.tensors)
+
+
 def pack(tensors: tuple[torch.Tensor, ...] = (), metadata: Optional[dict | Callable[[], dict]] = None,
          request: bool = True):
     """A message of `tensors` and `metadata`; metadata given as a function is made once the tensors are
@@ -191,8 +203,7 @@ def unstacked(tensors: list, entries: list) -> list:
     add up to its tensor is refused whole (BadRequestError), since which tokens are whose is unknown."""
     shapes = [(entry.get("rows"), entry.get("length")) if isinstance(entry, dict) else (None, None)
               for entry in entries]
-    if not all(isinstance(rows, int) and isinstance(length, int) and rows >= 1 and length >= 1
-               for rows, length in shapes):
+    if not all(_is_int(rows) and _is_int(length) and rows >= 1 and length >= 1 for rows, length in shapes):
         raise BadRequestError("each step must say its 'rows' and 'length' (integers >= 1)")
     if len(tensors) != (1 if entries else 0):
         raise BadRequestError(f"a message of {len(entries)} steps carries {len(tensors)} tensors, not one")
@@ -211,6 +222,10 @@ def unstacked(tensors: list, entries: list) -> list:
         steps.append(whole[0, offset : offset + rows * length].view(rows, length, whole.shape[-1]))
         offset += rows * length
     return steps
+
+
+def _is_int(value) -> bool:
+    return type(value) is int  # msgpack's true is a Python int too: a bool is no count of rows
 
 
 def inputs_digest(hidden: torch.Tensor) -> str:

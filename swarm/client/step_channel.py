@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 
 from swarm.client.stage_clock import CLOCK, now
 from swarm.protocol import ServerUnavailableError, SwarmError, error_from_wire
-from swarm.wire import BlockRPC, pack, stacked, step_shape, unpack, unstacked
+from swarm.wire import BlockRPC, pack, stacked, step_message_bytes, step_shape, unpack, unstacked
 
 
 # a step of more positions travels alone (it would hold up the others' reply): a decode step, or 1 + a draft
@@ -71,6 +71,11 @@ class _Step:
     @property
     def tokens(self) -> int:
         return self.shape["rows"] * self.shape["length"]
+
+    @property
+    def bytes(self) -> int:
+        """What its inputs weigh in a message (a flowing step's come pushed: nothing)."""
+        return 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
 
 
 @dataclass
@@ -148,7 +153,32 @@ class StepChannel:
         """A step's outputs; `hidden` None: a flowing step, whose entry says its rows and length. Steps of another
         `group` than the oldest one queued wait for the next message: sessions in groups (the engine loop's
         pipeline) reach this server one group after the other, so that each server of their chain computes one
-        group while the next one computes another."""
+        group while the next one computes another. A step over the cap on a message's bytes goes in parts."""
+        if hidden is not None and hidden.numel() * hidden.element_size() > step_message_bytes():
+            return await self._step_in_parts(hidden, entry, timeout, blocks, group)
+        return await self._step_whole(hidden, entry, timeout, blocks, group)
+
+    async def _step_in_parts(self, hidden: torch.Tensor, entry: dict, timeout: float, blocks: str,
+                             group: int) -> torch.Tensor:
+        """A step over the cap on a message's bytes (a long prompt's, swarm/wire.py's step_message_bytes): its
+        positions as steps of the same session, one after the other, each under the cap (a position alone over
+        it goes alone, and the server refuses it); the outputs are those of the whole step, as a prompt computed
+        in chunks through the session's cache is the same as in one pass. Each part declares the next part's
+        length as what its next step may carry (a push of it may be computed early), the last what the step
+        declared."""
+        per_position = hidden.shape[0] * hidden.shape[2] * hidden.element_size()
+        length = max(1, step_message_bytes() // per_position)
+        parts = hidden.split(length, dim=1)
+        outputs = []
+        for index, part in enumerate(parts):
+            part_entry = {**entry, "position": entry["position"] + index * length}
+            if index + 1 < len(parts):
+                part_entry["next_positions"] = parts[index + 1].shape[1]
+            outputs.append(await self._step_whole(part, part_entry, timeout, blocks, group))
+        return torch.cat(outputs, dim=1)
+
+    async def _step_whole(self, hidden: Optional[torch.Tensor], entry: dict, timeout: float, blocks: str,
+                          group: int) -> torch.Tensor:
         step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future(), group)
         if step.shape["length"] > MULTIPLEX_MAX_POSITIONS:
             message_id = next(self._ids)
@@ -225,13 +255,14 @@ class StepChannel:
                 _fail(step, ServerUnavailableError(f"server {self.peer_id} did not answer in time ({step.blocks})"))
             elif not step.result.done():  # else its session gave up waiting
                 waiting.append(step)
-        taken, left, tokens = [], [], 0
+        taken, left, tokens, size, cap = [], [], 0, 0, step_message_bytes()
         for step in waiting:  # the oldest always goes, and the steps of its group that fit beside it
-            if taken and (step.group != taken[0].group or tokens + step.tokens > MULTIPLEX_MAX_TOKENS):
+            if taken and (step.group != taken[0].group or tokens + step.tokens > MULTIPLEX_MAX_TOKENS
+                          or size + step.bytes > cap):
                 left.append(step)
             else:
                 taken.append(step)
-                tokens += step.tokens
+                tokens, size = tokens + step.tokens, size + step.bytes
         lane.queue = left
         if taken:
             self._send(taken, lane=lane)

@@ -14,8 +14,8 @@ In data-flow order, from the command line to the compute thread:
     round_trips.py the round trips of the server's pushes to the next servers, announced in its record
     backend.py     Backend: every request checked against the span and the limits on one client; it opens
                    sessions (handing each ServerServices) and submits cache-less forwards as jobs
-    sessions.py    ServerSession: one client's session, its cache and steps (and steps pushed to it early);
-                   OpenSessions, the server's registry of them
+    sessions.py    ServerSession: one client's session, its cache and steps (and steps pushed to it early)
+    open_sessions.py  OpenSessions, the server's registry of them, and the ids of those it closed (used once)
     batching.py    Scheduler: the compute thread; submitted jobs (steps, forwards) go in rounds, prompts in chunks
     span.py        BlockSpan: the span's layers over a packed batch of sessions (swarm/families says how each computes)
     graphs.py      on CUDA, decode-only rounds captured once per shape bucket as CUDA graphs and replayed

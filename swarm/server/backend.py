@@ -11,11 +11,13 @@ from typing import Optional
 
 import torch
 
-from swarm.protocol import PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionLengthError, SwarmError
+from swarm.protocol import (PROTOCOL_VERSION, BadRequestError, ServerLimitError, SessionClosedError, SessionLengthError,
+                            SwarmError)
 from swarm.server.batching import Scheduler
 from swarm.server.cache import PAGE_TOKENS, CacheBudget, SessionCache, pages_for
 from swarm.server.fields import declared_positions, int_field, is_int
-from swarm.server.sessions import OpenSessions, ServerServices, ServerSession
+from swarm.server.open_sessions import OpenSessions
+from swarm.server.sessions import ServerServices, ServerSession
 from swarm.server.settings import ServerLimits
 from swarm.server.span import BlockSpan
 from swarm.server.step_batch import run_steps, start_pushed
@@ -133,8 +135,8 @@ class Backend:
         session_id = metadata.get("session_id")
         if session_id is not None and not (isinstance(session_id, str) and 16 <= len(session_id) <= 64):
             raise BadRequestError("field 'session_id' must be a string of 16 to 64 characters (a random token)")
-        if session_id in self.sessions.by_id:
-            raise BadRequestError("field 'session_id' is already in use")
+        if session_id in self.sessions.by_id or self.sessions.closed(session_id):
+            raise BadRequestError("field 'session_id' is already in use, or was: a session id is used once")
         if max_length * batch_size > self.limits.max_session_tokens:
             raise ServerLimitError(f"a session of max_length {max_length} x batch_size {batch_size} is over this "
                                    f"server's limit of {self.limits.max_session_tokens} tokens per session")
@@ -270,6 +272,8 @@ class Backend:
             try:
                 session_id = entry.get("session_id") if isinstance(entry, dict) else None
                 session = self.sessions.by_id.get(session_id) if isinstance(session_id, str) else None
+                if session is None and self.sessions.closed(session_id):  # a late push: nothing is allocated
+                    raise SessionClosedError("the session with this 'session_id' is closed")
                 if session is None:
                     raise BadRequestError("no open session has this 'session_id'")
                 if isinstance(hidden, SwarmError):  # refused undecoded, or not as the message declared

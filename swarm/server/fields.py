@@ -23,3 +23,17 @@ def int_field(metadata: dict, name: str, low: int, high: int) -> int:
     if not is_int(value) or not low <= value <= high:
         raise BadRequestError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}")
     return value
+
+
+# a step's id (field 'step_id'): a session's count of steps, which no session comes near; bounded like any field
+MAX_STEP_ID = (1 << 53) - 1
+
+
+def step_id_field(metadata: dict, required: bool = True):
+    """A step's or a push's id, checked: an integer in [0, MAX_STEP_ID] (None where it may be left out)."""
+    value = metadata.get("step_id")
+    if value is None and not required:
+        return None
+    if not is_int(value) or not 0 <= value <= MAX_STEP_ID:
+        raise BadRequestError(f"field 'step_id' must be an integer in [0, {MAX_STEP_ID}], got {value!r:.80}")
+    return value

@@ -39,7 +39,7 @@ from swarm.server.fields import is_int
 from swarm.server.step_entries import check_flowing_shape, push_target, sent_entries, with_flowing
 from swarm.server.timings import timed_message
 from swarm.wire import (BlockRPC, check_hidden_sizes, gather_parts, inputs_digest, misshapen_hidden, reply,
-                        split_parts, stacked, unpack, unpack_metadata, unstacked)
+                        split_parts, stacked, step_message_bytes, tensor_bytes, unpack, unpack_metadata, unstacked)
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class BlockHandler(BlockRPC):
             results[index] = output
             if push_to is not None and not isinstance(output, BaseException):
                 pushes.append(push_of(push_to, session.end, entry, output))
-        self.pusher.push(pushes)
+        self.pusher.push(pushes, peer_id)
         answers = [wire_error(result) if isinstance(result, BaseException) else answer
                    for result, answer in zip(results, answers)]
         return reply(stacked([result for result in results if not isinstance(result, BaseException)]),
@@ -285,7 +285,7 @@ class BlockHandler(BlockRPC):
     async def _unpack_steps(self, request) -> tuple[list, dict]:
         """Decoding copies the tensor: a big message is decoded on a thread, not on the loop that serves
         every other peer's steps."""
-        if sum(len(tensor.buffer) for tensor in request.tensors) > UNPACK_OFF_LOOP_BYTES:
+        if tensor_bytes(request) > UNPACK_OFF_LOOP_BYTES:
             return await asyncio.to_thread(unpack, request, self._misshapen)
         return unpack(request, self._misshapen)
 
@@ -312,9 +312,13 @@ class BlockHandler(BlockRPC):
 
     def _check_sizes(self, request) -> None:
         """A message of steps or pushes carries one tensor of hidden states per session (of the peer's, at most
-        its limit of them), and no more tokens in all than one request may."""
+        its limit of them), no more tokens in all than one request may, and no more bytes than one message of
+        steps may (its reply, of the same steps' outputs, would be as big: a client splits a longer step)."""
         limits = self.backend.limits
         check_hidden_sizes(request, limits.max_sessions_per_peer, limits.max_request_tokens, self.backend.hidden_size)
+        if tensor_bytes(request) > step_message_bytes():
+            raise BadRequestError(f"a message of {tensor_bytes(request)} bytes of hidden states is over the cap of "
+                                  f"{step_message_bytes()} bytes per message: split its steps")
 
     def _misshapen(self, tensor: runtime_pb2.Tensor) -> Optional[SwarmError]:
         return misshapen_hidden(tensor, self.backend.hidden_size)

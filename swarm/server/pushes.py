@@ -5,6 +5,12 @@ node finds them (a client names the peer, and could otherwise make the server se
 the server's expense), and PUSHES_IN_FLIGHT messages at most on their way: past that, pushes are skipped (they
 only save time; the clients send the same inputs).
 
+The slots are shared fairly: one client's pushes (those of the steps of one calling peer) hold at most
+PUSHES_PER_CLIENT of them, so that a chain naming a next server that stalls fills that client's slots, not every
+other client's. A push waits for its reply a few of the round trips measured to its server (round_trips.py), not
+a fixed long while, and a next server that does not answer one of a client's pushes in time (or cannot be reached)
+gets none of that client's pushes for STALLED_PAIR_SECONDS.
+
 On the receiving server, a push starts an early step (EarlyStep) of its session, if the session takes it (see
 ServerSession.pushed: only what the client's own next step will ask for).
 """
@@ -14,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Collection, Optional
 
@@ -25,16 +31,19 @@ from swarm.protocol import (MAX_ROUND_TRIPS, BadRequestError, NoPushError, Serve
                             error_from_wire)
 from swarm.server import metrics
 from swarm.server.batching import Job
-from swarm.server.fields import is_int
+from swarm.server.fields import is_int, step_id_field
 from swarm.server.latency import NO_LATENCY, SimulatedLatency
 from swarm.server.round_trips import PushRoundTrips
 from swarm.wire import BlockRPC, pack, stacked, step_shape, unary_payload_bytes, unpack
 
 logger = logging.getLogger(__name__)
 
-PUSH_TIMEOUT = 10.0
+PUSH_TIMEOUT = 10.0  # seconds a push waits for its reply, at most (and to a server of no measured round trip)
+MIN_PUSH_TIMEOUT, PUSH_TIMEOUT_ROUND_TRIPS = 2.0, 10  # at least, else this many of its measured round trips
 PUSH_ENTRY_BYTES = 256  # a push's entry in the message's metadata: a session id, a step id, a position, a shape
-PUSHES_IN_FLIGHT = 64  # push messages on their way at once
+PUSHES_IN_FLIGHT = 64  # push messages on their way at once, all clients'
+PUSHES_PER_CLIENT = 16  # of them, one client's
+STALLED_PAIR_SECONDS, STALLED_PAIRS_KEPT = 30.0, 4096  # a (client, next server) whose push failed: no pushes
 WARNED_PEERS_KEPT = 4096  # peers a failed push was logged at WARNING for (then the log starts over)
 # how long the servers found under a block are trusted, and how often a peer not among them sends for a new look
 TARGETS_TTL, TARGETS_MISS_REFRESH, TARGETS_LOOKUP_TIMEOUT = 60.0, 5.0, 10.0
@@ -108,21 +117,57 @@ class Pusher:
         self._warned_peers: set[str] = set()
         self.message_bytes = unary_payload_bytes()  # what one push message may carry
         self.round_trips = PushRoundTrips()  # to each server pushed to: announced in the server's record
+        self._per_client: Counter[str] = Counter()  # each client's push messages on their way
+        self._stalled: OrderedDict[tuple[str, str], float] = OrderedDict()  # (client, peer) -> pushes again after
 
-    def push(self, pushes: list[tuple[PeerID, int, dict, torch.Tensor]]) -> None:
-        """(next server, the block it goes on at, entry, outputs) of each push, beside the replies to clients."""
+    def push(self, pushes: list[tuple[PeerID, int, dict, torch.Tensor]], client: str = "") -> None:
+        """(next server, the block it goes on at, entry, outputs) of each push of the steps of `client` (the
+        calling peer), beside the replies to it."""
         by_peer: dict[PeerID, list[tuple[int, dict, torch.Tensor]]] = defaultdict(list)
         for peer, block, entry, output in pushes:
             by_peer[peer].append((block, entry, output))
         for peer, items in by_peer.items():
-            if len(self.tasks) >= PUSHES_IN_FLIGHT:
-                self._skip(peer, len(items), "too many pushes on their way")
+            refusal = self._no_slot(client, peer)
+            if refusal is not None:
+                self._skip(peer, len(items), refusal)
                 continue
-            task = asyncio.ensure_future(self._send(peer, items))
+            task = asyncio.ensure_future(self._send(peer, items, client))
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._per_client[client] += 1
+            task.add_done_callback(lambda done, client=client: self._sent(done, client))
 
-    async def _send(self, peer: PeerID, items: list[tuple[int, dict, torch.Tensor]]) -> None:
+    def _no_slot(self, client: str, peer: PeerID) -> Optional[str]:
+        """Why a push of `client`'s to `peer` is not sent now (None: it is)."""
+        if len(self.tasks) >= PUSHES_IN_FLIGHT:
+            return "too many pushes on their way"
+        if self._per_client[client] >= PUSHES_PER_CLIENT:
+            return "too many of this client's pushes on their way"
+        until = self._stalled.get((client, peer.to_base58()))
+        if until is not None and time.monotonic() < until:
+            return "it did not answer this client's last push in time"
+        return None
+
+    def _sent(self, task: asyncio.Task, client: str) -> None:
+        self.tasks.discard(task)
+        self._per_client[client] -= 1
+        if self._per_client[client] <= 0:
+            del self._per_client[client]
+
+    def _stall(self, client: str, peer: PeerID) -> None:
+        """`peer` failed one of `client`'s pushes: none of that client's go to it for a while."""
+        self._stalled.pop((client, peer.to_base58()), None)
+        self._stalled[client, peer.to_base58()] = time.monotonic() + STALLED_PAIR_SECONDS
+        while len(self._stalled) > STALLED_PAIRS_KEPT:
+            self._stalled.popitem(last=False)
+
+    def timeout(self, peer: PeerID) -> float:
+        """How long a push to `peer` waits for its reply: a few of the round trips measured to it."""
+        round_trip = self.round_trips.median(peer.to_base58())
+        if round_trip is None:
+            return PUSH_TIMEOUT
+        return min(PUSH_TIMEOUT, max(MIN_PUSH_TIMEOUT, PUSH_TIMEOUT_ROUND_TRIPS * round_trip))
+
+    async def _send(self, peer: PeerID, items: list[tuple[int, dict, torch.Tensor]], client: str = "") -> None:
         # looked up once per block (a message's steps mostly go on at the same one), not once per step
         blocks = {block: await self.targets.announce(peer.to_base58(), block) if self.targets is not None else False
                   for block in {block for block, _, _ in items}}
@@ -133,26 +178,30 @@ class Pusher:
         if len(fitting) < len(announced):  # a step alone over the cap (a long prompt's): its client sends it
             self._skip(peer, len(announced) - len(fitting), "over the transport's message size")
         for part in _under(fitting, self.message_bytes):
-            await self._send_one(peer, part)
+            if not await self._send_one(peer, part):
+                self._stall(client, peer)
+                return
 
-    async def _send_one(self, peer: PeerID, announced: list[tuple[dict, torch.Tensor]]) -> None:
+    async def _send_one(self, peer: PeerID, announced: list[tuple[dict, torch.Tensor]]) -> bool:
+        """Send one message of pushes: whether `peer` answered it (taken or refused) in time."""
         entries, outputs = [entry for entry, _ in announced], [output for _, output in announced]
         message = pack(stacked(outputs), {"pushes": entries})
         self.counters["push_messages"] += 1
         self.counters["pushes_sent"] += len(announced)
         try:  # its reply comes once the step is queued there: the round trip is the network's
             response = await self._timed(peer, lambda: BlockRPC.get_stub(self.p2p, peer).rpc_push(
-                message, timeout=PUSH_TIMEOUT))
+                message, timeout=self.timeout(peer)))
             _, metadata = unpack(response)
         except Exception as error:  # the clients' own copies of the inputs follow anyway
             self._failed(peer, len(announced), "unreachable", repr(error))
-            return
+            return False
         results = metadata.get("results")
         if not isinstance(results, list):  # the whole message was refused (or the reply is malformed)
             results = [metadata] * len(announced)
         refusals = [error for error in map(_error_of, results) if error is not None]
         if refusals:
             self._failed(peer, len(refusals), "refused", str(refusals[0]))
+        return True
 
     async def ping_next(self, block: int, own_peer_id: str) -> None:
         """Time an rpc_info to each server of `block` (the servers this one pushes to), so that the round trips
@@ -220,9 +269,7 @@ async def awaited_push(session, metadata: dict) -> tuple[torch.Tensor, torch.Ten
     Its outputs once computed, or NoPushError where no push of it came within 'push_wait' seconds (or the
     client's own copy of the step came first): the client then sends the inputs itself. (outputs, the inputs
     the push carried)."""
-    step_id, wait = metadata.get("step_id"), metadata.get("push_wait")
-    if not is_int(step_id):
-        raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r:.80}")
+    step_id, wait = step_id_field(metadata), metadata.get("push_wait")
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_PUSH_WAIT:
         raise BadRequestError(f"field 'push_wait' must be a number of seconds in [0, {MAX_PUSH_WAIT:g}], got "
                               f"{wait!r:.80}")

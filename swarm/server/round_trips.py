@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
+from typing import Optional
 
 from swarm.protocol import MAX_ROUND_TRIP_SECONDS, MAX_ROUND_TRIPS
 
@@ -32,6 +33,11 @@ class PushRoundTrips:
         self._samples[peer_id] = samples
         while len(self._samples) > PEERS_KEPT:
             self._samples.popitem(last=False)
+
+    def median(self, peer_id: str) -> Optional[float]:
+        """The median of the last round trips to `peer_id`; None where none was measured."""
+        samples = self._samples.get(peer_id)
+        return statistics.median(samples) if samples else None
 
     def announced(self) -> tuple[tuple[str, float], ...]:
         """(peer id, seconds) of the MAX_ROUND_TRIPS servers most recently pushed to, within the records'

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterator, Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 
@@ -19,39 +18,11 @@ from swarm.protocol import BadRequestError, ServerUnavailableError, SessionClose
 from swarm.server import metrics
 from swarm.server.batching import Job
 from swarm.server.cache import PAGE_TOKENS, SessionCache
-from swarm.server.fields import declared_positions, int_field, is_int
+from swarm.server.fields import declared_positions, int_field, step_id_field
+from swarm.server.open_sessions import OpenSessions
 from swarm.server.pushes import EarlyStep
 
 logger = logging.getLogger(__name__)
-
-
-class OpenSessions:
-    """The server's open sessions: every one (idle ones may be closed to make room), those a previous server
-    may push steps to (by id), how many each peer has open, and what they have computed."""
-
-    def __init__(self):
-        self._all: set[ServerSession] = set()
-        self.by_id: dict[str, ServerSession] = {}
-        self.per_peer: Counter[str] = Counter()
-        self.positions_served = 0  # positions run through sessions: shows what clients re-send
-        self.steps_pushed = 0  # steps started from the previous server's push, before the client's copy came
-
-    def add(self, session: ServerSession) -> None:
-        self._all.add(session)
-        self.per_peer[session.peer_id] += 1
-        if session.id is not None:
-            self.by_id[session.id] = session
-
-    def discard(self, session: ServerSession) -> None:
-        self._all.discard(session)
-        self.per_peer -= Counter([session.peer_id])  # a peer with none left leaves the counter
-        self.by_id.pop(session.id, None)
-
-    def __iter__(self) -> Iterator[ServerSession]:
-        return iter(self._all)
-
-    def __len__(self) -> int:
-        return len(self._all)
 
 
 class Parking:
@@ -133,7 +104,7 @@ class ServerSession:
         self._closed = False
         self.closed_because: Optional[str] = None  # "idle", "reclaimed" or "evicted" when the server closed it
         self.evicted = False  # the server moved to other blocks: the client must go elsewhere
-        self._newest_step = -1  # the highest step id started
+        self._newest_step = -1  # the highest step id of the client's own steps (a push's counts once they come)
         self._early: Optional[EarlyStep] = None
         # the pushed step last taken (by a flowing step, most often): see take_early
         self._taken: Optional[EarlyStep] = None
@@ -166,9 +137,7 @@ class ServerSession:
     def take_early(self, metadata: dict) -> Optional[EarlyStep]:
         """The client's copy of a step came: the pushed step started before it, or still running for a flowing
         step (whose answer was late), if any. It waits for it, and takes its result if of the same inputs."""
-        step_id = metadata.get("step_id")
-        if step_id is not None and not is_int(step_id):
-            raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        step_id = step_id_field(metadata, required=False)
         self.push_allowance = declared_positions(metadata, self.max_length)  # for the step after this one
         self._unpark()  # at once: no eviction may close it while the step waits its turn
         self._push_came()  # a flowing step still waiting for its push is answered: this copy supersedes it
@@ -231,9 +200,7 @@ class ServerSession:
         client's copy will do (it came first, or an earlier push awaits it, or the push would not continue the
         session where it is: an honest one only rewinds it when the client does). Refused (BadRequestError)
         where it carries more positions than the client declared its next step may (see the class)."""
-        step_id = metadata.get("step_id")
-        if not is_int(step_id):
-            raise BadRequestError(f"field 'step_id' must be an integer, got {step_id!r}")
+        step_id = step_id_field(metadata)
         if step_id <= self._newest_step or self._early is not None or metadata.get("position") != self.length \
                 or self.stepping:
             return None
@@ -243,7 +210,8 @@ class ServerSession:
             job = self.begin_step(hidden, metadata)
         except RoomNeeded:
             return None
-        self._newest_step = step_id
+        # its id is not the session's newest until the client's copy of it comes (take_early): a hostile push
+        # of a far step id must not make every later push look stale
         self._unpark()
         self.server.open_sessions.steps_pushed += 1
         self._early = EarlyStep(step_id, hidden, self.length, asyncio.get_running_loop().create_future(), job)

@@ -154,7 +154,7 @@ def test_pushes_go_only_to_servers_announcing_the_next_blocks(client, server, ti
 # ------------------------------------------------------------------------------------------------ fuzzer
 
 SEED = 20240907
-FIELDS = ["start", "end", "max_length", "batch_size", "session_id", "position", "step_id", "push_to",
+FIELDS = ["start", "end", "max_length", "batch_size", "session_id", "position", "step_id", "push_to", "rows", "length",
           "bfloat16_tensors"]
 VALUES = [0, 1, 2, 3, 4, 7, 31, -1, MAX_REQUEST_TOKENS + 1, 2**31, 2**63 - 1, -2**63, True, False, None, 0.5,
           float("nan"), float("inf"), "2", "", "x" * 32, b"\x00", [], [0], [1, 2], {},
@@ -282,6 +282,8 @@ class Fuzzer:
     async def push(self):
         """Mostly at the victim's session, as its next step (an early start that the victim's own copy of
         the step must override), else at sessions that do not exist."""
+        if self.rng.random() < 0.05:
+            return await self.push_of_bool_rows()
         shape = self.valid_shape()
         if self.rng.random() < 0.7:
             valid = {"session_id": self.victim.session_id, "step_id": len(self.victim_inputs) + 1,
@@ -292,6 +294,22 @@ class Fuzzer:
         request = self.request(valid, shape, wrap=lambda entry: {"pushes": [entry]})
         self.sent["rpc_push"] += 1
         self.tally("rpc_push", await self.stub.rpc_push(request, timeout=30))
+
+    async def push_of_bool_rows(self):
+        """msgpack's true is a Python int: a step of `"rows": true` beside one of 2 rows failed decoding with a
+        TypeError (an internal error, logged with its traceback) before it was refused."""
+        from hivemind.compression import serialize_torch_tensor
+        from hivemind.proto import runtime_pb2
+        from hivemind.utils import MSGPackSerializer
+
+        field = self.rng.choice(["rows", "length"])
+        entries = [{"session_id": secrets.token_hex(16), "step_id": 1, "position": 0, "rows": 1, "length": 1,
+                    field: True}, {"session_id": secrets.token_hex(16), "step_id": 1, "position": 0, "rows": 2,
+                                   "length": 1}]
+        request = runtime_pb2.ExpertRequest(tensors=[serialize_torch_tensor(torch.randn(1, 3, HIDDEN))],
+                                            metadata=MSGPackSerializer.dumps({"pushes": entries}))
+        self.sent["rpc_push"] += 1
+        assert not self.tally("rpc_push", await self.stub.rpc_push(request, timeout=30))
 
     async def victim_step(self):
         hidden = torch.randn(1, 1, HIDDEN)

@@ -25,8 +25,8 @@ class Stalled:
 def test_pushes_on_their_way_are_capped_and_the_rest_skipped():
     async def scenario():
         pusher = pushes.Pusher(dict.fromkeys(COUNTERS, 0), Stalled())
-        for _ in range(pushes.PUSHES_IN_FLIGHT + 10):
-            pusher.push([(PEER, 2, ENTRY, torch.zeros(1, 1, 8))])
+        for index in range(pushes.PUSHES_IN_FLIGHT + 10):  # of many clients, each within its own slots
+            pusher.push([(PEER, 2, ENTRY, torch.zeros(1, 1, 8))], f"client {index % 8}")
         on_their_way = len(pusher.tasks)
         for task in pusher.tasks:
             task.cancel()
@@ -157,3 +157,53 @@ def test_a_long_prompts_pushes_stay_under_the_transports_cap(monkeypatch):
     sent.clear()
     counters = asyncio.run(scenario())
     assert max(sent) < 1 << 20 and counters["pushes_skipped"] == 3  # the 3,000 and the 1,500s: over 1 MiB
+
+
+def test_a_client_whose_chain_names_a_stalling_server_fills_only_its_own_push_slots(monkeypatch):
+    """Two clients: one's steps name a next server that never answers, the other's a live one. The first holds at
+    most its share of the slots (it held all 64, and 90% of everyone else's pushes were skipped), its push waits a
+    few measured round trips, not 10 s, and then the stalling server gets none of that client's pushes; the other
+    client's pushes all go (and it may still push to the stalling one: that is its own to find out)."""
+    stalling = PeerID.from_base58("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")
+    timeouts, answered = [], []
+
+    class Stub:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def rpc_push(self, message, timeout):
+            timeouts.append((self.peer, timeout))
+            if self.peer == stalling:
+                await asyncio.wait_for(asyncio.Event().wait(), timeout)
+            answered.append(self.peer)
+            return reply(metadata={"results": [{}]})
+
+    monkeypatch.setattr(BlockRPC, "get_stub", classmethod(lambda cls, p2p, peer: Stub(peer)))
+    monkeypatch.setattr(pushes, "MIN_PUSH_TIMEOUT", 0.05)
+
+    async def scenario():
+        pusher = pushes.Pusher(dict.fromkeys(COUNTERS, 0), Announcing())
+        for _ in range(3):  # measured by earlier pushes (or pings): a round trip of 1 ms
+            pusher.round_trips.add(stalling.to_base58(), 0.001)
+        for _ in range(pushes.PUSHES_IN_FLIGHT):
+            pusher.push([(stalling, 2, ENTRY, torch.zeros(1, 1, 8))], "hostile")
+        skipped_of_hostile = pusher.counters["pushes_skipped"]
+        for _ in range(10):
+            pusher.push([(PEER, 2, ENTRY, torch.zeros(1, 1, 8))], "honest")
+        skipped_of_honest = pusher.counters["pushes_skipped"] - skipped_of_hostile
+        await asyncio.gather(*pusher.tasks)
+        pusher.push([(stalling, 2, ENTRY, torch.zeros(1, 1, 8))], "hostile")  # it stalled: dropped
+        dropped = len(pusher.tasks) == 0
+        pusher.push([(stalling, 2, ENTRY, torch.zeros(1, 1, 8))], "honest")  # not dropped for another client
+        sent_for_honest = len(pusher.tasks) == 1
+        for task in pusher.tasks:
+            task.cancel()
+        return skipped_of_hostile, skipped_of_honest, dropped, sent_for_honest, pusher.counters
+
+    skipped_of_hostile, skipped_of_honest, dropped, sent_for_honest, counters = asyncio.run(scenario())
+    assert skipped_of_hostile == pushes.PUSHES_IN_FLIGHT - pushes.PUSHES_PER_CLIENT and skipped_of_honest == 0
+    assert answered.count(PEER) == 10 and dropped and sent_for_honest
+    assert {timeout for peer, timeout in timeouts if peer == stalling} == {0.05}  # 10 round trips, at least 0.05 s
+    to_live = [timeout for peer, timeout in timeouts if peer == PEER]
+    assert to_live[0] == pushes.PUSH_TIMEOUT and set(to_live[1:]) == {0.05}  # none measured yet, then measured
+    assert counters["pushes_failed"] == pushes.PUSHES_PER_CLIENT

@@ -117,8 +117,10 @@ def test_failed_pushes_are_counted_and_said_once_per_next_server(monkeypatch, ca
 
     async def scenario():
         pusher = Pusher(dict.fromkeys(COUNTERS, 0), EveryoneAnnounces())
-        for _ in range(3):  # each time: one push to the first server, two in one message to the other
-            pusher.push([(unreachable, 2, entry, output), (refusing, 2, entry, output), (refusing, 2, entry, output)])
+        for client in range(3):  # each time: one push to the first server, two in one message to the other
+            # (of another client each time: an unreachable server gets no more of one client's pushes for a while)
+            pusher.push([(unreachable, 2, entry, output), (refusing, 2, entry, output), (refusing, 2, entry, output)],
+                        f"client {client}")
             await asyncio.gather(*pusher.tasks)
         return pusher.counters
 
