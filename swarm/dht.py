@@ -149,7 +149,7 @@ async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collect
                 continue
             # a server that moved left OFFLINE records under its old blocks: its newest record says where it is
             if peer_id not in latest or record.expiration_time > latest[peer_id][0]:
-                latest[peer_id] = (record.expiration_time, RemoteServer(peer_id, info))
+                latest[peer_id] = (record.expiration_time, RemoteServer(peer_id, info, record.expiration_time))
     return [server for _, server in latest.values()]
 
 
