@@ -16,7 +16,8 @@ def test_only_a_relay_relays_and_within_its_limits():
     relay = loop.run(dht.start_node(serve_relay=True, relay_limits=limits))
     plain = loop.run(dht.start_node([str(address) for address in loop.run(relay.get_visible_maddrs())]))
     try:
-        assert daemon_flags(plain) == {"-relay=1", "-relayHopLimit=0", "-relayService=0"}  # dials relayed peers, relays for nobody
+        # it dials relayed peers, and relays for nobody (-relayHopLimit: hivemind's, deprecated in p2pd)
+        assert daemon_flags(plain) == {"-relay=1", "-relayHopLimit=0", "-relayService=0"}
         assert daemon_flags(relay) == {"-relay=1", "-relayHopLimit=0", "-relayService=1", "-relayMaxReservations=8",
                                        "-relayMaxCircuits=2", f"-relayDataLimit={64 << 20}", "-relayTimeLimit=600s",
                                        f"-relayBufferSize={16 << 20}"}
