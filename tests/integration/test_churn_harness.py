@@ -30,3 +30,6 @@ def test_a_short_churn_run_completes_sessions_and_summarises_them(tmp_path, caps
     assert chains["choices"] >= 1 and chains["judged"] >= 1
     assert set(chains["ratio_chosen_to_best"]) == {"count", "median", "p90", "max"}
     assert chains["ratio_chosen_to_best"]["median"] >= 1.0 - 1e-9  # no chain beats the best
+    # the share of choices through a server already gone is reported (the target, under 2%, is a long run's)
+    assert chains["through_a_server_gone_share"] == round(chains["through_a_server_gone"] / chains["choices"], 4)
+    assert "of chains through a server already gone" in printed
