@@ -26,6 +26,7 @@ from typing import Collection, Iterable, Optional
 
 from swarm.client.peers import Bans, DeadPeers, PeerLoad
 from swarm.client.stubs import call_info
+from swarm.protocol import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,11 @@ class RoundTripProbes:
         began = time.perf_counter()
         try:
             await call_info(self.p2p, peer, timeout=self.timeout)
-        except Exception as error:  # gone, stalled, or refusing: routing goes elsewhere meanwhile
+        except SwarmError as refusal:  # it answered, with an error (a private server's to a stranger): alive
+            logger.info("server %s refused a probe (%s): banned for a while", peer, refusal)
+            self.bans.ban(peer, probed=True)
+            return False
+        except Exception as error:  # gone or stalled: routing goes elsewhere meanwhile
             logger.info("server %s did not answer a probe (%r): left out of routing until it announces anew",
                         peer, error)
             self.dead.found_dead(peer)

@@ -123,3 +123,17 @@ def test_a_dead_mark_ends_with_the_record_it_was_made_for():
     time.sleep(0.1)
     dead.seen([])  # its record expired: nothing of it is kept
     assert dead.current() == set() and not dead.found_dead("gone")
+
+
+def test_a_server_that_refuses_a_probe_is_alive(rpc_info, monkeypatch):
+    from swarm.protocol import NotAllowedError
+
+    async def refusing(p2p, peer, timeout):  # a private server's answer to a peer not on its list
+        raise NotAllowedError("not on this server's list of clients")
+
+    monkeypatch.setattr(probes_module, "call_info", refusing)
+    dead = DeadPeers()
+    dead.seen([record("private", 0, 4, time.time() + 30)])
+    probes = RoundTripProbes(None, dht.EventLoop.get(), PeerLoad(), Bans(), timeout=1.0, dead=dead)
+    assert not probes.loop.run(probes.probe("private"))
+    assert dead.current() == set() and "private" in probes.bans.current()
