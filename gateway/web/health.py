@@ -100,7 +100,7 @@ def swarm_health():
 def _with_protocols(health: dict) -> dict:
     """Each server marked with whether the gateway speaks its protocol (those it does not are never routed to),
     and how many do not: an operator upgrading servers one at a time sees which lag."""
-    from swarm.client.routing import speaks
+    from swarm.client import speaks
 
     for server in health["servers"]:
         server["compatible"] = speaks(server["version"])
