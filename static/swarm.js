@@ -53,8 +53,10 @@ function coverageBar(coverage) {
 }
 
 function serverRow(model, server, gatewayVersion) {
-  const version = el("td", {}, server.version || "?");
-  if (server.version !== gatewayVersion) version.title = `the gateway runs ${gatewayVersion}`;
+  const version = el("td", {}, server.version || "?",
+    server.compatible === false ? el("span", { class: "relayed" }, " not routed") : null);
+  if (server.version !== gatewayVersion) version.title = `the gateway runs ${gatewayVersion}`
+    + (server.compatible === false ? ", which cannot talk to this server: upgrade it" : "");
   return el("tr", { class: "server" },
     el("td", { title: server.peer_id }, el("code", {}, shortPeer(server.peer_id)),
        server.relayed ? el("span", { class: "relayed", title: "behind a NAT: reached through a relay (every "
@@ -79,6 +81,8 @@ function modelSection(model, gatewayVersion) {
   const online = model.servers.filter((server) => server.state === "online").length;
   section.append(el("p", { class: "summary" },
     `${model.num_blocks} blocks, ${online} of ${model.servers.length} servers online. `,
+    model.incompatible_servers ? el("span", { class: "bad" },
+      `${model.incompatible_servers} of another protocol version, not routed to. `) : null,
     model.covered ? el("span", { class: "good" }, "Every block is served.")
                   : el("span", { class: "bad" }, `No server holds blocks ${model.missing_blocks}.`)));
 

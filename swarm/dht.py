@@ -46,33 +46,43 @@ async def start_node(
     client_mode: bool = False,
     relays: Sequence[str] = (),
     serve_relay: bool = False,
+    relay_limits=None,
 ):
     """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm). It signs the
     records it stores with its identity key, and refuses forged ones (see swarm/trust.py).
 
     `relays`: the node accepts no inbound connection and is reached through these public peers; `serve_relay`:
-    it is public and relays for such nodes (see swarm/relays.py)."""
+    it is public and relays for such nodes, within `relay_limits` (a relays.RelayLimits; default: p2pd's); no
+    other node relays for anyone (see swarm/relays.py)."""
     from hivemind.dht.node import DHTNode
 
     from swarm import trust
-    from swarm.relays import relay_options
+    from swarm.relays import RelayLimits, daemon_class, relay_options, relay_service_flags
     from swarm.transport import coalesce_small_writes
 
     coalesce_small_writes()  # before the node's P2P writes to its daemon: a server's and a client's messages alike
+    client_mode = client_mode or bool(relays)  # a relayed node answers no DHT request: each would take the detour
+    daemon = daemon_class(relay_service_flags(serve_relay, relay_limits or RelayLimits()))
     with trust.identity(identity_path) as identity:
-        return await DHTNode.create(
+        p2p = await daemon.create(
             initial_peers=list(initial_peers),
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
             identity_path=identity.path,
             # hivemind asks the swarm whether an existing identity is in use already; a new one cannot be
             check_if_identity_free=not identity.created,
-            record_validator=trust.OwnerSignedRecords(identity.key),
-            # a relayed node answers no DHT request: every one would take the detour through its relay
-            client_mode=client_mode or bool(relays),
+            dht_mode="client" if client_mode else "server",
             # the peer must be reachable on loopback and private networks alike: no UPnP on the router
             nat_port_map=False,
             **relay_options(relays, serve_relay),
         )
+    try:
+        node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
+                                    record_validator=trust.OwnerSignedRecords(identity.key))
+    except BaseException:
+        await p2p.shutdown()
+        raise
+    node._should_shutdown_p2p = True  # its daemon is the node's alone, as when hivemind starts it: it stops with it
+    return node
 
 
 async def visible_maddrs(node) -> list[str]:
@@ -149,7 +159,7 @@ async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collect
                 continue
             # a server that moved left OFFLINE records under its old blocks: its newest record says where it is
             if peer_id not in latest or record.expiration_time > latest[peer_id][0]:
-                latest[peer_id] = (record.expiration_time, RemoteServer(peer_id, info))
+                latest[peer_id] = (record.expiration_time, RemoteServer(peer_id, info, record.expiration_time))
     return [server for _, server in latest.values()]
 
 
@@ -205,7 +215,8 @@ async def _run_bootstrap_peer(args) -> None:
     import signal
 
     # the swarm's public entry point relays for servers behind a NAT (swarm/relays.py), unless told not to
-    node = await start_node(host=args.host, port=args.port, identity_path=args.identity, serve_relay=args.relay)
+    node = await start_node(host=args.host, port=args.port, identity_path=args.identity, serve_relay=args.relay,
+                            relay_limits=args.relay_limits)
     print(" ".join(await visible_maddrs(node)), flush=True)  # the one line a script reads
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -227,9 +238,38 @@ def main(argv=None) -> None:
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                         help="relay for block servers that accept no inbound connection (--relay-through) "
                              "(default: on)")
+    _add_relay_limit_flags(parser)
     args = parser.parse_args(argv)
+    args.relay_limits = _relay_limits(parser, args)
     setup_logging()
     run_main(lambda: asyncio.run(_run_bootstrap_peer(args)))
+
+
+def _add_relay_limit_flags(parser) -> None:
+    from swarm.relays import RelayLimits
+
+    default = RelayLimits()
+    parser.add_argument("--relay-max-reservations", type=int, default=default.max_reservations,
+                        help="relay slots in all, whoever takes them: p2pd cannot share them out per peer or "
+                             f"address (default: {default.max_reservations})")
+    parser.add_argument("--relay-max-circuits", type=int, default=default.max_circuits,
+                        help=f"relayed connections open at once per peer (default: {default.max_circuits})")
+    parser.add_argument("--relay-data-limit-mib", type=float, default=default.data_limit / 2**20,
+                        help="MiB a relayed connection carries each way before the relay resets it "
+                             f"(default: {default.data_limit / 2**20:g})")
+    parser.add_argument("--relay-time-limit", type=float, default=default.time_limit,
+                        help=f"seconds a relayed connection lasts before the relay resets it "
+                             f"(default: {default.time_limit:g})")
+
+
+def _relay_limits(parser, args):
+    from swarm.relays import RelayLimits
+
+    try:
+        return RelayLimits(args.relay_max_reservations, args.relay_max_circuits,
+                           int(args.relay_data_limit_mib * 2**20), args.relay_time_limit)
+    except (ValueError, OverflowError) as error:  # NaN, inf, zero or less
+        parser.error(f"--relay-* limits must be positive and finite: {error}")
 
 
 if __name__ == "__main__":

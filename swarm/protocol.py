@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
 PROTOCOL_VERSION = "0.6.0"  # 0.2: signed records under owner subkeys; 0.3: multiplexed steps (rpc_steps), 16-position pages; 0.4: a message's steps stacked in one tensor
@@ -302,6 +302,8 @@ class RemoteServer:
 
     peer_id: str  # base58
     info: ServerInfo
+    # when the record read expires (DHT time: time.time()); a dead server's never moves on (swarm/client/peers.py)
+    expires: float = field(default=float("inf"), compare=False)
 
 
 def format_block_ranges(ranges: list[tuple[int, int]]) -> str:

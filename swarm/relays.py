@@ -14,14 +14,23 @@ What p2pd (hivemind 1.1.12's go-libp2p) does and how it is worked around here:
   online only after that delay (RelayWait), or clients would find it unreachable and ban it meanwhile;
 - it builds its circuit addresses only from a relay's public addresses (a relay on a private network, 10.x or
   192.168.x, gives none): a relayed server announces the circuit addresses through the relays it was given
-  itself, so they must be addresses every client can dial.
+  itself, so they must be addresses every client can dial;
+- its relay service is on by default in every node that finds itself public (AutoNAT), for any peer, within
+  limits that hivemind does not let one set: 128 reservations in all, 16 circuits per peer, each circuit carrying
+  up to 4 GiB each way for 30 minutes. Here it runs only where a relay is wanted (the bootstrap peer, unless
+  --no-relay; a server with --serve-as-relay), with the limits of RelayLimits (the bootstrap peer's flags set
+  them), passed to p2pd as its -relay* flags (relay_service_flags). p2pd offers no flag that limits a relay to
+  the swarm's own servers, nor reservations per peer or per address: a relay serves any peer that asks, and one
+  host may hold every reservation a relay offers (--relay-max-reservations bounds what it can take).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 logger = logging.getLogger(__name__)
@@ -45,6 +54,47 @@ def relay_options(relays: Sequence[str] = (), serve_relay: bool = False) -> dict
         return dict(use_relay=True, use_auto_relay=True, force_reachability="private", trusted_relays=list(relays),
                     announce_maddrs=[circuit_address(relay) for relay in relays])
     return dict(use_relay=True, use_auto_relay=False, force_reachability="public" if serve_relay else None)
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What a relay gives the peers it relays for: p2pd's -relay* flags, p2pd's defaults unless an operator sets
+    them (python -m swarm.dht --relay-*). One peer id may hold every reservation and max_circuits circuits,
+    each holding up to 2 x buffer_size bytes of the relay's memory (512 MiB at the defaults)."""
+
+    max_reservations: int = 128  # reserved slots in all, whoever holds them (p2pd counts no peer's share)
+    max_circuits: int = 16  # relayed connections open at once per peer
+    data_limit: int = 4 << 30  # bytes a circuit carries each way before the relay resets it (a failover)
+    time_limit: float = 1800.0  # seconds a circuit lasts before the relay resets it
+    buffer_size: int = 16 << 20  # bytes of buffer per relayed connection, each way
+
+    def __post_init__(self):
+        for name in ("max_reservations", "max_circuits", "data_limit", "time_limit", "buffer_size"):
+            value = getattr(self, name)
+            if not (0 < value < math.inf):
+                raise ValueError(f"relay limit {name} must be a positive number, not {value!r}")
+
+
+def relay_service_flags(serve_relay: bool, limits: RelayLimits = RelayLimits()) -> dict:
+    """p2pd's flags for its relay service: off unless the node serves as a relay (p2pd runs it on any node that
+    finds itself public), and within `limits` where it does."""
+    if not serve_relay:
+        return {"relayService": False}
+    return {"relayService": True, "relayMaxReservations": limits.max_reservations,
+            "relayMaxCircuits": limits.max_circuits, "relayDataLimit": limits.data_limit,
+            "relayTimeLimit": f"{limits.time_limit:g}s", "relayBufferSize": limits.buffer_size}
+
+
+def daemon_class(flags: dict):
+    """hivemind's P2P, starting its p2pd with these extra flags too (P2P.create takes no relay service flags)."""
+    from hivemind.p2p import P2P
+
+    class P2PWithFlags(P2P):
+        @staticmethod
+        def _make_process_args(*args, **kwargs):
+            return P2P._make_process_args(*args, **{**kwargs, **flags})
+
+    return P2PWithFlags
 
 
 def circuit_address(relay: str) -> str:

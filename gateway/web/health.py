@@ -89,9 +89,19 @@ def swarm_health():
     for config in configs:
         entry = {"name": config.name, "dht_prefix": config.dht_prefix or dht_prefix(config.path)}
         try:
-            entry.update(engine.swarm_health(config.name))
+            entry.update(_with_protocols(engine.swarm_health(config.name)))
         except Exception as error:
             api_error = from_exception(error)
             entry.update(ok=False, error=api_error.message, code=api_error.code)
         listed.append(entry)
     return jsonify(ok=True, version=PROTOCOL_VERSION, models=listed)
+
+
+def _with_protocols(health: dict) -> dict:
+    """Each server marked with whether the gateway speaks its protocol (those it does not are never routed to),
+    and how many do not: an operator upgrading servers one at a time sees which lag."""
+    from swarm.client import speaks
+
+    for server in health["servers"]:
+        server["compatible"] = speaks(server["version"])
+    return {**health, "incompatible_servers": sum(not server["compatible"] for server in health["servers"])}

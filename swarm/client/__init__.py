@@ -46,6 +46,7 @@ _EXPORTS = {
     "RemoteModel": "swarm.client.remote_model",
     "InferenceSession": "swarm.client.remote_model",
     "IncrementalDetokenizer": "swarm.client.decoding",
+    "speaks": "swarm.client.routing",  # whether a server's protocol version is one this client talks to
     "resolve_model": "swarm.weights",  # a model's local folder (a known name converted once): a gateway's draft model
 }
 # logits -> token, as the gateway's sampling builds on them; where steps' time goes, which the engine adds to

@@ -1,12 +1,15 @@
-"""The client's own view of the servers: peers banned for a while, and the load it put on each."""
+"""The client's own view of the servers: peers banned for a while, peers found dead, and the load it put on each."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Iterable, Optional
+
+from swarm.protocol import RemoteServer
 
 # a restart lifts the ban of a peer with at most this many strikes (if it answers a probe): a server that failed
 # once or twice and restarted is back at once; one that keeps failing waits out its bans
@@ -40,10 +43,18 @@ class Bans:
         self._distrusted_until: dict[str, float] = {}
         self._strikes: dict[str, tuple[int, float]] = {}  # peer -> (strikes, when the last one was struck)
         self._retried: set[str] = set()  # peers probed for a restart since their last strike
+        # told of each ban but a probe's (the client probes the peer at once: a dead one leaves routing for good)
+        self.on_ban: Optional[Callable[[str], None]] = None
         self._lock = threading.Lock()
 
-    def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False) -> None:
-        """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened."""
+    def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False, probed: bool = False) -> None:
+        """Ban for `seconds`, or by default for the peer's strikes so far; a ban is never shortened. `probed`: the
+        failure was a probe's (on_ban is not told: there is nothing more a probe could find)."""
+        self._strike(peer_id, seconds, distrust)
+        if self.on_ban is not None and not probed:
+            self.on_ban(peer_id)
+
+    def _strike(self, peer_id: str, seconds: Optional[float], distrust: bool) -> None:
         with self._lock:
             now = time.monotonic()
             strikes = self._live_strikes(peer_id, now) + 1
@@ -93,6 +104,46 @@ class Bans:
         """Strikes less one per `decay` seconds since the last (the caller holds the lock)."""
         strikes, last = self._strikes.get(peer_id, (0, now))
         return max(strikes - int((now - last) / self.decay), 0) if self.decay > 0 else 0
+
+
+class DeadPeers:
+    """Servers found dead (a probe unanswered, a connection refused), left out of routing for the rest of the
+    record they had then, fallbacks included. A server killed without a word leaves its record in the DHT until it
+    expires (three announce periods); a ban alone lets routing fall back on it while no other server holds its
+    blocks, and sends every session there to fail. A dead server announces nothing more: the mark lasts while its
+    newest record is the one seen when it was found dead, and ends with a newer one (it is back, or was only
+    stalled: it announces every period) or when that record expires. Bans still apply as they do to any failure."""
+
+    def __init__(self):
+        self._expires: dict[str, float] = {}  # peer -> when the newest record seen of it expires
+        self._dead: dict[str, float] = {}  # peer -> when the record it had when found dead expires
+        self._lock = threading.Lock()
+
+    def seen(self, servers: Iterable[RemoteServer]) -> None:
+        """The records a lookup found: a dead peer's newer record ends its mark."""
+        now = time.time()
+        with self._lock:
+            for server in servers:
+                self._expires[server.peer_id] = server.expires
+                if self._dead.get(server.peer_id, math.inf) < server.expires:
+                    del self._dead[server.peer_id]
+            for peer in [peer for peer, expires in self._expires.items() if expires < now]:
+                del self._expires[peer]  # only records still alive are remembered: what a swarm announces now
+            for peer in [peer for peer, expires in self._dead.items() if expires < now]:
+                del self._dead[peer]
+
+    def found_dead(self, peer_id: str) -> bool:
+        """The peer failed a probe: dead until a newer record than the one seen; whether this is news. A peer
+        no lookup has shown (not one routing knows) is not remembered."""
+        with self._lock:
+            if peer_id not in self._expires or peer_id in self._dead:
+                return False
+            self._dead[peer_id] = self._expires[peer_id]
+            return True
+
+    def current(self) -> set[str]:
+        with self._lock:
+            return set(self._dead)
 
 
 class PeerLoad:

@@ -8,8 +8,10 @@ First probes (of servers never probed) are bounded apart: any peer may publish r
 as many as it likes, so at most FIRST_PROBES_AT_ONCE run at once and FIRST_PROBES_PER_PERIOD begin per period,
 picked by chance among the new servers (a flood of them does not keep the others out for long); the rest wait
 for a later call or round. Routing waits for first probes only while it has measured none of its candidates.
-A server that does not answer a probe is banned like one that fails a step (swarm/client/peers.py): a server
-killed without a word leaves routing within PROBE_PERIOD + PROBE_TIMEOUT, long before its DHT record expires.
+A server that does not answer a probe is banned like one that fails a step (swarm/client/peers.py), and found
+dead: routing leaves it out, even where only it holds some blocks, until it announces anew (DeadPeers). A server
+killed without a word leaves routing within PROBE_PERIOD + PROBE_TIMEOUT, long before its DHT record expires, and
+at once where a session's step there fails: every ban but a probe's is checked by a probe at once (`confirm`).
 Banned servers are not probed, but for the one probe a restart may earn them (see `retry`).
 """
 
@@ -20,10 +22,11 @@ import logging
 import random
 import threading
 import time
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Optional
 
-from swarm.client.peers import Bans, PeerLoad
+from swarm.client.peers import Bans, DeadPeers, PeerLoad
 from swarm.client.stubs import call_info
+from swarm.protocol import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,9 @@ class RoundTripProbes:
     `consider`, `measure_new` and `retry` are called from any thread."""
 
     def __init__(self, p2p, loop, load: PeerLoad, bans: Bans, period: float = PROBE_PERIOD,
-                 timeout: float = PROBE_TIMEOUT):
+                 timeout: float = PROBE_TIMEOUT, dead: Optional[DeadPeers] = None):
         self.p2p, self.loop, self.load, self.bans = p2p, loop, load, bans
+        self.dead = DeadPeers() if dead is None else dead
         self.period, self.timeout = period, timeout
         self._considered: dict[str, float] = {}  # peer -> when routing last looked at it
         self._probed: dict[str, float] = {}  # peer -> when its last probe began
@@ -84,16 +88,29 @@ class RoundTripProbes:
 
         asyncio.run_coroutine_threadsafe(probe_and_pardon(), self.loop.loop)
 
+    def confirm(self, peer: str) -> None:
+        """A step or a session's opening failed there (Bans.on_ban): probe it now, so that a dead server leaves
+        routing at once rather than at its next probe."""
+        if peer not in self.dead.current():
+            asyncio.run_coroutine_threadsafe(self.probe(peer), self.loop.loop)
+
     async def probe(self, peer: str) -> bool:
-        """One round trip to `peer`, timed: whether it answered; a server that does not is banned."""
+        """One round trip to `peer`, timed: whether it answered; a server that does not is banned, and found
+        dead."""
         with self._lock:
             self._probed[peer] = time.monotonic()
         began = time.perf_counter()
         try:
             await call_info(self.p2p, peer, timeout=self.timeout)
-        except Exception as error:  # gone, stalled, or refusing: routing goes elsewhere meanwhile
-            logger.info("server %s did not answer a probe (%r): banned for a while", peer, error)
-            self.bans.ban(peer)
+        except SwarmError as refusal:  # it answered, with an error (a private server's to a stranger): alive
+            logger.info("server %s refused a probe (%s): banned for a while", peer, refusal)
+            self.bans.ban(peer, probed=True)
+            return False
+        except Exception as error:  # gone or stalled: routing goes elsewhere meanwhile
+            logger.info("server %s did not answer a probe (%r): left out of routing until it announces anew",
+                        peer, error)
+            self.dead.found_dead(peer)
+            self.bans.ban(peer, probed=True)
             return False
         self.load.round_trip(peer, time.perf_counter() - began)
         return True

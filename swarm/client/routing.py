@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional
 
 from swarm.client.flowing_routes import announced_round_trips, cheapest_flowing_chain, flowing_network_seconds
-from swarm.protocol import MAX_THROUGHPUT, MissingBlocksError, RemoteServer, format_block_ranges, missing_ranges
+from swarm.protocol import (MAX_THROUGHPUT, PROTOCOL_VERSION, MissingBlocksError, RemoteServer, format_block_ranges,
+                            missing_ranges)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,23 @@ MAX_ADAPTERS_PER_MODEL = 32  # LoRA adapters of one model a client names (lists,
 # the round trip assumed of a server not measured yet, while no server is: a hop is never free (on loopback it
 # costs about a millisecond; across the internet 20-150 ms)
 DEFAULT_ROUND_TRIP = 0.02
+
+
+def protocol_line(version: str) -> Optional[tuple[int, int]]:
+    """(major, minor) of a version such as "0.6.0"; None when it is not one (a record older than the field: "")."""
+    parts = version.split(".")
+    if len(parts) < 2 or not all(part.isdigit() and len(part) <= 6 for part in parts[:2]):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def speaks(version: str, own: str = PROTOCOL_VERSION) -> bool:
+    """Whether a client of protocol `own` can talk to a server announcing `version`: the same major and minor.
+    Before 1.0 each minor version changed the messages both ways (0.4 stacked a message's steps, 0.5 declared
+    the next step's positions, 0.6 flowing steps): a server of another one refuses this client's steps, or
+    answers what it cannot read. A patch version changes nothing the other side reads."""
+    line = protocol_line(version)
+    return line is not None and line == protocol_line(own)
 
 
 def choose_chain(

@@ -16,9 +16,10 @@ import torch
 
 from swarm import dht
 from swarm.client import metrics
-from swarm.client.peers import Bans, PeerLoad
+from swarm.client.peers import Bans, DeadPeers, PeerLoad
 from swarm.client.probes import RoundTripProbes
-from swarm.client.routing import MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session
+from swarm.client.routing import (MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session,
+                                  speaks)
 from swarm.client.remote_session import ClientServices, RemoteSession, Route
 from swarm.client.spot_check import SpotChecker
 from swarm.client.flowing import flowing_by_default
@@ -28,6 +29,7 @@ from swarm.network_map import parse_region
 from swarm.protocol import (
     CacheFullError,
     InternalServerError,
+    PROTOCOL_VERSION,
     MissingBlocksError,
     ModelRecord,
     RemoteServer,
@@ -70,8 +72,8 @@ class Coverage(_MissingBlocks):
 
 @dataclass(frozen=True)
 class SwarmHealth(_MissingBlocks):
-    """Every server that announced a block of a model (joining and offline ones too), sorted by span, and how
-    many online servers hold each block."""
+    """Every server that announced a block of a model (joining and offline ones too, and those of a protocol this
+    client does not speak), sorted by span, and how many online servers it may route to hold each block."""
 
     num_blocks: int
     servers: list[RemoteServer]
@@ -108,9 +110,12 @@ class SwarmClient:
         # a step may take this long, plus STEP_SECONDS_PER_TOKEN for each position it carries; a server that
         # stays silent longer (dead, stalled, cut off) is banned and its span re-routed
         self.step_timeout, self.max_retries = step_timeout, max_retries
-        self.bans, self.load = Bans(), PeerLoad()
+        self.bans, self.load, self.dead = Bans(), PeerLoad(), DeadPeers()
         self.node = self.loop.run(dht.start_node(initial_peers, client_mode=True))
-        self.probes = RoundTripProbes(self.node.p2p, self.loop, self.load, self.bans)  # round trips, for routing
+        # round trips, for routing; a peer that fails a step is probed at once, and left out if dead
+        self.probes = RoundTripProbes(self.node.p2p, self.loop, self.load, self.bans, dead=self.dead)
+        self.bans.on_ban = self.probes.confirm
+        self._told_incompatible: set[tuple[str, str]] = set()  # (peer, version) logged as not spoken
         self._starts: dict[str, float] = {}  # peer -> when its newest record says it started
         # the steps of all this client's sessions on one server travel together (swarm/client/stubs.py)
         self.step_channels = StepChannels(self.node.p2p, timeout)
@@ -121,7 +126,8 @@ class SwarmClient:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
         `adapter`, only those that announce that LoRA adapter."""
         self._announce_region()
-        servers = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers))
+        servers = self._speaking(self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers)))
+        self.dead.seen(servers)
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
         return [server for server in servers if adapter is None or adapter in server.info.adapters]
@@ -141,6 +147,18 @@ class SwarmClient:
             holders = [server for server in servers if adapter in server.info.adapters]
             coverage[adapter] = Coverage(num_blocks, len(holders), missing_ranges(holders, num_blocks))
         return coverage
+
+    def _speaking(self, servers: list[RemoteServer]) -> list[RemoteServer]:
+        """The servers whose protocol this client speaks (routing.speaks); each one left out is logged once per
+        version it announces, as an operator upgrading a swarm server by server wants to see which lag."""
+        for server in servers:
+            told = (server.peer_id, server.info.version)
+            if not speaks(server.info.version) and told not in self._told_incompatible:
+                if len(self._told_incompatible) < 4096:  # any peer may announce versions: the log stays bounded
+                    self._told_incompatible.add(told)
+                    logger.warning("server %s speaks protocol %r, this client %s: not routed to", server.peer_id,
+                                   server.info.version[:32], PROTOCOL_VERSION)
+        return [server for server in servers if speaks(server.info.version)]
 
     def _announce_region(self) -> None:
         """Announce the client's region where it has one, again when half its record's life has passed."""
@@ -180,6 +198,7 @@ class SwarmClient:
         end = num_blocks if end is None else end
         banned = self.bans.current()
         self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
+        exclude = {*exclude, *self.dead.current()}  # a dead server is no fallback: no session it gets can run
         try:
             return choose_chain(servers, end, model_name, {*exclude, *self.bans.current()}, start,
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
@@ -229,6 +248,7 @@ class SwarmClient:
         servers = self.loop.run(dht.fetch_all_servers(self.node, prefix, num_blocks, self.allowed_servers))
         servers.sort(key=lambda server: (server.info.start, server.info.end, server.peer_id))
         online = [server for server in servers if server.info.state == ServerState.ONLINE]
+        online = [server for server in online if speaks(server.info.version)]  # what routing may use
         reachable = {server.peer_id for server in online} - self.bans.current()
         self.probes.consider(reachable)  # a health page shows their round trips
         self.probes.measure_new(reachable)

@@ -62,13 +62,15 @@ def test_swarm_json_lists_servers_and_coverage(gateway):
     assert model["name"] == "tiny" and model["dht_prefix"] == TINY_PREFIX and model["num_blocks"] == TINY_BLOCKS
     assert model["coverage"] == [1] * TINY_BLOCKS
     assert model["covered"] is True and model["missing_ranges"] == [] and model["missing_blocks"] is None
+    assert model["incompatible_servers"] == 0
     servers = model["servers"]
     assert [(server["start"], server["end"], server["state"]) for server in servers] == [(0, 2, "online"),
                                                                                          (2, 4, "online")]
     for server in servers:
         assert set(server) == {"peer_id", "start", "end", "state", "throughput", "cache_tokens_free", "version",
-                               "relayed", "rtt_ms"}
+                               "relayed", "rtt_ms", "compatible"}
         assert server["peer_id"].startswith("Qm") and server["throughput"] > 0 and server["relayed"] is False
+        assert server["compatible"] is True
         assert server["cache_tokens_free"] > 0 and server["version"] == PROTOCOL_VERSION
     assert servers[0]["peer_id"] != servers[1]["peer_id"]
 

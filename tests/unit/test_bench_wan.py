@@ -107,14 +107,17 @@ def test_choices_are_judged_against_the_servers_live_at_their_time(tmp_path):
     assert verdicts[2].ratio is None and verdicts[2].chosen == math.inf  # through a server no longer live
     figures = chain_figures(verdicts)
     assert figures["judged"] == 2 and figures["through_a_server_gone"] == 1 and figures["within_10_percent"] == 0.0
+    assert figures["through_a_server_gone_share"] == pytest.approx(1 / 3, abs=1e-4)
     assert figures["ratio_chosen_to_best"]["max"] == pytest.approx(75.8 / 25.8, rel=1e-3)
 
 
 def test_distributions_and_the_churn_targets():
     assert distribution([1.0, 2.0, 3.0, None, math.inf]) == {"count": 3, "median": 2.0, "p90": 2.8, "max": 3.0}
     summary = {"sessions": {"completed": 3, "total": 4, "equal_to_local": 3},
-               "chains": {"within_10_percent": 1.0}}
-    assert [passed for _, passed in targets(summary)] == [False, True, True]
+               "chains": {"within_10_percent": 1.0, "through_a_server_gone_share": 0.05}}
+    assert [passed for _, passed in targets(summary)] == [False, True, True, False]
+    summary["chains"]["through_a_server_gone_share"] = 0.0199
+    assert targets(summary)[-1] == ("under 2% of chains through a server already gone", True)
 
 
 def test_quick_mode_shortens_the_run_but_flags_win():

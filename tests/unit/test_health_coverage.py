@@ -69,3 +69,15 @@ def test_a_failed_look_is_not_used():
 def test_a_look_too_old_to_trust_is_looked_again_by_the_request():
     swarm, recent = Swarm(), RecentCoverage(seconds=0, stale=0)
     assert [recent.get(swarm)["look"] for _ in range(3)] == [1, 2, 3]
+
+
+def test_the_swarm_page_marks_and_counts_servers_of_another_protocol():
+    from gateway.web.health import _with_protocols
+    from swarm.protocol import PROTOCOL_VERSION
+
+    health = {"num_blocks": 4, "servers": [{"peer_id": "upgraded", "version": PROTOCOL_VERSION},
+                                           {"peer_id": "lagging", "version": "0.5.0"},
+                                           {"peer_id": "ancient", "version": ""}]}
+    marked = _with_protocols(health)
+    assert [server["compatible"] for server in marked["servers"]] == [True, False, False]
+    assert marked["incompatible_servers"] == 2 and marked["num_blocks"] == 4

@@ -10,7 +10,7 @@ from config import GatewaySettings, ModelConfig, Settings, SwarmSettings
 from gateway.engine.catalogue import ServedModels
 from gateway.engine.drafts import DraftModels
 from swarm import dht
-from swarm.client.peers import Bans, PeerLoad
+from swarm.client.peers import Bans, DeadPeers, PeerLoad
 from swarm.client.routing import MAX_ADAPTERS_PER_MODEL
 from swarm.client.swarm_client import SwarmClient
 from swarm.protocol import MAX_ADAPTERS, RemoteServer, ServerInfo, ServerState
@@ -41,6 +41,7 @@ def swarm_client():
     client = SwarmClient.__new__(SwarmClient)  # its lookups only: no node, no network, no probes
     client.loop, client.node, client.allowed_servers = dht.EventLoop.get(), None, frozenset()
     client.bans, client.load, client._starts, client.region = Bans(), PeerLoad(), {}, None
+    client.dead, client._told_incompatible = DeadPeers(), set()
     client.probes = SimpleNamespace(consider=lambda peers: None)
     return client
 

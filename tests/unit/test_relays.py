@@ -84,3 +84,27 @@ def test_the_relay_flags(capsys):
     with pytest.raises(SystemExit):
         parse_settings(["--blocks", "0:1", *PEERS, "--relay-through", "/ip4/203.0.113.7/tcp/31337"])
     assert "lacks the peer id part" in capsys.readouterr().err
+
+
+def test_only_a_relay_runs_p2pds_relay_service_and_within_the_limits_set():
+    from swarm.relays import RelayLimits, relay_service_flags
+
+    assert relay_service_flags(False) == {"relayService": False}  # p2pd runs it on any public node unless told
+    flags = relay_service_flags(True, RelayLimits(max_reservations=8, max_circuits=2, data_limit=1 << 20,
+                                                  time_limit=120.0))
+    assert flags == {"relayService": True, "relayMaxReservations": 8, "relayMaxCircuits": 2,
+                     "relayDataLimit": 1 << 20, "relayTimeLimit": "120s", "relayBufferSize": 16 << 20}
+    for odd in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="max_circuits"):
+            RelayLimits(max_circuits=odd)
+
+
+@pytest.mark.parametrize("flag", ["--relay-max-reservations=0", "--relay-max-circuits=-3",
+                                  "--relay-data-limit-mib=nan", "--relay-data-limit-mib=inf",
+                                  "--relay-time-limit=0"])
+def test_the_bootstrap_peer_refuses_relay_limits_that_are_no_limits(flag, capsys):
+    from swarm.dht import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([flag])
+    assert exit_.value.code == 2 and "--relay-* limits must be positive and finite" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 import pytest
 
-from swarm.client.routing import DEFAULT_ROUND_TRIP, ChainLink, chain_step_seconds, choose_chain
+from swarm.client.routing import DEFAULT_ROUND_TRIP, ChainLink, chain_step_seconds, choose_chain, speaks
 from swarm.protocol import MissingBlocksError, RemoteServer, ServerInfo, ServerState, missing_ranges
 from swarm.server.placement import choose_span
 
@@ -130,3 +130,10 @@ def test_only_a_redundant_server_moves_and_only_toward_a_gap():
     crowded = [twin, server("x", 0, 2), server("y", 0, 2), server("z", 2, 4)]
     assert span_to_move_to(crowded, 4, server("zz", 0, 2)) == (2, 4)  # 3 others on its blocks vs 1 there
     assert span_to_move_to(crowded[:2] + crowded[3:], 4, server("zz", 0, 2)) is None  # 2 vs 1: within hysteresis
+
+
+
+def test_a_client_speaks_only_its_own_protocol_line():
+    assert speaks("0.6.0", "0.6.0") and speaks("0.6.3", "0.6.0") and speaks("0.6", "0.6.0")  # a patch: the same
+    for other in ("0.5.0", "0.4.2", "0.7.0", "1.6.0", "", "six", "0.x.0", "0." + "9" * 100):
+        assert not speaks(other, "0.6.0"), other
