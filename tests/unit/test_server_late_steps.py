@@ -8,39 +8,18 @@ import logging
 import pytest
 import torch
 
-from swarm.protocol import PAGE_TOKENS, BadRequestError, SessionClosedError, error_from_wire
-from swarm.server.backend import Backend, ServerLimits
-from swarm.server.cache import CacheBudget
+from swarm.protocol import BadRequestError, SessionClosedError, error_from_wire
+from swarm.server.backend import Backend
 from swarm.server.fields import MAX_STEP_ID
 from swarm.server.handler import BlockHandler
-from swarm.server.span import load_span
 from swarm.wire import pack, stacked, unpack
-from tiny_model import build_tiny_model
-
-HIDDEN = 64
-SESSION = "s" * 32
-LIMITS = ServerLimits(max_session_tokens=8 * PAGE_TOKENS, cache_wait=0.1, max_cache_share_per_peer=1.0,
-                      warm_cache_share=1.0)
-OPENING = {"start": 0, "end": 2, "max_length": 8 * PAGE_TOKENS, "batch_size": 1, "session_id": SESSION}
-
-
-@pytest.fixture(scope="module")
-def span(tmp_path_factory):
-    return load_span(build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", 2), 0, 2)
+from server_backends import run_scenario
+from test_push_declared import HIDDEN, LIMITS, OPENING, SESSION, span  # noqa: F401 (span: the fixture)
 
 
 def run(span, scenario):
-    async def body():
-        backend = Backend(span, CacheBudget(8 * PAGE_TOKENS), LIMITS)
-        try:
-            await scenario(backend, BlockHandler(backend))
-            for session in list(backend.sessions):
-                session.close()
-            assert backend.budget.used == 0 and span.pool.free_pages == 8
-        finally:
-            backend.close()
-
-    asyncio.run(body())
+    """`scenario(backend, handler)` on a backend of 8 pages, which every session's close must leave whole."""
+    run_scenario(span, lambda backend: scenario(backend, BlockHandler(backend)), LIMITS, pool_pages=8)
 
 
 def push(backend: Backend, hidden: torch.Tensor, step_id, position: int):
