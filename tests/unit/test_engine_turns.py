@@ -4,6 +4,7 @@ the client with the fewest steps in flight goes next, its oldest session first, 
 from dataclasses import dataclass, field
 from itertools import count
 
+from gateway.engine.speculation import StepCosts
 from gateway.engine.turns import Sharing, Turns
 
 _ids = count()
@@ -63,10 +64,8 @@ def test_a_sequence_that_ended_while_waiting_never_steps():
     assert turns.take() == [batch[1]] and len(turns) == 0
 
 
-def costs_of(line) -> "StepCosts":
+def costs_of(line) -> StepCosts:
     """Round trips by steps in flight that follow `line` (base, per step) exactly."""
-    from gateway.engine.speculation import StepCosts
-
     costs = StepCosts(guess=False)
     base, per_step = line
     for in_flight in (1, 4, 16, 64) * 4:
@@ -75,7 +74,6 @@ def costs_of(line) -> "StepCosts":
 
 
 def test_without_enough_round_trips_or_where_a_step_more_costs_nothing_no_bound_is_found():
-    from gateway.engine.speculation import StepCosts
     from gateway.engine.turns import found_bound
 
     same_size = StepCosts(guess=False)
