@@ -397,7 +397,7 @@ def test_the_server_survives_a_fuzzer(client, server):
     # the session that the pushes aimed at went on right: its steps equal a whole forward of its inputs
     assert len(fuzzer.victim_inputs) > VICTIM_STEPS // 2
     torch.testing.assert_close(torch.cat(fuzzer.victim_outputs, dim=1),
-                               forward(client, server, torch.cat(fuzzer.victim_inputs, dim=1)), atol=1e-4, rtol=0)
+                               forward(client, server, torch.cat(fuzzer.victim_inputs, dim=1)), atol=1e-4, rtol=1e-4)
     # the next valid requests are served, and served right
     inputs = torch.randn(1, 6, HIDDEN)
     with open_session(client, 8) as session:
