@@ -67,8 +67,7 @@ class Limits:
     # they travel in groups (0: a group per server of a session's chain; 1: one, every session in step)
     pipeline_min_sessions: int = 8
     pipeline_groups: int = 0
-    # past this many steps of a model's sessions in flight (0: found from their round trips), sessions take turns
-    # (gateway/engine/turns.py)
+    # past this many steps of a model's sessions in flight (0: no bound), sessions take turns (gateway/engine/turns.py)
     engine_max_steps: int = 0
     engine_sharing: str = "client"  # the turns shared between clients (each one's sessions share its part), or session
 

@@ -24,7 +24,7 @@ and each server's step channel carries one group per message (swarm/client/step_
 computes one group while the second computes the one before. Fewer sessions travel as one group: a session alone is
 never held up by a group.
 
-Past a bound of steps in flight (ENGINE_MAX_STEPS, or found from their round trips) the loop is saturated: the
+Past ENGINE_MAX_STEPS steps in flight (none by default) the loop is saturated: the
 sessions ready past it wait for steps to come back, and take turns shared between clients, not sessions (or between
 sessions: ENGINE_SHARING), see turns.py: one client's many sessions cannot take the servers' rounds from another's.
 
@@ -267,7 +267,7 @@ class EngineLoop:
         self.counts.steps += len(steps)
         ENGINE_STEPS.labels(self.model.name).inc(len(steps))
         self.remote.start_steps(steps, self._arrived)
-        self.turns.flew([sequence for sequence, *_ in steps])  # (they land in a later tick, on this thread)
+        self.turns.flew(ready)  # (they land in a later tick, on this thread)
 
     def _count_rows(self, rows: int) -> None:
         self.counts.rows += rows

@@ -59,9 +59,7 @@ class StepCosts:
     The sums the line needs are kept as steps come and go, so that reading it (every tick of a drafting
     session) costs a few additions, not a fit."""
 
-    def __init__(self, guess: bool = True, samples: int = STEP_SAMPLES):
-        """`guess`: before steps of two sizes, a guessed line (else None); `samples`: how many recent steps."""
-        self.guess, self.samples = guess, samples
+    def __init__(self):
         self._samples: deque[tuple[int, float]] = deque()
         self._sums = [0, 0, 0.0, 0.0]  # positions, positions², seconds, positions x seconds (integers exact)
         self._lock = threading.Lock()
@@ -70,7 +68,7 @@ class StepCosts:
         with self._lock:
             self._samples.append((positions, seconds))
             self._add(positions, seconds, 1)
-            if len(self._samples) > self.samples:
+            if len(self._samples) > STEP_SAMPLES:
                 self._add(*self._samples.popleft(), -1)
 
     def _add(self, positions: int, seconds: float, sign: int) -> None:
@@ -82,8 +80,7 @@ class StepCosts:
 
     def line(self) -> Optional[tuple[float, float]]:
         """(base, per_position), or None before any step. Until steps of two sizes are seen, a position is taken
-        to cost a tenth of a one-position step (optimistic, so that drafts are tried and then measured), or, without
-        `guess`, there is no line."""
+        to cost a tenth of a one-position step: optimistic, so that drafts are tried and then measured."""
         with self._lock:
             count, (positions, squares, seconds, products) = len(self._samples), self._sums
         if not count:
@@ -91,8 +88,6 @@ class StepCosts:
         spread = count * squares - positions * positions  # count² x the variance of positions: 0 if all alike
         mean_positions, mean_seconds = positions / count, seconds / count
         if spread == 0:
-            if not self.guess:
-                return None
             per_position = mean_seconds / mean_positions * 0.1
             return mean_seconds - per_position * mean_positions, per_position
         per_position = max((count * products - positions * seconds) / spread, 0.0)
