@@ -6,14 +6,16 @@ and one header, then nothing, holds a thread for as long as it likes; and connec
 the keep-alive time (65 s) counted among the worker's connections, past which gunicorn stops accepting. A few
 thousand silent sockets from one machine left /health unanswered.
 
-Here a connection is half-open until its request's headers are complete (up to the blank line): the event loop
-reads its bytes as they come, without a thread, and hands it to a thread only then, the bytes already read given
-to gunicorn's parser. So no thread waits for a request's headers (a body is read by the thread, as before). A
-half-open connection:
+Here a connection is half-open until its request's headers are complete (up to the blank line), and its body too
+when the headers state its length (up to MAX_BODY_BYTES, and no "Expect: 100-continue", whose client waits to be
+asked): the event loop reads its bytes as they come, without a thread, and hands it to a thread only then, the bytes
+already read given to gunicorn's parser. So no thread waits for a request's headers, nor for a body that trickles (a
+chunked body, or one past the cap that the gateway refuses with a 413, is still read by the thread). A half-open
+connection:
 
-- is closed once `header_timeout` seconds pass without complete headers (with a 408 if it sent anything), as
-  nginx's client_header_timeout and Node's headersTimeout do; and so is one whose headers outgrow HEADER_BYTES
-  (with a 431);
+- is closed once `header_timeout` seconds pass without its complete headers and stated body (with a 408 if it sent
+  anything), as nginx's client_header_timeout and Node's headersTimeout do; and so is one whose headers outgrow
+  HEADER_BYTES (with a 431);
 - is not counted among gunicorn's worker_connections (silent sockets never stop the worker accepting), but at most
   MAX_HALF_OPEN of them are kept, the oldest closed to make room for a newcomer;
 - counts against its address's `half_open_per_address`: past it, once the oldest of them has waited HALF_OPEN_GRACE
@@ -56,11 +58,13 @@ class HeaderReadingWorker(ThreadWorker):
 
     header_timeout = 20.0  # set from the limits by gunicorn.conf.py (limits_from), in the master before the fork
     half_open_per_address = 128
+    max_body_bytes = 1 << 20
 
     @classmethod
     def limits_from(cls, limits) -> None:
-        """HTTP_HEADER_TIMEOUT and HALF_OPEN_PER_ADDRESS (config.Limits)."""
+        """HTTP_HEADER_TIMEOUT, HALF_OPEN_PER_ADDRESS and MAX_BODY_BYTES (config.Limits)."""
         cls.header_timeout, cls.half_open_per_address = limits.http_header_timeout, limits.half_open_per_address
+        cls.max_body_bytes = limits.max_body_bytes
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -126,9 +130,9 @@ class HeaderReadingWorker(ThreadWorker):
     # ---- the header stage
 
     def _await_headers(self, conn, received: bytes) -> None:
-        conn.received = bytearray(received)
+        conn.received, conn.searched, conn.ready_at = bytearray(received), 0, None
         conn.header_deadline = time.monotonic() + self.header_timeout
-        if HEADER_END in conn.received:
+        if self._request_ready(conn):
             return self._hand_to_thread(conn)
         while len(self.half_open) >= MAX_HALF_OPEN:
             self._close_half_open(next(iter(self.half_open)), REQUEST_TIMEOUT)  # the oldest makes room
@@ -147,13 +151,22 @@ class HeaderReadingWorker(ThreadWorker):
             return self._close_half_open(conn)
         if not data:  # the client closed it
             return self._close_half_open(conn)
-        searched_from = max(len(conn.received) - len(HEADER_END) + 1, 0)
         conn.received += data
-        if conn.received.find(HEADER_END, searched_from) >= 0:
+        if self._request_ready(conn):
             self._leave_half_open(conn)
             self._hand_to_thread(conn)
-        elif len(conn.received) > HEADER_BYTES:
+        elif conn.ready_at is None and len(conn.received) > HEADER_BYTES:
             self._close_half_open(conn, HEADERS_TOO_LARGE)
+
+    def _request_ready(self, conn) -> bool:
+        """Whether it sent its request's headers, and the body they state when one is awaited here."""
+        if conn.ready_at is None:
+            end = conn.received.find(HEADER_END, conn.searched)
+            if end < 0:
+                conn.searched = max(len(conn.received) - len(HEADER_END) + 1, 0)
+                return False
+            conn.ready_at = end + len(HEADER_END) + _body_awaited(bytes(conn.received[:end]), self.max_body_bytes)
+        return len(conn.received) >= conn.ready_at
 
     def _hand_to_thread(self, conn) -> None:
         """The headers are complete: gunicorn's parser starts from the bytes read (a new connection's parser is made
@@ -199,6 +212,22 @@ class HeaderReadingWorker(ThreadWorker):
             if conn.header_deadline > now:
                 break
             self._close_half_open(conn, REQUEST_TIMEOUT)
+
+
+def _body_awaited(headers: bytes, most: int) -> int:
+    """The bytes of body to read before a thread takes the request: its Content-Length, unless it is chunked, past
+    `most`, malformed (gunicorn's parser answers those), or its client waits for a 100 Continue first."""
+    length = 0
+    for line in headers.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == b"transfer-encoding" or (name == b"expect" and value == b"100-continue"):
+            return 0
+        if name == b"content-length":
+            if not value.isdigit() or length:  # not a length, or a second one
+                return 0
+            length = int(value)
+    return length if length <= most else 0
 
 
 def _address_of(address):

@@ -1,8 +1,9 @@
 """Silent and slow clients take no thread of the gateway (gateway/web/slow_clients.py), through the shared `gateway`
 (real gunicorn, configured by gunicorn.conf.py; its HTTP_HEADER_TIMEOUT is short: tests/shared_gateways.py).
 
-2,000 sockets send a request line and one header, then nothing: more than the gateway has threads (1,320 with the
-default limits), each of which gunicorn's own worker gave one for good. Meanwhile /health answers (gunicorn's worker
+2,000 sockets send a request line and one header, then nothing, or (1,400 of them) whole headers and a little of the
+body they state, then nothing: more than the gateway has threads (1,070 here, 1,320 with the default limits), each
+of which gunicorn's own worker gave one for good (a body's, to the end of the body). Meanwhile /health answers (gunicorn's worker
 left it unanswered): the worst of several calls, once the gateway has taken in the burst, is printed with -s (about
 1 ms; the first call, queued behind the 2,000 connections, 0.3 to 0.5 s), its bound a hang detector on a loaded
 2-core machine. Once HTTP_HEADER_TIMEOUT has passed the gateway has closed every silent socket, each with a 408 (one
@@ -30,6 +31,9 @@ PAST_THE_LIMIT = 10
 HEALTH_CALLS = 10
 HANG = 1.0  # seconds: a /health slower than this while the sockets are held is a hang (measured: about 1 ms)
 PARTIAL_REQUEST = b"GET /health HTTP/1.1\r\nHost: gateway\r\n"  # no blank line: the headers never end
+TRICKLING = 1400  # of the SILENT: whole headers, and 10 of the 1,000 bytes of body they state
+PARTIAL_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b'{"model": ')
 
 
 def _raise_open_files(needed: int) -> None:
@@ -39,9 +43,9 @@ def _raise_open_files(needed: int) -> None:
                                                     hard))
 
 
-def _silent_socket(port: int, source: str) -> socket.socket:
+def _silent_socket(port: int, source: str, sent: bytes = PARTIAL_REQUEST) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
-    sock.sendall(PARTIAL_REQUEST)
+    sock.sendall(sent)
     return sock
 
 
@@ -99,7 +103,8 @@ def test_silent_sockets_take_no_thread_and_are_closed_after_the_header_timeout(g
     sockets = []
     _health_timings(gateway.port, calls=1)  # its look at the swarm fresh (health.py): what is timed is the sockets'
     try:
-        sockets = [_silent_socket(gateway.port, f"127.0.0.{2 + index % ADDRESSES}") for index in range(SILENT - 1)]
+        sockets = [_silent_socket(gateway.port, f"127.0.0.{2 + index % ADDRESSES}",
+                                  PARTIAL_BODY if index < TRICKLING else PARTIAL_REQUEST) for index in range(SILENT - 1)]
         sockets.append(_kept_alive_then_silent(gateway.port))
         held_at = time.monotonic()
         _health_timings(gateway.port, calls=1)  # answered once the gateway has taken in the burst (its accept queue)
