@@ -4,6 +4,7 @@ of its own (tests/unit/test_forks.py, test_page_pool_races.py, test_server_cache
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Awaitable, Callable
 
 from swarm.protocol import PAGE_TOKENS
@@ -33,3 +34,9 @@ def run_scenario(span, scenario: Callable[[Backend], Awaitable[None]], limits, p
             backend.close()
 
     asyncio.run(body())
+
+
+async def opened_sessions(backend: Backend, count: int, blocks: int, max_length: int = 64) -> list:
+    """`count` sessions of blocks 0..`blocks` opened on `backend` by one peer ("peer"), each of one row."""
+    return [await backend.open_session({"start": 0, "end": blocks, "max_length": max_length, "batch_size": 1,
+                                        "session_id": secrets.token_hex(16)}, "peer") for _ in range(count)]

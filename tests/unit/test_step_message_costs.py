@@ -4,7 +4,6 @@ thread (one each way), of rounds, and of torch operators per round; and the repl
 seconds (metadata "timings", swarm/server/timings.py)."""
 
 import asyncio
-import secrets
 from collections import Counter
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from op_counts import count_torch_ops
+from server_backends import opened_sessions
 from swarm.server import batching
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.cache import PAGE_TOKENS, CacheBudget
@@ -115,9 +115,7 @@ def answered(span, monkeypatch, sessions: int, positions: int = 1):
         backend = Backend(span, CacheBudget(sessions * 4 * PAGE_TOKENS), ServerLimits(max_sessions_per_peer=64))
         handler = BlockHandler(backend)
         try:
-            opened = [await backend.open_session({"start": 0, "end": BLOCKS, "max_length": 64, "batch_size": 1,
-                                                  "session_id": secrets.token_hex(16)}, "peer")
-                      for _ in range(sessions)]
+            opened = await opened_sessions(backend, sessions, BLOCKS)
             prompts = [torch.randn(1, 5 + index % 7, span.config.hidden_size) for index in range(sessions)]
             await handler._reply_to_step_message(message(opened, prompts, [0] * sessions), "peer")
             steps = [torch.randn(1, positions, span.config.hidden_size) for _ in range(sessions)]
@@ -188,9 +186,7 @@ def test_a_step_stream_answers_each_message_in_one_task_of_its_own(span, monkeyp
         backend = Backend(span, CacheBudget(sessions * 4 * PAGE_TOKENS), ServerLimits(max_sessions_per_peer=64))
         handler = BlockHandler(backend)
         try:
-            opened = [await backend.open_session({"start": 0, "end": BLOCKS, "max_length": 64, "batch_size": 1,
-                                                  "session_id": secrets.token_hex(16)}, "peer")
-                      for _ in range(sessions)]
+            opened = await opened_sessions(backend, sessions, BLOCKS)
             prompts = [torch.randn(1, 5, span.config.hidden_size) for _ in range(sessions)]
             steps = [torch.randn(1, 1, span.config.hidden_size) for _ in range(sessions)]
 

@@ -3,11 +3,11 @@ stacked tensor decoded, one batch of jobs for the compute thread, no task of its
 whatever N; its outputs equal each session's steps run alone."""
 
 import asyncio
-import secrets
 
 import pytest
 import torch
 
+from server_backends import opened_sessions
 from swarm.server import batching
 from swarm.server.backend import Backend, ServerLimits
 from swarm.server.cache import PAGE_TOKENS, CacheBudget
@@ -44,9 +44,7 @@ def test_a_message_of_any_number_of_steps_is_one_batch_and_one_reply(span, monke
         backend = Backend(span, CacheBudget(sessions * 4 * PAGE_TOKENS), ServerLimits(max_sessions_per_peer=64))
         handler = BlockHandler(backend)
         try:
-            opened = [await backend.open_session({"start": 0, "end": BLOCKS, "max_length": 64, "batch_size": 1,
-                                                  "session_id": secrets.token_hex(16)}, "peer")
-                      for _ in range(sessions)]
+            opened = await opened_sessions(backend, sessions, BLOCKS)
             prompts = [torch.randn(1, 5 + index % 7, span.config.hidden_size) for index in range(sessions)]
             first = unpack(await handler._reply_to_step_message(message(opened, prompts, [0] * sessions), "peer"))
             steps = [torch.randn(1, 1 if index % 2 else 5, span.config.hidden_size) for index in range(sessions)]
