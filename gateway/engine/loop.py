@@ -24,9 +24,9 @@ and each server's step channel carries one group per message (swarm/client/step_
 computes one group while the second computes the one before. Fewer sessions travel as one group: a session alone is
 never held up by a group.
 
-Past ENGINE_MAX_STEPS steps in flight (none by default) the loop is saturated: the
-sessions ready past it wait for steps to come back, and take turns shared between clients, not sessions (or between
-sessions: ENGINE_SHARING), see turns.py: one client's many sessions cannot take the servers' rounds from another's.
+Past ENGINE_MAX_STEPS steps in flight (no bound by default) the loop is saturated: the sessions ready past it wait
+for steps to come back, and take turns shared between clients, not sessions (or between sessions: ENGINE_SHARING),
+see turns.py: one client's many sessions then cannot take the servers' rounds from another's.
 
 A model the catalogue lets go (MAX_LOADED_MODELS) keeps its loop while sessions on it run; the thread then ends, and
 starts again if a late one submits (`on_end` tells the engine, which forgets the loop and with it the model).
@@ -86,8 +86,9 @@ class EngineLoop:
     @classmethod
     def under(cls, limits, model, on_end=lambda loop: None) -> "EngineLoop":
         """The loop of `model` with the policies of config.Limits: drafting, the pipeline, the turns."""
-        return cls(model, limits.speculative_max_sessions, Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions),
-                   Sharing(limits.engine_max_steps, limits.engine_sharing), on_end)
+        pipeline = Pipeline(limits.pipeline_groups, limits.pipeline_min_sessions)
+        return cls(model, limits.speculative_max_sessions, pipeline, Sharing(limits.engine_max_steps,
+                                                                             limits.engine_sharing), on_end)
 
     def __init__(self, model, max_drafting_sessions: int, pipeline: Pipeline = Pipeline(),
                  sharing: Sharing = Sharing(), on_end=lambda loop: None):

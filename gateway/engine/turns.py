@@ -5,7 +5,7 @@ bound); past it the loop is saturated, and the sessions left over wait here unti
 throughput for the share of a client with few sessions, not for its speed: measured on the default model
 (bench/fairness.py: 16 sessions of one client beside one of another's, two CPU servers), a bound of 8 raised the
 lone client's share of the tokens from 6% to 14%, its steps as slow as before (about 140 ms a token), for 44% of
-the first client's throughput (95 to 53 tok/s). So none is set by default; an operator who wants turns chooses the bound.
+the first client's throughput (95 to 53 tok/s). So none is set by default; an operator who wants turns chooses it.
 
 Taken in turn by session, one client's sixteen sessions would get sixteen of every seventeen steps beside another
 client's one. So by default (ENGINE_SHARING=client) the steps in flight are shared between clients
@@ -27,8 +27,8 @@ from typing import Hashable, Iterable
 
 @dataclass(frozen=True)
 class Sharing:
-    """`max_steps`: steps in flight at once past which sessions take turns (0: never); `by`: "client" or "session", what gets an equal part of them (ENGINE_MAX_STEPS and ENGINE_SHARING, checked by
-    config.Limits)."""
+    """`max_steps`: steps in flight at once past which sessions take turns (0: never); `by`: "client" or "session",
+    what gets an equal part of them (ENGINE_MAX_STEPS and ENGINE_SHARING, checked by config.Limits)."""
 
     max_steps: int = 0
     by: str = "client"
