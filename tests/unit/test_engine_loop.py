@@ -250,11 +250,3 @@ def test_past_its_threshold_the_loop_sends_sessions_in_a_group_per_server(engine
     assert sorted(set(assigned)) == groups
     assert all(assigned.count(group) in (count // len(groups), count // len(groups) + 1) for group in groups)
     assert all(len(sequence.generated) == TOKENS for sequence in batch)
-
-
-@pytest.mark.parametrize("environ, field", [({"PIPELINE_GROUPS": "-1"}, "PIPELINE_GROUPS"),
-                                            ({"PIPELINE_MIN_SESSIONS": "0"}, "PIPELINE_MIN_SESSIONS"),
-                                            ({"PIPELINE_GROUPS": "two"}, "PIPELINE_GROUPS")])
-def test_a_bad_pipeline_setting_is_refused_naming_it(environ, field):
-    with pytest.raises(ValueError, match=field):
-        Limits.from_env(environ)

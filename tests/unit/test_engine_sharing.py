@@ -85,11 +85,3 @@ def test_a_loop_with_room_steps_every_session_each_tick(engine, remote):
 def test_the_engine_loop_takes_its_sharing_from_the_limits(engine):
     loop = engine.loop_of(engine.model("tiny"))
     assert loop.turns.sharing == Sharing(Limits.engine_max_steps, "client")
-
-
-@pytest.mark.parametrize("environ, field", [({"ENGINE_MAX_STEPS": "-1"}, "ENGINE_MAX_STEPS"),
-                                            ({"ENGINE_SHARING": "key"}, "ENGINE_SHARING"),
-                                            ({"ENGINE_MAX_STEPS": "many"}, "ENGINE_MAX_STEPS")])
-def test_a_bad_sharing_setting_is_refused_naming_it(environ, field):
-    with pytest.raises(ValueError, match=field):
-        Limits.from_env(environ)

@@ -141,6 +141,19 @@ def test_limits_from_the_environment():
         Limits.from_env({"MAX_BODY_BYTES": "lots"})
 
 
+@pytest.mark.parametrize("environ, field", [
+    ({"PIPELINE_GROUPS": "-1"}, "PIPELINE_GROUPS"), ({"PIPELINE_MIN_SESSIONS": "0"}, "PIPELINE_MIN_SESSIONS"),
+    ({"PIPELINE_GROUPS": "two"}, "PIPELINE_GROUPS"),
+    ({"ENGINE_MAX_STEPS": "-1"}, "ENGINE_MAX_STEPS"), ({"ENGINE_SHARING": "key"}, "ENGINE_SHARING"),
+    ({"ENGINE_MAX_STEPS": "many"}, "ENGINE_MAX_STEPS"),
+    ({"HTTP_HEADER_TIMEOUT": "0"}, "HTTP_HEADER_TIMEOUT"), ({"HTTP_HEADER_TIMEOUT": "nan"}, "HTTP_HEADER_TIMEOUT"),
+    ({"HALF_OPEN_PER_ADDRESS": "0"}, "HALF_OPEN_PER_ADDRESS"),
+])
+def test_a_bad_engine_or_connection_setting_is_refused_naming_it(environ, field):
+    with pytest.raises(ValueError, match=field):
+        Limits.from_env(environ)
+
+
 def test_a_body_over_the_limit_is_413_in_each_apis_shape(tmp_path):
     gateway = GatewaySettings(models=(ModelConfig("m", "m"),), limits=Limits(max_body_bytes=100),
                               access=AccessSettings())
