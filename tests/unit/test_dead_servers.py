@@ -111,8 +111,9 @@ def test_a_probe_failing_does_not_probe_again_and_a_peer_never_seen_is_not_remem
     bans.ban("stranger")
     bans.ban("known")
     settle(probes.loop)
-    # one confirming probe each, whose own failure strikes once more and asks for no other probe
-    assert sorted(rpc_info.asked) == ["known", "stranger"]
+    # one confirming probe each, whose own failure strikes once more and asks for no other probe (the process's
+    # event loop is shared: a real client left by an earlier test in this worker may probe its own peers meanwhile)
+    assert sorted(peer for peer in rpc_info.asked if peer in {"known", "stranger"}) == ["known", "stranger"]
     assert dead.current() == {"known"} and bans.strikes("known") == 2
 
 
