@@ -19,5 +19,8 @@ class BuildPy(build_py):
     def get_outputs(self, include_bytecode=True):
         return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / GUNICORN_CONF)]
 
+    def get_source_files(self):  # what an sdist takes of the sources, so that a wheel built from it has the file
+        return [*super().get_source_files(), GUNICORN_CONF]
+
 
 setup(cmdclass={"build_py": BuildPy})
