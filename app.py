@@ -1,7 +1,7 @@
 """The product's entry point: the gateway (Petals Chat HTTP and WebSocket APIs) in front of a swarm.
 
     gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: gthread, headers read without a thread)
-    python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
+    python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME] [--revision REV]
                   [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16] [--embedding-models FOLDER ...]
 
 With no initial peers configured (--initial-peers or INITIAL_PEERS), it starts an embedded local swarm:
@@ -22,6 +22,7 @@ from gateway.engine.session_store import SessionStoreError
 from gateway.errors import APIError
 from gateway.web.request_ids import configure_logging
 from swarm.cli import fail, settings_from_env
+from swarm.protocol import UnknownModelError
 
 
 APP_LOAD_ERROR = 4  # gunicorn's master stops on a worker exiting with this, rather than starting it again
@@ -54,6 +55,16 @@ def gateway_device(text: str) -> str:
     return text
 
 
+def fetch_hub_models(settings: Settings) -> None:
+    """What the gateway loads of each served model named by its Hugging Face Hub id (config, tokenizer, the weight
+    files of its embeddings, final norm and LM head), fetched before it serves: a model it cannot have (unknown, gated
+    without HF_TOKEN, a wrong revision, a family not served, a disk without room) stops the start with one line."""
+    from swarm.client import fetch_client_files
+
+    for model in settings.gateway.models:
+        fetch_client_files(model.path, settings.swarm.cache_dir, model.revision)
+
+
 def load_embedding_models(engine) -> None:
     """EMBEDDING_MODELS loaded as gunicorn's worker imports the app, before it serves. Loaded by a request instead,
     the first load (importing sentence-transformers and the model's code: 2 s for a tiny encoder) held the GIL up
@@ -78,6 +89,10 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
         fail(str(_error), status=APP_LOAD_ERROR)
     except EmbeddingModelError as _error:  # an EMBEDDING_MODELS folder that cannot be served: one line, no start
         fail(str(_error), status=APP_LOAD_ERROR)
+    try:
+        fetch_hub_models(_settings)
+    except UnknownModelError as _error:
+        fail(str(_error), status=APP_LOAD_ERROR)
     load_embedding_models(app.extensions["engine"])
 
 
@@ -89,7 +104,10 @@ def _parser():
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
-    parser.add_argument("--model", help="the model to serve: a known name or a Hugging Face folder")
+    parser.add_argument("--model", help="the model to serve: a known name, a local Hugging Face folder, or a Hugging "
+                        "Face Hub id (ORG/NAME: its config, tokenizer and the weight files of the embeddings and LM "
+                        "head only are fetched into the Hub's cache before the gateway serves) (MODEL)")
+    parser.add_argument("--revision", help="of a Hub model: the branch, tag or commit (MODEL_REVISION; default: main)")
     parser.add_argument("--embedding-models", nargs="+", metavar="FOLDER", help="also serve these local "
                         "sentence-transformers folders as embedding models, each under its folder's name, run in the "
                         "gateway (EMBEDDING_MODELS)")
@@ -129,6 +147,7 @@ def main(argv=None) -> None:
     settings = {
         "INITIAL_PEERS": " ".join(args.initial_peers or []),
         "MODEL": args.model,
+        "MODEL_REVISION": args.revision,
         "EMBEDDING_MODELS": " ".join(args.embedding_models or []),
         "GATEWAY_DEVICE": args.device,
         "GATEWAY_DTYPE": args.dtype,

@@ -48,10 +48,15 @@ def on_starting(server):
     _share_where_only_this_machine_reaches(server, settings.gateway.access)
     if settings.swarm.initial_peers:
         return
+    from swarm.cli import fail
     from swarm.local import start_for_models
+    from swarm.protocol import SwarmError
 
     server.log.info("no initial peers configured: starting a local swarm")
-    _local_swarm = start_for_models(settings)
+    try:
+        _local_swarm = start_for_models(settings)
+    except SwarmError as error:  # a model it cannot serve (unknown, or a Hub model it cannot fetch): one line
+        fail(str(error))
     os.environ["INITIAL_PEERS"] = " ".join(_local_swarm.initial_peers)
     server.log.info("local swarm ready: %s", os.environ["INITIAL_PEERS"])
 

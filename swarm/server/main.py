@@ -49,7 +49,7 @@ STARTED = time.time()
 async def serve(settings: ServerSettings) -> None:
     from swarm.weights import load_config, resolve_model
 
-    folder = resolve_model(settings.model, settings.cache_dir)
+    folder = resolve_model(settings.model, settings.cache_dir, settings.revision)
     num_blocks = load_config(folder).num_hidden_layers
     if settings.blocks is not None and settings.blocks[1] > num_blocks:
         start, end = settings.blocks
@@ -151,10 +151,10 @@ class Presence:
                           round_trips=self.pusher.round_trips.announced() if self.pusher else ())
 
     async def announce_online(self) -> None:
-        from swarm.weights import KNOWN_MODELS
+        from swarm.weights import catalogue_name
 
         model = self.settings.model
-        record = ModelRecord(model if model in KNOWN_MODELS else self.folder.name, self.prefix, self.num_blocks, model)
+        record = ModelRecord(catalogue_name(model, self.folder), self.prefix, self.num_blocks, model)
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         await dht.announce_model(self.node, record, expiration=self.expiration)
         await self.settings.latency.announce(self.node, self.expiration)

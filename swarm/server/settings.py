@@ -83,6 +83,7 @@ class ServerSettings:
     metrics_port: int
     cache_dir: Path
     latency: SimulatedLatency = SimulatedLatency()  # --simulated-latency (off: 0)
+    revision: str = "main"  # of a model named by its Hugging Face Hub id: a branch, tag or commit
     adapters: tuple[Path, ...] = ()  # PEFT LoRA adapter folders it applies on request (swarm/server/adapters.py)
     # public peers to be reached through (--relay-through): the server accepts no inbound connection (behind a NAT)
     relay_through: tuple[str, ...] = ()
@@ -115,7 +116,7 @@ def parse_settings(argv=None) -> ServerSettings:
     if rebalance is None:
         rebalance = 6 * args.announce_period if args.num_blocks else 0.0
     return ServerSettings(
-        model=args.model, blocks=args.blocks, num_blocks=args.num_blocks, initial_peers=tuple(args.initial_peers),
+        model=args.model, revision=args.revision, blocks=args.blocks, num_blocks=args.num_blocks, initial_peers=tuple(args.initial_peers),
         host=args.host, port=args.port, identity=args.identity, device=device, dtype=getattr(torch, args.dtype),
         quantization=args.quantize, cuda_graphs=args.cuda_graphs, cache_tokens=args.cache_tokens, limits=limits,
         allowed_clients=tuple(args.allowed_clients), allowed_servers=tuple(defaults.allowed_servers),
@@ -134,7 +135,13 @@ def _parser(defaults):
     from swarm.cli import ArgumentParser, multiaddr, parse_block_range
 
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
-    parser.add_argument("--model", default=defaults.model, help="a known model name or a Hugging Face folder")
+    parser.add_argument("--model", default=defaults.model,
+                        help="a known model name, a local Hugging Face folder, or a Hugging Face Hub id (ORG/NAME: "
+                             "its config, tokenizer and the weight files of this server's blocks only are fetched "
+                             "into the Hub's cache, HF_HOME; HF_TOKEN for a gated model, HF_HUB_OFFLINE=1 for the "
+                             "cache alone) (default: MODEL)")
+    parser.add_argument("--revision", default=defaults.revision,
+                        help="of a Hub model: the branch, tag or commit to serve (default: MODEL_REVISION, else main)")
     span = parser.add_mutually_exclusive_group(required=True)
     span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
     span.add_argument("--num-blocks", type=int, help="hold N blocks, choosing the span the swarm serves least")
