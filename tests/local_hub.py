@@ -46,6 +46,7 @@ class Request:
     range: str | None
     status: int
     body_bytes: int  # what was sent of the body (a cut GET: half of what it announced)
+    agent: str  # the User-Agent: a process started with `environment(..., origin=NAME)` says "origin/NAME" there
 
 
 @dataclass
@@ -83,11 +84,14 @@ class LocalHub:
         self._server.shutdown()
         self._server.server_close()
 
-    def file_gets(self, repo_id: str) -> dict[str, int]:
-        """The bytes of each of repo_id's files its GETs sent (successful or cut), by file name."""
+    def file_gets(self, repo_id: str, origin: str | None = None) -> dict[str, int]:
+        """The bytes of each of repo_id's files its GETs sent (successful or cut), by file name; `origin`: to the
+        process started with that origin only."""
         sent: dict[str, int] = {}
         for request in self.requests:
             match = FILE_ROUTE.fullmatch(request.path)
+            if origin is not None and f"origin/{origin}" not in request.agent:
+                continue
             if request.method == "GET" and match and match.group(1) == repo_id and request.status in (200, 206):
                 sent[match.group(3)] = sent.get(match.group(3), 0) + request.body_bytes
         return sent
@@ -167,7 +171,8 @@ class _Handler(BaseHTTPRequestHandler):
         """The reply; `cut`: the whole body announced, half of it sent, and the connection dropped."""
         head = head or self.command == "HEAD"  # an error's body too: a HEAD reply has none
         sent = 0 if head else len(body) // 2 if cut else len(body)
-        self.served.requests.append(Request(self.command, path, self.headers.get("Range"), status, sent))
+        self.served.requests.append(Request(self.command, path, self.headers.get("Range"), status, sent,
+                                            self.headers.get("User-Agent", "")))
         self.send_response(status)
         for name, value in {**headers, "Content-Length": str(len(body))}.items():
             self.send_header(name, value)
@@ -197,7 +202,8 @@ def use_in_this_process(monkeypatch, url: str, cache: Path, offline: bool = Fals
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
-def environment(url: str, cache: Path) -> dict[str, str]:
-    """The same for a child process (a block server, a gateway), in its environment."""
+def environment(url: str, cache: Path, origin: str = "") -> dict[str, str]:
+    """The same for a child process (a block server, a gateway), in its environment; `origin` names it in the
+    User-Agent of its requests (file_gets tells processes apart by it)."""
     return {"HF_ENDPOINT": url, "HF_HUB_CACHE": str(cache), "HF_TOKEN": "", "HF_HUB_OFFLINE": "0",
-            "HF_TOKEN_PATH": str(cache / "no-token")}
+            "HF_TOKEN_PATH": str(cache / "no-token"), **({"HF_HUB_USER_AGENT_ORIGIN": origin} if origin else {})}

@@ -135,13 +135,7 @@ def _parser(defaults):
     from swarm.cli import ArgumentParser, multiaddr, parse_block_range
 
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
-    parser.add_argument("--model", default=defaults.model,
-                        help="a known model name, a local Hugging Face folder, or a Hugging Face Hub id (ORG/NAME: "
-                             "its config, tokenizer and the weight files of this server's blocks only are fetched "
-                             "into the Hub's cache, HF_HOME; HF_TOKEN for a gated model, HF_HUB_OFFLINE=1 for the "
-                             "cache alone) (default: MODEL)")
-    parser.add_argument("--revision", default=defaults.revision,
-                        help="of a Hub model: the branch, tag or commit to serve (default: MODEL_REVISION, else main)")
+    _add_model_flags(parser, defaults)
     span = parser.add_mutually_exclusive_group(required=True)
     span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
     span.add_argument("--num-blocks", type=int, help="hold N blocks, choosing the span the swarm serves least")
@@ -183,6 +177,16 @@ def _parser(defaults):
     _add_latency_flags(parser, defaults.simulated_latency_ms, defaults.network_map)
     _add_relay_flags(parser)
     return parser
+
+
+def _add_model_flags(parser, defaults) -> None:
+    parser.add_argument("--model", default=defaults.model,
+                        help="a known model name, a local Hugging Face folder, or a Hugging Face Hub id (ORG/NAME: "
+                             "its config, tokenizer and the weight files of this server's blocks only are fetched "
+                             "into the Hub's cache, HF_HOME; HF_TOKEN for a gated model, HF_HUB_OFFLINE=1 for the "
+                             "cache alone) (default: MODEL)")
+    parser.add_argument("--revision", default=defaults.revision,
+                        help="of a Hub model: the branch, tag or commit to serve (default: MODEL_REVISION, else main)")
 
 
 def _add_relay_flags(parser) -> None:
