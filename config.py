@@ -165,8 +165,9 @@ class ModelConfig:
     # None: what the model was trained for, bounded by what the swarm's servers hold (set it to cap sessions lower)
     max_session_length: int | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    # a small model of the same tokenizer (a known name or a local folder), run in the gateway to guess tokens for
-    # speculative decoding where prompt lookup has no guess (gateway/engine/drafts.py); None: prompt lookup alone
+    # a small model of the same tokenizer (a known name, a local folder, or a Hub id fetched whole at first use), run
+    # in the gateway to guess tokens for speculative decoding where prompt lookup has no guess (gateway/engine/
+    # drafts.py); None: prompt lookup alone
     draft_model: str | None = None
     revision: str = "main"  # of a Hub model: the branch, tag or commit (its servers must serve the same)
 

@@ -36,9 +36,10 @@ KNOWN_MODELS = {
 }
 
 
-def resolve_model(name_or_path: str, cache_dir: Path, revision: str = "main") -> Path:
+def resolve_model(name_or_path: str, cache_dir: Path, revision: str = "main", whole: bool = False) -> Path:
     """The local Hugging Face folder of a model, converting a known model on first use; of a Hub model, its
-    snapshot in the Hub's cache with the config and tokenizer (the weights come as load_tensors reads them)."""
+    snapshot in the Hub's cache with the config and tokenizer (the weights come as load_tensors reads them, or all
+    of them now if `whole`: a model transformers loads, such as a gateway's draft model)."""
     from swarm import hub
 
     path = Path(name_or_path).expanduser()
@@ -49,7 +50,10 @@ def resolve_model(name_or_path: str, cache_dir: Path, revision: str = "main") ->
     if (path / "config.json").is_file():
         return path
     if is_hub_model:
-        return hub.fetch_model(name_or_path, revision)
+        folder = hub.fetch_model(name_or_path, revision)
+        if whole:
+            hub.fetch_weight_files(folder, weight_files(folder, lambda name: True))
+        return folder
     source = KNOWN_MODELS.get(name_or_path)
     if source is None:
         known = ", ".join(KNOWN_MODELS)
@@ -146,6 +150,21 @@ def weight_files(folder: Path, wanted: Callable[[str], bool]) -> dict[str, list[
     return files
 
 
+def fetch_client_files(name_or_path: str, cache_dir: Path, revision: str = "main") -> None:
+    """Of a model named by its Hugging Face Hub id, fetch now what a client loads: its config and tokenizer, and
+    the weight files holding its embeddings, final norm and LM head (no block's, unless they share a file); a
+    gateway does this before it serves, so that a model it cannot fetch stops its start with one line. A known
+    name or a local folder: nothing to do (they are read as they are needed)."""
+    from swarm.families import family_of
+    from swarm.hub import fetch_weight_files, is_hub_id
+
+    if Path(name_or_path).expanduser().exists() or not is_hub_id(name_or_path):
+        return
+    folder = resolve_model(name_or_path, cache_dir, revision)
+    keys = family_of(load_config(folder)).client.keys()  # what load_client reads
+    fetch_weight_files(folder, weight_files(folder, lambda name: name in keys))
+
+
 def catalogue_name(name_or_path: str, folder: Path) -> str:
     """What the swarm's catalogue calls a model: a known one by its name, a Hub model by its name without the
     namespace, a local folder by the folder's name."""
@@ -169,14 +188,16 @@ def _exclusive_lock(lock_path: Path):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m swarm.weights [NAME_OR_PATH]`: fetch and convert a model now, print its folder."""
+    """`python -m swarm.weights [NAME_OR_PATH] [--revision REV]`: fetch and convert a model now (of a Hub model:
+    its config and tokenizer), print its folder."""
     from swarm.cli import ArgumentParser, run_main, settings_from_env
 
     parser = ArgumentParser(prog="python -m swarm.weights", description=main.__doc__)
     settings = settings_from_env()
     parser.add_argument("model", nargs="?", default=settings.model)
+    parser.add_argument("--revision", default=settings.revision, help="of a Hub model (default: main)")
     args = parser.parse_args(argv)
-    run_main(lambda: print(resolve_model(args.model, settings.cache_dir)))
+    run_main(lambda: print(resolve_model(args.model, settings.cache_dir, args.revision)))
 
 
 if __name__ == "__main__":

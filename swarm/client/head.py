@@ -116,17 +116,3 @@ def load_client(folder: Path, config=None, device="cpu", dtype: torch.dtype = to
     keys = family.client.keys()
     return ClientModules(config, family, load_tensors(folder, lambda name: name in keys), device, dtype)
 
-
-def fetch_client_files(name_or_path: str, cache_dir: Path, revision: str = "main") -> None:
-    """Of a model named by its Hugging Face Hub id, fetch now what a client loads: its config and tokenizer, and
-    the weight files holding its embeddings, final norm and LM head (no block's, unless they share a file); a
-    gateway does this before it serves, so that a model it cannot fetch stops its start with one line. A known
-    name or a local folder: nothing to do (they are read as they are needed)."""
-    from swarm.hub import fetch_weight_files, is_hub_id
-    from swarm.weights import resolve_model, weight_files
-
-    if Path(name_or_path).expanduser().exists() or not is_hub_id(name_or_path):
-        return
-    folder = resolve_model(name_or_path, cache_dir, revision)
-    keys = family_of(load_config(folder)).client.keys()
-    fetch_weight_files(folder, weight_files(folder, lambda name: name in keys))

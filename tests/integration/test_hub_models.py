@@ -16,10 +16,10 @@ import torch
 import local_hub
 from local_hub import LocalHub
 from processes import run_tool
-from swarm.client.head import fetch_client_files, load_client
+from swarm.client.head import load_client
 from swarm.protocol import UnknownModelError
 from swarm.server.span import load_span
-from swarm.weights import load_tensors, resolve_model
+from swarm.weights import fetch_client_files, load_tensors, resolve_model
 from tiny_model import build_tiny_model
 
 REPO, GATED, TIED, UNSERVED = "tiny-org/tiny-llama", "tiny-org/gated-llama", "tiny-org/tiny-gpt2", "tiny-org/neo"
@@ -99,6 +99,11 @@ def test_a_client_fetches_only_its_embeddings_norm_and_head(hub, models, cache):
     hub.clear()
     client = load_client(resolve_model(REPO, cache))
     assert not weight_gets(hub) and "lm_head.weight" in client.loaded_names
+
+
+def test_a_draft_model_is_fetched_whole(hub, models, cache):
+    resolve_model(REPO, cache, whole=True)
+    assert set(weight_gets(hub)) == files_of(models.llama, "") and len(weight_gets(hub)) == 8
 
 
 def test_a_tied_head_is_the_embeddings_file(hub, models, cache):
