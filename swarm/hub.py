@@ -90,6 +90,20 @@ def _download(repo_id: str, folder: Path, sizes: dict[str, int]) -> None:
 
 
 def _small_files(repo_id: str, commit: str) -> dict[str, int]:
+    """The commit's small files (see _listed_small_files); with the Hub out of reach, none: the cache serves as it is
+    (hf_hub_download fell back to it for the config), as it would with HF_HUB_OFFLINE=1, rather than a gateway
+    failing to load a model whose files it has because the Hub is down for a moment."""
+    import httpx2
+
+    try:
+        return _listed_small_files(repo_id, commit)
+    except (ConnectionError, httpx2.TransportError) as error:
+        logger.warning("cannot reach the Hugging Face Hub to list the files of %s (%s): using the cache's", repo_id,
+                       error)
+        return {}
+
+
+def _listed_small_files(repo_id: str, commit: str) -> dict[str, int]:
     """The commit's top-level files a process reads besides the weights, by size; a model without safetensors
     weights (model.safetensors, or shards and their index) is refused here, before anything else is fetched."""
     from huggingface_hub import HfApi

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,6 +55,7 @@ class LocalHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
     _cut: set[str] = field(default_factory=set)
+    _connections: list = field(default_factory=list)  # kept alive by clients: closed too when the Hub stops
 
     def add(self, repo_id: str, folder: Path, gated: bool = False) -> str:
         """Serve the files of `folder` as repo_id's main revision; returns its commit id."""
@@ -81,8 +83,14 @@ class LocalHub:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def stop(self) -> None:
+        """Nothing answers after this, not even on a connection a client keeps alive."""
         self._server.shutdown()
         self._server.server_close()
+        for connection in self._connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed already
+                pass
 
     def file_gets(self, repo_id: str, origin: str | None = None) -> dict[str, int]:
         """The bytes of each of repo_id's files its GETs sent (successful or cut), by file name; `origin`: to the
@@ -106,6 +114,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.served._connections.append(self.connection)
 
     def do_HEAD(self) -> None:
         self._answer(head=True)

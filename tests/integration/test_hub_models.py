@@ -146,11 +146,16 @@ def test_offline_the_cache_alone_serves(models, tmp_path, monkeypatch):
     folder = resolve_model(REPO, tmp_path / "hub")
     load_span(folder, 2, 4)
     own.stop()
+    assert resolve_model(REPO, tmp_path / "hub") == folder  # online, the Hub out of reach: the cache as it is
+    load_span(folder, 2, 4)
+    with pytest.raises(UnknownModelError, match="cannot reach the Hugging Face Hub") as refused:
+        load_span(folder, 0, 1)  # not fetched while the Hub was there
+    assert one_line(refused)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     assert resolve_model(REPO, tmp_path / "hub") == folder
     load_span(folder, 2, 4)
     with pytest.raises(UnknownModelError, match="HF_HUB_OFFLINE=1") as refused:
-        load_span(folder, 0, 1)  # not fetched while online
+        load_span(folder, 0, 1)
     assert one_line(refused)
 
 
