@@ -205,7 +205,7 @@ def _add_latency_flags(parser, default_ms: float, default_map) -> None:
                         help="seed of the jitter's draws (the same seed, the same delays)")
     parser.add_argument("--network-map", default=default_map, metavar="MAP",
                         help="for tests and benchmarks on one machine: a simulated network map (JSON, inline or a "
-                             "file: regions, a round trip per pair of regions, jitter, seed; see README), each "
+                             "file: regions, a round trip per pair of regions, jitter, seed; see docs/wan.md), each "
                              "message delayed by the link it crosses (default: NETWORK_MAP)")
     parser.add_argument("--region", metavar="NAME",
                         help="this server's region of --network-map (default: the map's default_region)")
