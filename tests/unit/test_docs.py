@@ -25,6 +25,9 @@ README_MAX_LINES, PAGE_MAX_LINES = 200, 600  # README: one screen of what and ho
 ALIASES = {"swarm-dht": "python -m swarm.dht", "swarm-server": "python -m swarm.server",
            "swarm-gateway": "python app.py"}
 
+# `make TARGET ARGS='...'` hands ARGS to a command (Makefile): its flags are that command's
+MAKE_COMMANDS = {"run": "python app.py", "bench": "python -m bench"}
+
 # Flags the docs already show that other branches of issue 40 are adding to the parsers. Empty this set once they
 # are merged: test_pending_flags_are_still_missing fails for each one that exists by then.
 PENDING_FLAGS = {
@@ -110,6 +113,8 @@ def problems_of(text: str, options: dict, targets: set[str]) -> list[str]:
             target = next((word for word in arguments.split() if "=" not in word), None)
             if target is not None and target not in targets:
                 problems.append(f"make: no target {target}")
+            elif target in MAKE_COMMANDS:
+                problems += flag_problems(f"make {target}", FLAG.findall(arguments), options[MAKE_COMMANDS[target]])
             continue
         problems += flag_problems(written, FLAG.findall(arguments), options[canonical(written)])
     return problems
@@ -124,7 +129,8 @@ def flag_problems(written: str, flags: list[str], known) -> list[str]:
 
 
 def read_options(commands: set[str]) -> dict:
-    """Each canonical command's option strings, read from its parser in a fresh interpreter (see CAPTURE)."""
+    """Each canonical command's option strings, read from its parser in a fresh interpreter (see CAPTURE): app.py's
+    module code sets up logging and the entry points import torch, none of which belongs in the test's process."""
     done = subprocess.run([sys.executable, "-c", CAPTURE, json.dumps(sorted(commands))], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -139,7 +145,7 @@ def all_texts() -> dict[Path, str]:
 def options() -> dict:
     """The parsers of every command the docs show, and of every command PENDING_FLAGS and the tests below name."""
     commands = {canonical(written) for text in all_texts().values() for written, _ in invocations(text)}
-    commands |= {command for command, _ in PENDING_FLAGS} | set(ALIASES.values())
+    commands |= {command for command, _ in PENDING_FLAGS} | set(ALIASES.values()) | set(MAKE_COMMANDS.values())
     return read_options(commands - {"make"})
 
 
@@ -155,11 +161,12 @@ def test_a_made_up_flag_a_made_up_target_and_a_missing_command_fail(options):
     snippet = ("```sh\n"
                "swarm-server --model ORG/NAME --made-up-flag 3 \\\n    --initial-peers $MADDR\n"
                "python -m swarm.dht --port 31337 --identity bootstrap.key   # --not-a-flag in a comment\n"
-               "make run ARGS='--port 8000' && make deploy\n"
+               "make run ARGS='--port 8000 --no-such' && make deploy\n"
                "```\n"
                "Or `python app.py --nope`.\n")
     assert problems_of(snippet, options, make_targets()) == [
-        "swarm-server: no flag --made-up-flag", "make: no target deploy", "python app.py: no flag --nope"]
+        "swarm-server: no flag --made-up-flag", "make run: no flag --no-such", "make: no target deploy",
+        "python app.py: no flag --nope"]
     missing = read_options({"python -m swarm.no_such_module"})
     assert missing["python -m swarm.no_such_module"].startswith("does not start")
 
