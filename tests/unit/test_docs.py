@@ -138,7 +138,9 @@ def read_options(commands: set[str]) -> dict:
 
 
 def all_texts() -> dict[Path, str]:
-    return {path: path.read_text() for path in [*PAGES, *UNIT_FILES]}
+    """Each page's text; a unit file's is one fenced block, all of it shell-like lines (its comments cut as such)."""
+    return {**{path: path.read_text() for path in PAGES},
+            **{path: f"```\n{path.read_text()}```\n" for path in UNIT_FILES}}
 
 
 @pytest.fixture(scope="module")
