@@ -35,6 +35,7 @@ from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
 from gateway.engine.saved_states import SavedState, SavedStates
 from gateway.engine.warm import WarmConversations, WarmKey
+from swarm import gc_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +123,11 @@ class Engine:
 
         gateway = self.settings.gateway  # where this process runs the model's embeddings, final norm and LM head
         # errors name the model as clients do; its prefix is the one servers derive from their --model
-        return RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
-                                     config.dht_prefix, name=config.name, device=gateway.device,
-                                     dtype=getattr(torch, gateway.dtype))
+        model = RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
+                                      config.dht_prefix, name=config.name, device=gateway.device,
+                                      dtype=getattr(torch, gateway.dtype))
+        gc_tuning.freeze_long_lived()  # its weights, tokenizer and the swarm client live as long as the process
+        return model
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it (no weights

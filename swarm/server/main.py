@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from swarm import dht
+from swarm import dht, gc_tuning
 from swarm.protocol import (
     MAX_CACHE_TOKENS,
     MAX_THROUGHPUT,
@@ -63,6 +63,7 @@ async def serve(settings: ServerSettings) -> None:
                                 relays=settings.relay_through, serve_relay=settings.serve_as_relay)
     try:
         presence = await Presence.join(node, settings, folder, num_blocks, adapters)
+        gc_tuning.freeze_long_lived()  # the weights, the graphs and the imports: never collected again
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
               f"cache {settings.cache_tokens} tokens"
