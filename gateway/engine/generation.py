@@ -35,7 +35,6 @@ from gateway.engine.session_store import open_store, reopen_session
 from gateway.engine.stops import StopMatcher
 from gateway.engine.saved_states import SavedState, SavedStates
 from gateway.engine.warm import WarmConversations, WarmKey
-from swarm import gc_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +122,9 @@ class Engine:
 
         gateway = self.settings.gateway  # where this process runs the model's embeddings, final norm and LM head
         # errors name the model as clients do; its prefix is the one servers derive from their --model
-        model = RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
-                                      config.dht_prefix, name=config.name, device=gateway.device,
-                                      dtype=getattr(torch, gateway.dtype))
-        gc_tuning.freeze_long_lived()  # its weights, tokenizer and the swarm client live as long as the process
-        return model
+        return RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
+                                     config.dht_prefix, name=config.name, device=gateway.device,
+                                     dtype=getattr(torch, gateway.dtype))
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it (no weights

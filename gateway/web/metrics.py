@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, gen
 
 import gateway.engine.metrics  # noqa: F401  (registers the token metrics, even before a first generation)
 import swarm.client  # noqa: F401  (registers the swarm client's counters, even before a client exists)
-from swarm import gc_tuning
+from swarm.gc_tuning import expose as expose_gc
 from swarm.client import stage_clock
 
 OPEN_SESSIONS = Gauge("gateway_open_sessions", "Inference sessions open on this gateway, HTTP and WebSocket")
@@ -39,7 +39,7 @@ WARM_SESSIONS = Gauge("gateway_warm_sessions", "Finished conversations kept open
 SAVED_STATES = Gauge("gateway_saved_states", "Prefixes saved by name, forked by the requests starting with them")
 REQUESTS = Counter("gateway_requests_total", "API requests (WebSocket: messages) by API and status code",
                    ["api", "status"])
-gc_tuning.expose(REGISTRY)
+expose_gc(REGISTRY)
 
 
 def install(app) -> None:
