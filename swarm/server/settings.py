@@ -136,18 +136,11 @@ def parse_settings(argv=None) -> ServerSettings:
 
 
 def _parser(defaults):
-    from swarm.cli import ArgumentParser, multiaddr, parse_block_range
+    from swarm.cli import ArgumentParser, multiaddr
 
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
     parser.add_argument("--model", default=defaults.model, help="a known model name or a Hugging Face folder")
-    span = parser.add_mutually_exclusive_group()
-    span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
-    span.add_argument("--num-blocks", type=int,
-                      help="hold N blocks, choosing the span the swarm serves least (without --blocks or "
-                           "--num-blocks: as many as the device's memory fits, after the cache of --cache-tokens)")
-    parser.add_argument("--memory-budget", type=float, metavar="GIB",
-                        help="without --blocks or --num-blocks: the GiB of device memory the blocks, their cache and "
-                             "their working memory may fill (default: the GPU's free memory, or the available RAM)")
+    _add_span_flags(parser)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(defaults.initial_peers))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -187,6 +180,19 @@ def _parser(defaults):
     _add_relay_flags(parser)
     _add_address_flags(parser)
     return parser
+
+
+def _add_span_flags(parser) -> None:
+    from swarm.cli import parse_block_range
+
+    span = parser.add_mutually_exclusive_group()
+    span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
+    span.add_argument("--num-blocks", type=int,
+                      help="hold N blocks, choosing the span the swarm serves least (without --blocks or "
+                           "--num-blocks: as many as the device's memory fits, after the cache of --cache-tokens)")
+    parser.add_argument("--memory-budget", type=float, metavar="GIB",
+                        help="without --blocks or --num-blocks: the GiB of device memory the blocks, their cache and "
+                             "their working memory may fill (default: the GPU's free memory, or the available RAM)")
 
 
 def _add_address_flags(parser) -> None:

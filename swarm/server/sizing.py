@@ -66,9 +66,10 @@ def fit_blocks(config, dtype: torch.dtype, quantization: Optional[str], cache_to
     if fits < 1:
         raise BadRequestError(
             f"not even one block of this model fits in memory: one needs {weights + cache + working} bytes "
-            f"({weights} of weights, {cache} of cache for --cache-tokens {cache_tokens}, {working} of working "
-            f"memory), and {budget} bytes are available ({source}); lower --cache-tokens, add --quantize, or "
-            "give --memory-budget")
+            f"({size_text(weights + cache + working)}: {weights} of weights, {cache} of cache for --cache-tokens "
+            f"{cache_tokens}, {working} of working memory), and {budget} bytes are available ({source}, "
+            f"{size_text(budget)}); lower --cache-tokens or add --quantize"
+            + (", or raise --memory-budget" if source == "--memory-budget" else ""))
     return MemoryFit(budget, source, weights, cache, working, fits, min(fits, config.num_hidden_layers))
 
 
