@@ -84,7 +84,7 @@ def test_not_even_one_block_is_a_clear_error():
     message = str(raised.value)
     needed = BLOCK_PARAMETERS * 4 + 2 * 270336 + 32 * 578 * 4
     assert f"not even one block of this model fits in memory: one needs {needed} bytes" in message
-    assert "500000 bytes are available (--memory-budget)" in message and "--cache-tokens 1024" in message
+    assert "500000 bytes are available (--memory-budget, 488.28 KiB)" in message and "--cache-tokens 1024" in message
 
 
 def test_the_budget_is_the_flags_else_the_available_ram(monkeypatch):
