@@ -59,10 +59,11 @@ def test_quantized_blocks_counted_in_bitsandbytes_formats():
     assert block_weight_bytes(layer, torch.float32, "nf4") == LINEAR_WEIGHTS // 2 + LINEAR_WEIGHTS // 64 + 9 + norms
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "bloom", "gpt2"])
 def test_the_count_is_what_a_loaded_span_and_its_pool_take(tmp_path, model_type):
-    """Counted on the meta device, equal to the real thing; Qwen3-MoE's last block is a dense MLP, smaller than
-    its expert blocks: the largest block is counted."""
+    """Counted on the meta device, equal to the real thing, in families whose caches are shaped each their own way
+    (GPT-2's projections are Conv1D); Qwen3-MoE's last block is a dense MLP, smaller than its expert blocks: the
+    largest block is counted."""
     from swarm.server.span import load_span
     from swarm.weights import load_config
 
