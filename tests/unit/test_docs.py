@@ -32,9 +32,6 @@ MAKE_COMMANDS = {"run": "python app.py", "bench": "python -m bench"}
 # are merged: test_pending_flags_are_still_missing fails for each one that exists by then.
 PENDING_FLAGS = {
     ("python -m swarm.server", "--revision"),
-    ("python -m swarm.server", "--memory-budget"),
-    ("python -m swarm.server", "--public-address"),
-    ("python -m swarm.server", "--announce-maddrs"),
     ("python app.py", "--revision"),
 }
 
