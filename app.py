@@ -21,6 +21,7 @@ from gateway.engine.encoders import EmbeddingModelError
 from gateway.engine.session_store import SessionStoreError
 from gateway.errors import APIError
 from gateway.web.request_ids import configure_logging
+from swarm import gc_tuning
 from swarm.cli import fail, settings_from_env
 from swarm.protocol import UnknownModelError
 
@@ -94,6 +95,7 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
     except UnknownModelError as _error:
         fail(str(_error), status=APP_LOAD_ERROR)
     load_embedding_models(app.extensions["engine"])
+    gc_tuning.freeze_long_lived()  # the imports and the embedding models: out of every later collection
 
 
 def _parser():

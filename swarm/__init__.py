@@ -18,6 +18,7 @@ Two packages, and what both share:
     local.py      LocalSwarm: a bootstrap peer and block servers as child processes on this machine
     network_map.py  a simulated network map (NETWORK_MAP, --network-map): regions and the round trip of each link
     cli.py        what the command-line tools share: flag checks (multiaddrs, block ranges), one-line errors
+    gc_tuning.py  serving processes (servers, the gateway's worker): start-up's objects frozen out of collections
 
 Dependencies go one way: client -> shared modules <- server; the client and the server never import each
 other. This package never imports flask or gateway; torch, transformers and hivemind load only when used.
