@@ -11,6 +11,8 @@ Two packages, and what both share:
     wire.py       the RPC interface both sides speak (BlockRPC), and tensors in messages
     families/     every layer quirk of every model family, as a registry of functions
     weights.py    resolve a model name or folder; convert the shipped GGUF once; read only the tensors asked for
+    hub.py        a model named by its Hugging Face Hub id: its config and tokenizer, and only the weight files
+                  holding what a process loads, fetched into the Hub's cache; the Hub's refusals in one line
     trust.py      identity keys, and the DHT record validator: only records signed under their writer's subkey
     dht.py        the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`
     transport.py  a small message written to the libp2p daemon in one socket write (hivemind's framing, joined)
