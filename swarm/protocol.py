@@ -9,7 +9,8 @@ server's model under its owner marker: what a client needs to serve a model it w
 Errors (every one a SwarmError, each with a stable ``code`` that crosses the wire)::
 
     SwarmError
-    ├── UnknownModelError        name is neither a known model nor a local Hugging Face folder
+    ├── UnknownModelError        name is neither a known model, a local Hugging Face folder, nor a Hub model
+    │                            this process can fetch (swarm/hub.py: unknown, gated, no such revision, ...)
     ├── MissingBlocksError       no chain of servers covers these blocks
     ├── CacheFullError           a server has no room for the session's attention cache
     │   └── ServerLimitError     a server's limit on one client (sessions per peer, tokens per session)
