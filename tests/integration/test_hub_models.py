@@ -2,7 +2,7 @@
 (tests/local_hub.py) that counts what it sends: a span fetches only the weight files that hold its blocks, a client
 only those of its embeddings, final norm and LM head; a second start fetches no file; a cut download resumes with a
 Range request; HF_HUB_OFFLINE=1 serves from the cache; HF_TOKEN opens a gated model; and each refusal is one line
-that says what to do. Real servers and a gateway on a Hub model: tests/e2e/test_hub_models.py."""
+that says what to do. Real servers and a gateway on a Hub model: tests/e2e/test_hub_model_served.py."""
 
 from __future__ import annotations
 
