@@ -115,4 +115,3 @@ def load_client(folder: Path, config=None, device="cpu", dtype: torch.dtype = to
     family = family_of(config)
     keys = family.client.keys()
     return ClientModules(config, family, load_tensors(folder, lambda name: name in keys), device, dtype)
-
