@@ -23,7 +23,6 @@ from gateway.errors import APIError
 from gateway.web.request_ids import configure_logging
 from swarm import gc_tuning
 from swarm.cli import fail, settings_from_env
-from swarm.protocol import UnknownModelError
 
 
 APP_LOAD_ERROR = 4  # gunicorn's master stops on a worker exiting with this, rather than starting it again
@@ -56,16 +55,6 @@ def gateway_device(text: str) -> str:
     return text
 
 
-def fetch_hub_models(settings: Settings) -> None:
-    """What the gateway loads of each served model named by its Hugging Face Hub id (config, tokenizer, the weight
-    files of its embeddings, final norm and LM head), fetched before it serves: a model it cannot have (unknown, gated
-    without HF_TOKEN, a wrong revision, a family not served, a disk without room) stops the start with one line."""
-    from swarm.client import fetch_client_files
-
-    for model in settings.gateway.models:
-        fetch_client_files(model.path, settings.swarm.cache_dir, model.revision)
-
-
 def load_embedding_models(engine) -> None:
     """EMBEDDING_MODELS loaded as gunicorn's worker imports the app, before it serves. Loaded by a request instead,
     the first load (importing sentence-transformers and the model's code: 2 s for a tiny encoder) held the GIL up
@@ -90,10 +79,6 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
         fail(str(_error), status=APP_LOAD_ERROR)
     except EmbeddingModelError as _error:  # an EMBEDDING_MODELS folder that cannot be served: one line, no start
         fail(str(_error), status=APP_LOAD_ERROR)
-    try:
-        fetch_hub_models(_settings)
-    except UnknownModelError as _error:
-        fail(str(_error), status=APP_LOAD_ERROR)
     load_embedding_models(app.extensions["engine"])
     gc_tuning.freeze_long_lived()  # the imports and the embedding models: out of every later collection
 
@@ -108,7 +93,7 @@ def _parser():
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
     parser.add_argument("--model", help="the model to serve: a known name, a local Hugging Face folder, or a Hugging "
                         "Face Hub id (ORG/NAME: its config, tokenizer and the weight files of the embeddings and LM "
-                        "head only are fetched into the Hub's cache before the gateway serves) (MODEL)")
+                        "head only are fetched into the Hub's cache before the gateway starts serving) (MODEL)")
     parser.add_argument("--revision", help="of a Hub model: the branch, tag or commit (MODEL_REVISION; default: main)")
     parser.add_argument("--embedding-models", nargs="+", metavar="FOLDER", help="also serve these local "
                         "sentence-transformers folders as embedding models, each under its folder's name, run in the "

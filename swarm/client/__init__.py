@@ -48,7 +48,6 @@ _EXPORTS = {
     "IncrementalDetokenizer": "swarm.client.decoding",
     "speaks": "swarm.client.routing",  # whether a server's protocol version is one this client talks to
     "resolve_model": "swarm.weights",  # a model's local folder (a known name converted once): a gateway's draft model
-    "fetch_client_files": "swarm.weights",  # a Hub model's files a gateway needs, fetched before it serves
 }
 # logits -> token, as the gateway's sampling builds on them; where steps' time goes, which the engine adds to
 _MODULES = {"decoding", "stage_clock"}

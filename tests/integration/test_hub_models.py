@@ -15,7 +15,7 @@ import torch
 
 import local_hub
 from local_hub import LocalHub
-from processes import run_tool
+from processes import free_port, run_tool
 from swarm.client.head import load_client
 from swarm.protocol import UnknownModelError
 from swarm.server.span import load_span
@@ -201,8 +201,9 @@ def test_a_server_and_a_gateway_refuse_to_start_with_the_line(hub, tmp_path):
     server = run_tool("-m", "swarm.server", "--model", GATED, "--blocks", "0:2", "--initial-peers", BOGUS_PEER, env=env)
     assert server.returncode == 1 and server.stderr.strip().splitlines()[-1].startswith(f"error: {GATED} is a gated model")
     assert "HF_TOKEN" in server.stderr and "Traceback" not in server.stderr
-    gateway = run_tool("-c", "import app", env={**env, "MODEL": REPO, "MODEL_REVISION": "v9", "SESSION_STORE": "off"})
-    assert gateway.returncode == 4 and "Traceback" not in gateway.stderr
+    gateway = run_tool("app.py", "--model", REPO, "--revision", "v9", "--initial-peers", BOGUS_PEER, "--port",
+                       str(free_port()), env={**env, "SESSION_STORE": "off"})  # gunicorn's master says it, no worker
+    assert gateway.returncode == 1 and "Traceback" not in gateway.stderr and "Booting worker" not in gateway.stderr
     assert gateway.stderr.strip().splitlines()[-1] == (f"error: {REPO} has no revision 'v9': give --revision a branch, "
                                                        "tag or commit of it (default: main)")
 
