@@ -30,6 +30,7 @@ HUB_ID = re.compile(r"(?!.*--)[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z
 # what a process reads besides the weights: the config, the weights' index, the tokenizer and its chat template
 SMALL_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
 WEIGHTS_INDEX, SINGLE_WEIGHTS = "model.safetensors.index.json", "model.safetensors"
+LOGGED_FILE_BYTES = 100_000_000  # a file this large gets a line of its own in the log as its download starts
 
 
 def is_hub_id(name: str) -> bool:
@@ -86,6 +87,8 @@ def _download(repo_id: str, folder: Path, sizes: dict[str, int]) -> None:
         logger.info("fetching %d file(s) of %s from the Hugging Face Hub: %s", len(missing), repo_id,
                     _bytes(sum(missing.values())))
     for name in sorted(missing):
+        if missing[name] >= LOGGED_FILE_BYTES:  # huggingface_hub's progress bars show on a terminal only
+            logger.info("fetching %s of %s (%s)", name, repo_id, _bytes(missing[name]))
         hf_hub_download(repo_id, name, revision=folder.name, cache_dir=cache)
 
 
