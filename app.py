@@ -80,7 +80,7 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
     except EmbeddingModelError as _error:  # an EMBEDDING_MODELS folder that cannot be served: one line, no start
         fail(str(_error), status=APP_LOAD_ERROR)
     load_embedding_models(app.extensions["engine"])
-    gc_tuning.freeze_long_lived()  # the imports and the embedding models: out of every later collection
+    gc_tuning.serving_process()  # the imports and the embedding models: out of every later collection
 
 
 def _parser():

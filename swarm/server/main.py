@@ -68,7 +68,7 @@ async def serve(settings: ServerSettings) -> None:
     try:
         length = fit.holds if fit is not None else settings.num_blocks
         presence = await Presence.join(node, settings, folder, num_blocks, adapters, length)
-        gc_tuning.freeze_long_lived()  # the weights, the graphs and the imports: never collected again
+        gc_tuning.serving_process()  # the weights, the graphs and the imports: never collected again
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
               f"cache {settings.cache_tokens} tokens"
