@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
-from swarm.protocol import UnknownModelError
+from swarm.protocol import HUB_ID, UnknownModelError
 
 logger = logging.getLogger(__name__)
 
-# the Hub's repository ids: a namespace and a name, letters, digits and . _ - (no "--", which its cache uses)
-HUB_ID = re.compile(r"(?!.*--)[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 # what a process reads besides the weights: the config, the weights' index, the tokenizer and its chat template
 SMALL_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
 WEIGHTS_INDEX, SINGLE_WEIGHTS = "model.safetensors.index.json", "model.safetensors"
