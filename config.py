@@ -12,7 +12,9 @@ Each command-line tool takes its defaults from here, so an operator can set them
                       where the round trips make it pay; PUSHED_STEPS=0: relayed steps ask for no push (default 1)
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
     BLOCK_WAIT_SECONDS  seconds a request waits where no server holds some of its blocks, then fails (default 30)
-    MODEL             the model served by default (a known name or a local Hugging Face folder)
+    MODEL             the model served by default (a known name, a local Hugging Face folder, or a Hugging Face Hub
+                      id, ORG/NAME, fetched into the Hub's cache: HF_HOME, HF_TOKEN, HF_HUB_OFFLINE are the Hub's own)
+    MODEL_REVISION    of a Hub model: the branch, tag or commit served (default: main)
     MODELS            the gateway's served models, as a JSON list of ModelConfig fields, e.g.
                       [{"name": "tiny", "path": "/models/tiny", "dht_prefix": "tiny", "max_session_length": 512}]
     EMBEDDING_MODELS  local sentence-transformers folders (space- or comma-separated) run in the gateway's process
@@ -102,6 +104,7 @@ class SwarmSettings:
 
     cache_dir: Path
     model: str = DEFAULT_MODEL
+    revision: str = "main"  # of a model named by its Hugging Face Hub id
     initial_peers: tuple[str, ...] = ()
     # a server re-announces itself this often; its records expire after 3 periods (a dead one leaves routing then)
     announce_period: float = 10.0
@@ -130,7 +133,7 @@ class SwarmSettings:
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "SwarmSettings":
         return cls(
             cache_dir=_default_cache_dir(environ),
-            model=environ.get("MODEL", DEFAULT_MODEL),
+            model=environ.get("MODEL", DEFAULT_MODEL), revision=environ.get("MODEL_REVISION") or "main",
             initial_peers=_split_list(environ.get("INITIAL_PEERS", "")),
             wire_dtype=environ.get("WIRE_DTYPE", "float32"), torch_threads=_positive_int(environ, "TORCH_THREADS"),
             allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
@@ -157,14 +160,16 @@ class GenerationDefaults:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str  # what clients call it
-    path: str  # a known model name or a local Hugging Face folder
+    path: str  # a known model name, a local Hugging Face folder or a Hugging Face Hub id (ORG/NAME)
     dht_prefix: str | None = None  # its name in the DHT; by default derived from path
     # None: what the model was trained for, bounded by what the swarm's servers hold (set it to cap sessions lower)
     max_session_length: int | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    # a small model of the same tokenizer (a known name or a local folder), run in the gateway to guess tokens for
-    # speculative decoding where prompt lookup has no guess (gateway/engine/drafts.py); None: prompt lookup alone
+    # a small model of the same tokenizer (a known name, a local folder, or a Hub id fetched whole at first use), run
+    # in the gateway to guess tokens for speculative decoding where prompt lookup has no guess (gateway/engine/
+    # drafts.py); None: prompt lookup alone
     draft_model: str | None = None
+    revision: str = "main"  # of a Hub model: the branch, tag or commit (its servers must serve the same)
 
     @classmethod
     def from_dict(cls, fields: dict) -> "ModelConfig":
@@ -290,6 +295,7 @@ class GatewaySettings:
         else:
             name = environ.get("MODEL", DEFAULT_MODEL)
             models = (ModelConfig(name=name.rstrip("/").rsplit("/", 1)[-1], path=name,
+                                  revision=environ.get("MODEL_REVISION") or "main",
                                   draft_model=environ.get("DRAFT_MODEL") or None),)
         return cls(models=models, limits=Limits.from_env(environ), access=AccessSettings.from_env(environ),
                    log_level=environ.get("LOG_LEVEL", "INFO").upper(),

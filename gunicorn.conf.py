@@ -46,14 +46,37 @@ def on_starting(server):
     settings = Settings.from_env()
     _size_for_limits(server, settings.gateway.limits)
     _share_where_only_this_machine_reaches(server, settings.gateway.access)
+    _fetch_hub_models(settings)
     if settings.swarm.initial_peers:
         return
+    from swarm.cli import fail
     from swarm.local import start_for_models
+    from swarm.protocol import SwarmError
 
     server.log.info("no initial peers configured: starting a local swarm")
-    _local_swarm = start_for_models(settings)
+    try:
+        _local_swarm = start_for_models(settings)
+    except SwarmError as error:  # a model it cannot serve (unknown, or a Hub model it cannot fetch): one line
+        fail(str(error))
     os.environ["INITIAL_PEERS"] = " ".join(_local_swarm.initial_peers)
     server.log.info("local swarm ready: %s", os.environ["INITIAL_PEERS"])
+
+
+def _fetch_hub_models(settings) -> None:
+    """What the gateway loads of each served model named by its Hugging Face Hub id (config, tokenizer, the weight
+    files of its embeddings, final norm and LM head), fetched here in the master before any worker exists: a download
+    may take longer than gunicorn lets a worker boot (`timeout`: it would be killed and started again, forever), and a
+    model the gateway cannot have (unknown, gated without HF_TOKEN, a wrong revision, a family not served, a disk
+    without room) stops the start with one line rather than 404 every request."""
+    from swarm.cli import fail
+    from swarm.protocol import SwarmError
+    from swarm.weights import fetch_client_files
+
+    try:
+        for model in settings.gateway.models:
+            fetch_client_files(model.path, settings.swarm.cache_dir, model.revision)
+    except SwarmError as error:
+        fail(str(error))
 
 
 def _share_where_only_this_machine_reaches(server, access, environ=os.environ) -> None:

@@ -1,4 +1,4 @@
-"""`python -m bench.lora`: what LoRA adapters cost a block server's decode round (the README's adapter figures).
+"""`python -m bench.lora`: what LoRA adapters cost a block server's decode round (docs/benchmarks.md's adapter figures).
 
     python -m bench.lora [--shape NAME] [--device cpu|cuda] [--dtype float32] [--threads 1] [--sessions 16]
                          [--rank 16] [--repeats 30]

@@ -11,6 +11,8 @@ Two packages, and what both share:
     wire.py       the RPC interface both sides speak (BlockRPC), and tensors in messages
     families/     every layer quirk of every model family, as a registry of functions
     weights.py    resolve a model name or folder; convert the shipped GGUF once; read only the tensors asked for
+    hub.py        a model named by its Hugging Face Hub id: its config and tokenizer, and only the weight files
+                  holding what a process loads, fetched into the Hub's cache; the Hub's refusals in one line
     trust.py      identity keys, and the DHT record validator: only records signed under their writer's subkey
     dht.py        the process's event loop, DHT nodes, announcing and finding servers; `python -m swarm.dht`
     transport.py  a small message written to the libp2p daemon in one socket write (hivemind's framing, joined)
@@ -18,6 +20,7 @@ Two packages, and what both share:
     local.py      LocalSwarm: a bootstrap peer and block servers as child processes on this machine
     network_map.py  a simulated network map (NETWORK_MAP, --network-map): regions and the round trip of each link
     cli.py        what the command-line tools share: flag checks (multiaddrs, block ranges), one-line errors
+    gc_tuning.py  serving processes (servers, the gateway's worker): start-up's objects frozen out of collections
 
 Dependencies go one way: client -> shared modules <- server; the client and the server never import each
 other. This package never imports flask or gateway; torch, transformers and hivemind load only when used.

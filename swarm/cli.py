@@ -78,8 +78,9 @@ def setup_logging(verbose: bool = False) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # hivemind logs every connection at INFO; an operator wants to see our lines, not the transport's.
-    for noisy in ("hivemind", "p2pd"):
+    # hivemind logs every connection at INFO, and httpx2 (huggingface_hub's) every request to the Hugging Face Hub;
+    # an operator wants to see our lines, not the transport's (a download shows its progress bars meanwhile).
+    for noisy in ("hivemind", "p2pd", "httpx2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

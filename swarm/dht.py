@@ -47,13 +47,15 @@ async def start_node(
     relays: Sequence[str] = (),
     serve_relay: bool = False,
     relay_limits=None,
+    announce_maddrs: Sequence[str] = (),
 ):
     """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm). It signs the
     records it stores with its identity key, and refuses forged ones (see swarm/trust.py).
 
     `relays`: the node accepts no inbound connection and is reached through these public peers; `serve_relay`:
     it is public and relays for such nodes, within `relay_limits` (a relays.RelayLimits; default: p2pd's); no
-    other node relays for anyone (see swarm/relays.py)."""
+    other node relays for anyone (see swarm/relays.py). `announce_maddrs`: the only addresses the node gives out,
+    in place of those it listens on (a forwarded port's: swarm/server/addresses.py)."""
     from hivemind.dht.node import DHTNode
 
     from swarm import trust
@@ -63,6 +65,9 @@ async def start_node(
     coalesce_small_writes()  # before the node's P2P writes to its daemon: a server's and a client's messages alike
     client_mode = client_mode or bool(relays)  # a relayed node answers no DHT request: each would take the detour
     daemon = daemon_class(relay_service_flags(serve_relay, relay_limits or RelayLimits()))
+    options = relay_options(relays, serve_relay)
+    if announce_maddrs:
+        options["announce_maddrs"] = list(announce_maddrs)
     with trust.identity(identity_path) as identity:
         p2p = await daemon.create(
             initial_peers=list(initial_peers),
@@ -73,7 +78,7 @@ async def start_node(
             dht_mode="client" if client_mode else "server",
             # the peer must be reachable on loopback and private networks alike: no UPnP on the router
             nat_port_map=False,
-            **relay_options(relays, serve_relay),
+            **options,
         )
     try:
         node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,

@@ -178,13 +178,16 @@ def start_for_models(settings) -> LocalSwarm:
     swarm = None
     try:
         for model in settings.gateway.models:
-            num_blocks = load_config(resolve_model(model.path, settings.swarm.cache_dir)).num_hidden_layers
-            prefix_args = ["--dht-prefix", model.dht_prefix] if model.dht_prefix else []
+            num_blocks = load_config(resolve_model(model.path, settings.swarm.cache_dir,
+                                                   model.revision)).num_hidden_layers
+            # its own revision, whatever MODEL_REVISION the servers inherit says (it is the default model's)
+            server_args = ["--revision", model.revision, *(["--dht-prefix", model.dht_prefix] if model.dht_prefix
+                                                          else [])]
             if swarm is None:
-                swarm = LocalSwarm(model.path, halves(num_blocks), server_args=prefix_args).start()
+                swarm = LocalSwarm(model.path, halves(num_blocks), server_args=server_args).start()
                 continue
             for start, end in halves(num_blocks):
-                swarm.add_server(["--model", model.path, "--blocks", f"{start}:{end}", *prefix_args])
+                swarm.add_server(["--model", model.path, "--blocks", f"{start}:{end}", *server_args])
     except BaseException:
         if swarm is not None:
             swarm.stop()

@@ -9,7 +9,8 @@ server's model under its owner marker: what a client needs to serve a model it w
 Errors (every one a SwarmError, each with a stable ``code`` that crosses the wire)::
 
     SwarmError
-    ├── UnknownModelError        name is neither a known model nor a local Hugging Face folder
+    ├── UnknownModelError        name is neither a known model, a local Hugging Face folder, nor a Hub model
+    │                            this process can fetch (swarm/hub.py: unknown, gated, no such revision, ...)
     ├── MissingBlocksError       no chain of servers covers these blocks
     ├── CacheFullError           a server has no room for the session's attention cache
     │   └── ServerLimitError     a server's limit on one client (sessions per peer, tokens per session)
@@ -25,6 +26,7 @@ when a session opens, without banning it.
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
@@ -119,9 +121,19 @@ def error_from_wire(metadata: dict) -> SwarmError | None:
 # ---------------------------------------------------------------------------------------------- records
 
 
+# a Hugging Face Hub id: a namespace and a name, letters, digits and . _ - (no "--", which the Hub's cache uses)
+HUB_ID = re.compile(r"(?!.*--)[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
 def dht_prefix(model_name: str) -> str:
-    """A DHT-safe prefix for a model name or folder: its last path component with odd characters dashed."""
-    name = model_name.rstrip("/").rsplit("/", 1)[-1]
+    """A DHT-safe prefix for a model name or folder, odd characters dashed: a folder's last path component; a Hub
+    id's namespace and name joined by "--", so that two organizations' models of one name, or a Hub model and the
+    known model converted from its quantized GGUF, never share blocks (their weights differ). A Hub id that is also
+    a local folder is that folder, as everywhere."""
+    name = model_name.rstrip("/")
+    if HUB_ID.fullmatch(name) and not os.path.isdir(name):
+        name = name.replace("/", "--")
+    name = name.rsplit("/", 1)[-1]
     return re.sub(r"[^A-Za-z0-9_-]+", "-", name) or "model"
 
 

@@ -41,12 +41,13 @@ def build_tokenizer(vocab_size: int = 512):
 
 def build_tiny_model(
     folder: Path, model_type: str = "llama", num_layers: int = 4, seed: int = 0, perturb_vectors: bool | None = None,
-    **overrides,
+    max_shard_size: str | None = None, **overrides,
 ) -> Path:
     """Save a random-weight causal LM of `model_type` with `num_layers` blocks, and a tokenizer, into folder.
 
     `perturb_vectors` also randomizes the 1-D parameters (norm weights, biases), which the default init leaves at
-    ones and zeros, so that a test exercises them; by default only for GPT-2 and BLOOM (Llama stays as it was)."""
+    ones and zeros, so that a test exercises them; by default only for GPT-2 and BLOOM (Llama stays as it was).
+    `max_shard_size` ("200KB"): the weights in several safetensors files and their index, as large models are."""
     import torch
     import transformers
 
@@ -69,7 +70,7 @@ def build_tiny_model(
                 parameter.normal_(0.0, 0.2)
             elif perturb_vectors:
                 parameter.add_(torch.randn_like(parameter), alpha=0.1)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 from config import MODEL_NAME_PATTERN, ModelConfig, Settings
 from gateway.engine.served import CATALOGUE_SECONDS, ServedModel, session_length
 from gateway.errors import NotFound, from_exception
+from swarm.gc_tuning import freeze_long_lived, thaw
 from swarm.protocol import ModelRecord, dht_prefix
 
 ADAPTER_SEPARATOR = ":"  # "model:adapter"
@@ -226,6 +227,9 @@ class ServedModels:
                     self._loaded.move_to_end(config.name)
                     return self._loaded[config.name]
             model = ServedModel(config, self._connect(config))
+            # its weights, tokenizer and the swarm client live on: out of every later collection (one let go is
+            # still freed by reference counting)
+            freeze_long_lived()
             with self._lock:
                 self._loaded[config.name] = model
                 self._shapes[config.name] = _shape_of(config, model.remote)
@@ -247,6 +251,7 @@ class ServedModels:
         while len(self._loaded) > self.max_loaded:
             name, model = self._loaded.popitem(last=False)
             model.let_go_of()  # its views too: their engine loops end once their sessions have
+            thaw()  # it was frozen out of collections: its cycles are freed only once thawed
             logger.info("let go of model %s, the least recently used (MAX_LOADED_MODELS=%d)", name, self.max_loaded)
 
     def loaded(self) -> list[ServedModel]:

@@ -103,7 +103,7 @@ class DraftModels:
         from swarm.client import resolve_model
 
         try:
-            return DraftModel(resolve_model(name, self.cache_dir), served.tokenizer)
+            return DraftModel(resolve_model(name, self.cache_dir, whole=True), served.tokenizer)
         except Exception as error:  # a misconfigured draft model slows replies down; it must not fail them
             logger.error("draft model %s of %s not used: %s", name, served.name, error)
             return None

@@ -124,7 +124,7 @@ class Engine:
         # errors name the model as clients do; its prefix is the one servers derive from their --model
         return RemoteModel.on_client(self.swarm_client(), config.path, self.settings.swarm.cache_dir,
                                      config.dht_prefix, name=config.name, device=gateway.device,
-                                     dtype=getattr(torch, gateway.dtype))
+                                     dtype=getattr(torch, gateway.dtype), revision=config.revision)
 
     def coverage(self, name: Optional[str]) -> dict:
         """Whether the swarm now holds every block of the model, and how many servers serve it (no weights

@@ -15,6 +15,7 @@
     swarm_client_retries_total, swarm_client_failovers_total   the swarm client's (swarm/client/metrics.py)
     swarm_step_stage_seconds_total{stage, blocks}  counter  where steps' time goes (swarm/client/stage_clock.py),
     swarm_step_stage_events_total{stage, blocks}   counter  over this many steps
+    python_gc_frozen_objects                    gauge      objects out of the collector's way (swarm/gc_tuning.py)
 
 Hooks are central: an after_request counts every HTTP reply, petals/websocket.py counts each WebSocket message once
 (with the status its reply carries), and Engine.generate times tokens (engine/metrics.py, where the token metrics
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, gen
 
 import gateway.engine.metrics  # noqa: F401  (registers the token metrics, even before a first generation)
 import swarm.client  # noqa: F401  (registers the swarm client's counters, even before a client exists)
+from swarm.gc_tuning import expose as expose_gc
 from swarm.client import stage_clock
 
 OPEN_SESSIONS = Gauge("gateway_open_sessions", "Inference sessions open on this gateway, HTTP and WebSocket")
@@ -37,6 +39,7 @@ WARM_SESSIONS = Gauge("gateway_warm_sessions", "Finished conversations kept open
 SAVED_STATES = Gauge("gateway_saved_states", "Prefixes saved by name, forked by the requests starting with them")
 REQUESTS = Counter("gateway_requests_total", "API requests (WebSocket: messages) by API and status code",
                    ["api", "status"])
+expose_gc(REGISTRY)
 
 
 def install(app) -> None:

@@ -57,6 +57,7 @@ def configure_logging(level: str = "INFO") -> None:
     Once per process: `python app.py` imports app.py twice (as __main__, then as gunicorn's app:app)."""
     root = logging.getLogger()
     root.setLevel(level)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # huggingface_hub's: a line per request to the Hub
     if any(isinstance(handler.filters[0], RequestIdFilter) for handler in root.handlers if handler.filters):
         return
     handler = logging.StreamHandler()

@@ -59,10 +59,11 @@ class RemoteModel:
 
     @classmethod
     def on_client(cls, client: SwarmClient, name_or_path: str, cache_dir: Path, prefix: Optional[str] = None,
-                  name: Optional[str] = None, device="cpu", dtype: torch.dtype = torch.float32) -> "RemoteModel":
+                  name: Optional[str] = None, device="cpu", dtype: torch.dtype = torch.float32,
+                  revision: str = "main") -> "RemoteModel":
         """A model served through an existing client (one DHT node for every model of a process); its prefix
-        defaults to the one servers derive from the same name_or_path."""
-        folder = resolve_model(name_or_path, cache_dir)
+        defaults to the one servers derive from the same name_or_path; `revision`: of a Hugging Face Hub id's."""
+        folder = resolve_model(name_or_path, cache_dir, revision)
         return cls(folder, client, name or name_or_path, prefix or dht_prefix(name_or_path), device, dtype)
 
     def with_adapter(self, adapter: str) -> "RemoteModel":

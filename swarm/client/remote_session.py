@@ -315,22 +315,20 @@ class RemoteSession:
         last_refusal = ""
         while True:
             chain = self._route(start, end, full, unreachable, last_refusal)
-            hops: list[Hop] = []
-            try:
-                for link in chain:
-                    stream = InferenceStream(services.p2p, link.peer_id, link.start, link.end, services.open_timeout,
-                                             services.step_channels)
-                    hops.append(Hop(link, stream, declared=self.next_positions))
-                    services.load.opened(link.peer_id)
-                    services.loop.run(stream.open(self.max_length, self.batch_size, adapter=self.route.adapter,
-                                                  next_positions=self.next_positions))
+            hops = [Hop(link, InferenceStream(services.p2p, link.peer_id, link.start, link.end, services.open_timeout,
+                                              services.step_channels), declared=self.next_positions)
+                    for link in chain]
+            for link in chain:
+                services.load.opened(link.peer_id)
+            refusals = services.loop.run(self._open_streams(hops))
+            if not refusals:
                 return hops
-            except BaseException as error:
-                for hop in hops:  # the servers already opened free their cache at once
-                    self._close_hop(hop)
+            for hop in hops:  # the servers that did open free their cache at once
+                self._close_hop(hop)
+            for link, error in refusals:
                 # full, failing, or private (NotAllowedError: a server not for this client): go elsewhere
                 if not isinstance(error, (CacheFullError, *SERVER_FAULTS, NotAllowedError)):
-                    raise
+                    raise error
                 logger.info("routing around server %s: %s", link.peer_id, error)
                 if isinstance(error, SERVER_FAULTS):
                     unreachable.add(link.peer_id)
@@ -338,6 +336,14 @@ class RemoteSession:
                 else:
                     full.add(link.peer_id)
                     last_refusal = f" (the last one: {error})"
+
+    async def _open_streams(self, hops: list[Hop]) -> list[tuple[ChainLink, BaseException]]:
+        """Open every hop's session at once: a chain's opening costs one server's round trips, not the sum of
+        all of theirs (two each: the stream, then the opening message). Returns each hop that failed, with why."""
+        outcomes = await asyncio.gather(*(hop.stream.open(self.max_length, self.batch_size, adapter=self.route.adapter,
+                                                          next_positions=self.next_positions) for hop in hops),
+                                        return_exceptions=True)
+        return [(hop.link, outcome) for hop, outcome in zip(hops, outcomes) if isinstance(outcome, BaseException)]
 
     def _route(self, start: int, end: int, full: set[str], unreachable: set[str], last_refusal: str) -> list[ChainLink]:
         """The best chain over blocks [start, end) around those servers; while no server holds some of the

@@ -3,7 +3,9 @@
 In data-flow order, from the command line to the compute thread:
 
     settings.py    ServerSettings and ServerLimits, built once from the command line
+    addresses.py   --public-address, --announce-maddrs: what it announces in place of where it listens
     main.py        the process: join the DHT, claim a span, load it, announce it (Presence), serve until stopped
+    sizing.py      how many blocks it holds where no flag says: as many as its memory fits (--memory-budget)
     placement.py   where the server sits: the span it claims, when to move to one the swarm serves less
     throughput.py  what it announces as its speed (timed once per model, span, device and dtype; kept on disk)
     handler.py     the RPC handlers (swarm/wire.py's BlockRPC): decode, hand to the backend, encode, push on

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from swarm import dht
+from swarm import dht, gc_tuning
 from swarm.protocol import (
     MAX_CACHE_TOKENS,
     MAX_THROUGHPUT,
@@ -35,6 +35,7 @@ from swarm.server.adapters import AdapterFolder, attach_adapters, read_adapter
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
 from swarm.server.settings import ServerSettings, parse_settings
+from swarm.server.sizing import MemoryFit, fit_blocks, memory_budget
 from swarm.server.span import BlockSpan, GraphsCaptured, load_span
 from swarm.server.throughput import cached_throughput
 
@@ -49,23 +50,30 @@ STARTED = time.time()
 async def serve(settings: ServerSettings) -> None:
     from swarm.weights import load_config, resolve_model
 
-    folder = resolve_model(settings.model, settings.cache_dir)
-    num_blocks = load_config(folder).num_hidden_layers
+    folder = resolve_model(settings.model, settings.cache_dir, settings.revision)
+    config = load_config(folder)
+    num_blocks = config.num_hidden_layers
     if settings.blocks is not None and settings.blocks[1] > num_blocks:
         start, end = settings.blocks
         raise BadRequestError(f"--blocks {start}:{end} is out of range: {settings.model} has blocks 0:{num_blocks}")
     adapters = [read_adapter(adapter) for adapter in settings.adapters]  # a wrong folder fails before anything loads
+    fit = _fit_memory(settings, config)  # before the swarm hears of it: not even one block may fit
     if settings.device.type == "cuda":
         choose_attention_kernels()
     # first, so that a port already taken fails in a second rather than after the weights load
     metrics_server, metrics_address = _start_metrics(settings)
     node = await dht.start_node(settings.initial_peers, settings.host, settings.port, settings.identity,
-                                relays=settings.relay_through, serve_relay=settings.serve_as_relay)
+                                relays=settings.relay_through, serve_relay=settings.serve_as_relay,
+                                announce_maddrs=settings.announce_maddrs)
     try:
-        presence = await Presence.join(node, settings, folder, num_blocks, adapters)
+        length = fit.holds if fit is not None else settings.num_blocks
+        presence = await Presence.join(node, settings, folder, num_blocks, adapters, length)
+        gc_tuning.serving_process()  # the weights, the graphs and the imports: never collected again
         print(f"ready: blocks {presence.start}:{presence.end} of {presence.prefix} as peer {dht.peer_id_of(node)}, "
               f"{_weights_description(presence.span)} on {presence.span.device}, {presence.throughput:.1f} tokens/s, "
               f"cache {settings.cache_tokens} tokens"
+              + (f", {fit.describe()}" if fit is not None else "")
+              + await _announced_description(node, settings)
               + _graphs_description(presence.graphs_captured)
               + _memory_description(presence.span, presence.graphs_captured)
               + (f", adapters {' '.join(sorted(presence.span.adapters))}" if adapters else "")
@@ -108,8 +116,9 @@ class Presence:
 
     @classmethod
     async def join(cls, node, settings: ServerSettings, folder: Path, num_blocks: int,
-                   adapters: list[AdapterFolder]) -> "Presence":
-        """Claim a span, load it (announced as joining meanwhile), take requests, and announce it online."""
+                   adapters: list[AdapterFolder], length: Optional[int] = None) -> "Presence":
+        """Claim a span (settings.blocks, else the least served one of `length` blocks), load it (announced as
+        joining meanwhile), take requests, and announce it online."""
         from swarm.server.pushes import PushTargets
         from swarm.server.handler import BlockHandler
 
@@ -117,8 +126,7 @@ class Presence:
         if settings.blocks is not None:
             start, end = settings.blocks
         else:
-            start, end = await placement.claim_span(node, prefix, num_blocks, settings.num_blocks,
-                                                    settings.announce_period)
+            start, end = await placement.claim_span(node, prefix, num_blocks, length, settings.announce_period)
         # a big span takes minutes to load: the swarm's health page shows the server as joining meanwhile
         relay_wait = RelayWait.starting_now(settings.relay_through)
         joining = ServerInfo(ServerState.JOINING, start, end, 0.0, settings.cache_tokens, started=STARTED,
@@ -151,10 +159,10 @@ class Presence:
                           round_trips=self.pusher.round_trips.announced() if self.pusher else ())
 
     async def announce_online(self) -> None:
-        from swarm.weights import KNOWN_MODELS
+        from swarm.weights import catalogue_name
 
         model = self.settings.model
-        record = ModelRecord(model if model in KNOWN_MODELS else self.folder.name, self.prefix, self.num_blocks, model)
+        record = ModelRecord(catalogue_name(model, self.folder), self.prefix, self.num_blocks, model)
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         await dht.announce_model(self.node, record, expiration=self.expiration)
         await self.settings.latency.announce(self.node, self.expiration)
@@ -233,6 +241,23 @@ async def _load(settings: ServerSettings, folder: Path, start: int, end: int, ad
     if settings.cuda_graphs and span.device.type == "cuda" and not span.quantization:
         span.use_graphs()  # bitsandbytes' kernels sync with the host: quantized spans stay eager
     return span, await asyncio.to_thread(cached_throughput, span, folder, settings.cache_dir)
+
+
+def _fit_memory(settings: ServerSettings, config) -> Optional[MemoryFit]:
+    """How many blocks the device's memory fits, where neither --blocks nor --num-blocks says how many to hold."""
+    if settings.blocks is not None or settings.num_blocks is not None:
+        return None
+    budget, source = memory_budget(settings.device, settings.memory_budget)
+    graphs = settings.cuda_graphs and settings.device.type == "cuda" and not settings.quantization
+    return fit_blocks(config, settings.dtype, settings.quantization, settings.cache_tokens, settings.max_batch_tokens,
+                      budget, source, graphs)
+
+
+async def _announced_description(node, settings: ServerSettings) -> str:
+    """The addresses the server's libp2p host gives out, where the operator chose them (--public-address)."""
+    if not settings.announce_maddrs:
+        return ""
+    return f", announced at {' '.join(str(address) for address in await node.get_visible_maddrs(latest=True))}"
 
 
 def choose_attention_kernels() -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
+from swarm import gc_tuning
+
 SERVER_REGISTRY = CollectorRegistry()
 for _collector in (ProcessCollector, PlatformCollector, GCCollector):  # what the default registry would show
     _collector(registry=SERVER_REGISTRY)
+gc_tuning.expose(SERVER_REGISTRY)
 
 SESSIONS = Gauge("swarm_server_open_sessions", "Inference sessions open on this server", registry=SERVER_REGISTRY)
 CACHE_TOKENS_USED = Gauge("swarm_server_cache_tokens_used", "Attention cache token slots reserved by open sessions",

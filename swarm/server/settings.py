@@ -8,6 +8,7 @@ Light to import (torch loads only once the flags are checked): a wrong flag is t
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -61,7 +62,7 @@ LIMIT_FLAGS = (
 class ServerSettings:
     model: str
     blocks: Optional[tuple[int, int]]  # a fixed span, or None to choose `num_blocks` blocks the swarm lacks
-    num_blocks: Optional[int]
+    num_blocks: Optional[int]  # None with blocks None too: as many as memory fits (swarm/server/sizing.py)
     initial_peers: tuple[str, ...]
     host: str
     port: int
@@ -83,10 +84,14 @@ class ServerSettings:
     metrics_port: int
     cache_dir: Path
     latency: SimulatedLatency = SimulatedLatency()  # --simulated-latency (off: 0)
+    revision: str = "main"  # of a model named by its Hugging Face Hub id: a branch, tag or commit
     adapters: tuple[Path, ...] = ()  # PEFT LoRA adapter folders it applies on request (swarm/server/adapters.py)
     # public peers to be reached through (--relay-through): the server accepts no inbound connection (behind a NAT)
     relay_through: tuple[str, ...] = ()
     serve_as_relay: bool = False  # --serve-as-relay: a public server that relays for servers behind a NAT
+    memory_budget: Optional[float] = None  # GiB its blocks may fill when it sizes its span (default: what is free)
+    # multiaddrs announced instead of the listening ones (--public-address, --announce-maddrs): a forwarded port
+    announce_maddrs: tuple[str, ...] = ()
 
     @property
     def allowed_peers(self) -> tuple[str, ...]:
@@ -113,9 +118,10 @@ def parse_settings(argv=None) -> ServerSettings:
     limits = ServerLimits(**{field.name: getattr(args, field.name) for field in fields(ServerLimits)})
     rebalance = args.rebalance_period
     if rebalance is None:
-        rebalance = 6 * args.announce_period if args.num_blocks else 0.0
+        rebalance = 6 * args.announce_period if args.blocks is None else 0.0
     return ServerSettings(
-        model=args.model, blocks=args.blocks, num_blocks=args.num_blocks, initial_peers=tuple(args.initial_peers),
+        model=args.model, revision=args.revision, blocks=args.blocks, num_blocks=args.num_blocks,
+        initial_peers=tuple(args.initial_peers),
         host=args.host, port=args.port, identity=args.identity, device=device, dtype=getattr(torch, args.dtype),
         quantization=args.quantize, cuda_graphs=args.cuda_graphs, cache_tokens=args.cache_tokens, limits=limits,
         allowed_clients=tuple(args.allowed_clients), allowed_servers=tuple(defaults.allowed_servers),
@@ -126,18 +132,17 @@ def parse_settings(argv=None) -> ServerSettings:
         threads=args.threads, metrics_port=args.metrics_port, cache_dir=defaults.cache_dir,
         latency=_latency(parser, args),
         adapters=tuple(Path(folder) for folder in args.adapters), relay_through=tuple(args.relay_through),
-        serve_as_relay=args.serve_as_relay,
+        serve_as_relay=args.serve_as_relay, memory_budget=args.memory_budget,
+        announce_maddrs=_announce_maddrs(parser, args),
     )
 
 
 def _parser(defaults):
-    from swarm.cli import ArgumentParser, multiaddr, parse_block_range
+    from swarm.cli import ArgumentParser, multiaddr
 
     parser = ArgumentParser(prog="python -m swarm.server", description="Serve a span of a model's blocks.")
-    parser.add_argument("--model", default=defaults.model, help="a known model name or a Hugging Face folder")
-    span = parser.add_mutually_exclusive_group(required=True)
-    span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
-    span.add_argument("--num-blocks", type=int, help="hold N blocks, choosing the span the swarm serves least")
+    _add_model_flags(parser, defaults)
+    _add_span_flags(parser)
     parser.add_argument("--initial-peers", nargs="*", type=multiaddr, default=list(defaults.initial_peers))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -175,7 +180,41 @@ def _parser(defaults):
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     _add_latency_flags(parser, defaults.simulated_latency_ms, defaults.network_map)
     _add_relay_flags(parser)
+    _add_address_flags(parser)
     return parser
+
+
+def _add_model_flags(parser, defaults) -> None:
+    parser.add_argument("--model", default=defaults.model,
+                        help="a known model name, a local Hugging Face folder, or a Hugging Face Hub id (ORG/NAME: "
+                             "its config, tokenizer and the weight files of this server's blocks only are fetched "
+                             "into the Hub's cache, HF_HOME; HF_TOKEN for a gated model, HF_HUB_OFFLINE=1 for the "
+                             "cache alone) (default: MODEL)")
+    parser.add_argument("--revision", default=defaults.revision,
+                        help="of a Hub model: the branch, tag or commit to serve (default: MODEL_REVISION, else main)")
+
+
+def _add_span_flags(parser) -> None:
+    from swarm.cli import parse_block_range
+
+    span = parser.add_mutually_exclusive_group()
+    span.add_argument("--blocks", type=parse_block_range, help="START:END, the half-open range of blocks to hold")
+    span.add_argument("--num-blocks", type=int,
+                      help="hold N blocks, choosing the span the swarm serves least (without --blocks or "
+                           "--num-blocks: as many as the device's memory fits, after the cache of --cache-tokens)")
+    parser.add_argument("--memory-budget", type=float, metavar="GIB",
+                        help="without --blocks or --num-blocks: the GiB of device memory the blocks, their cache and "
+                             "their working memory may fill (default: the GPU's free memory, or the available RAM)")
+
+
+def _add_address_flags(parser) -> None:
+    parser.add_argument("--public-address", metavar="HOST[:PORT]",
+                        help="for a box behind a forwarded port: announce this address (an IP or a DNS name; PORT "
+                             "defaults to --port) to the swarm instead of the ones it listens on, so that clients "
+                             "dial it")
+    parser.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                        help="announce these multiaddrs (e.g. /ip4/203.0.113.7/tcp/31337, without /p2p/) instead of "
+                             "the ones it listens on (with --public-address: besides it)")
 
 
 def _add_relay_flags(parser) -> None:
@@ -205,7 +244,7 @@ def _add_latency_flags(parser, default_ms: float, default_map) -> None:
                         help="seed of the jitter's draws (the same seed, the same delays)")
     parser.add_argument("--network-map", default=default_map, metavar="MAP",
                         help="for tests and benchmarks on one machine: a simulated network map (JSON, inline or a "
-                             "file: regions, a round trip per pair of regions, jitter, seed; see README), each "
+                             "file: regions, a round trip per pair of regions, jitter, seed; see docs/wan.md), each "
                              "message delayed by the link it crosses (default: NETWORK_MAP)")
     parser.add_argument("--region", metavar="NAME",
                         help="this server's region of --network-map (default: the map's default_region)")
@@ -234,9 +273,27 @@ def _latency(parser, args) -> SimulatedLatency:
     return MappedLatency(network_map, region)
 
 
+def _announce_maddrs(parser, args) -> tuple[str, ...]:
+    """--public-address's multiaddr, then --announce-maddrs': what the server announces (none: where it listens)."""
+    from swarm.server.addresses import AddressError, announce_maddr, public_maddr
+
+    try:
+        public = [public_maddr(args.public_address, args.port)] if args.public_address is not None else []
+        return tuple(dict.fromkeys([*public, *map(announce_maddr, args.announce_maddrs)]))
+    except AddressError as error:
+        parser.error(str(error))
+
+
 def _check(parser, args) -> None:
     if args.num_blocks is not None and args.num_blocks < 1:
         parser.error("--num-blocks must be at least 1")
+    if args.memory_budget is not None and not 0 < args.memory_budget < math.inf:  # NaN fails too
+        parser.error(f"--memory-budget must be a positive, finite number of GiB, got {args.memory_budget:g}")
+    if args.memory_budget is not None and (args.blocks or args.num_blocks):
+        parser.error("--memory-budget sizes the span a server chooses: give it without --blocks or --num-blocks")
+    if (args.public_address or args.announce_maddrs) and args.relay_through:
+        parser.error("--public-address and --announce-maddrs are for a server clients dial; one reached through "
+                     "--relay-through announces its relays' circuit addresses")
     for name in ("cache_tokens", "max_batch_tokens", "prefill_chunk_tokens", "max_request_tokens",
                  "max_session_tokens", "max_sessions_per_peer"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

@@ -11,7 +11,7 @@ honest client steps a session on that server and /health is asked every 20 ms:
   (gigabytes) before counting them.
 
 What is asserted is a hang bound (a loaded 2-core machine runs the suite): the honest steps and /health stay
-well under it, every attack is refused or absorbed, and the figures are printed (-s) for the README."""
+well under it, every attack is refused or absorbed, and the figures are printed (-s) for docs/security.md."""
 
 from __future__ import annotations
 

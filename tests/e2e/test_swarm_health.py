@@ -255,4 +255,6 @@ def test_gateway_metrics(gateway):
     assert families["gateway_open_sessions"] == "gauge" and after[("gateway_open_sessions", ())] >= 1
     assert families["swarm_client_retries"] == "counter" and ("swarm_client_retries_total", ()) in after
     assert families["swarm_client_failovers"] == "counter" and ("swarm_client_failovers_total", ()) in after
+    # the imports, the model's client half and the swarm client, frozen out of collections (swarm/gc_tuning.py)
+    assert after[("python_gc_frozen_objects", ())] > 100_000
     requests.post(gateway.url + "/api/v1/close_inference_session", json={"session_id": session_id})

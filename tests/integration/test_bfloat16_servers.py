@@ -1,5 +1,5 @@
 """Block servers started with `--dtype bfloat16` on the CPU answer close to the local transformers model: what
-the README promises of the dtype, with the tolerance it states.
+docs/servers.md promises of the dtype, with the tolerance it states.
 
 The gateway's half (embeddings, final norm, LM head) stays float32 here; only the servers' blocks are bfloat16,
 two servers, so that bfloat16-computed hidden states also cross the wire between them. Measured on the tiny
@@ -21,7 +21,7 @@ from swarm.client.remote_model import RemoteModel
 PREFIX = "tiny-bf16"
 NEW_TOKENS = 8
 PROMPT_LENGTHS = (4, 9, 17, 29)
-BFLOAT16_SERVER_RELATIVE_ERROR = 0.15  # of float32's logits, relative L2: the bound the README states
+BFLOAT16_SERVER_RELATIVE_ERROR = 0.15  # of float32's logits, relative L2: the bound docs/servers.md states
 BFLOAT16_LOCAL_RELATIVE_ERROR = 0.05  # of the local model's logits when it runs in bfloat16 too
 NEAR_TIE = 0.02  # a token other than float32's best must be this close to it, times the largest |logit|
 # the local bfloat16 model's own near ties break either way too, depending on the CPU's bfloat16 kernels (one machine

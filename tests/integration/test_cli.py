@@ -21,7 +21,8 @@ def assert_one_line_error(result, *fragments):
     "args, fragments",
     [
         (["-m", "swarm.server", "--blocks", "0:1", "--bogus"], ["unrecognized arguments: --bogus"]),
-        (["-m", "swarm.server"], ["--blocks --num-blocks is required"]),
+        (["-m", "swarm.server", "--memory-budget", "nan", "--initial-peers", BOGUS_PEER],
+         ["--memory-budget must be a positive, finite number of GiB"]),
         (["-m", "swarm.server", "--blocks", "0:2"], ["--initial-peers is required"]),
         (["-m", "swarm.server", "--blocks", "5:2", "--initial-peers", BOGUS_PEER], ["START < END"]),
         (["-m", "swarm.server", "--blocks", "x", "--initial-peers", BOGUS_PEER], ["START:END"]),
@@ -64,6 +65,13 @@ def test_bad_environment(args, env, fragment):
 def test_block_range_out_of_bounds(tiny_llama):
     result = run_tool("-m", "swarm.server", "--model", str(tiny_llama), "--blocks", "2:9", "--initial-peers", BOGUS_PEER)
     assert_one_line_error(result, "out of range", "blocks 0:4")
+
+
+def test_a_server_whose_memory_fits_not_one_block_says_so(tiny_llama):
+    result = run_tool("-m", "swarm.server", "--model", str(tiny_llama), "--memory-budget", "0.001",
+                      "--initial-peers", BOGUS_PEER)
+    assert_one_line_error(result, "not even one block of this model fits in memory: one needs ",
+                          "1073741 bytes are available (--memory-budget, 1.02 MiB)")
 
 
 def test_an_adapter_folder_a_server_cannot_serve_is_a_one_line_error(tiny_llama, tiny_adapters, tmp_path):

@@ -178,7 +178,7 @@ def reply(engine, params, on_token=lambda count, session: None) -> list[int]:
 def test_a_seeded_sample_is_identical_when_a_server_dies_mid_reply(chaos_swarm, engine, hop, at_token):
     """A seeded, sampled reply of the gateway's engine (temperature 1) is the same whether or not its chain loses a
     server on the way: a replica takes over (the session's inputs replayed to it), and every token equals the
-    undisturbed reply's. What the README's fault tolerance promises, for sampling as well as greedy decoding."""
+    undisturbed reply's. What docs/servers.md's fault tolerance promises, for sampling as well as greedy decoding."""
     from gateway.engine.sampling import SamplingParams
 
     reference = reply(engine, sampling(engine, seed=11))

@@ -119,3 +119,23 @@ def test_failover_in_the_middle_of_a_flowing_chain_replays_exactly(model, relaye
     assert victims, "the middle server was killed"
     assert tokens == relayed[None][0]
     torch.testing.assert_close(logits, relayed[None][1], atol=1e-4, rtol=0)
+
+
+def test_a_chains_servers_open_the_session_at_once(model, monkeypatch):
+    """A session's opening costs one server's round trips, not the chain's sum: the three hops' openings are all in
+    flight together (remote_session.py _open_streams), and the session then steps as usual."""
+    open_stream, in_flight, most = InferenceStream.open, [0], [0]
+
+    async def counted_open(self, *args, **kwargs):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            return await open_stream(self, *args, **kwargs)
+        finally:
+            in_flight[0] -= 1
+
+    monkeypatch.setattr(InferenceStream, "open", counted_open)
+    with model.session(max_length=len(PROMPT) + 1) as session:
+        assert len(session.blocks.hops) == 3
+        assert session.step([PROMPT]).shape == (1, model.config.vocab_size)
+    assert most[0] == 3

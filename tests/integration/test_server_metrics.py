@@ -96,3 +96,20 @@ def test_a_taken_metrics_port_is_a_one_line_error(tiny_swarm, metered):
     with pytest.raises(LocalSwarmError, match=rf"(?s)exited with 1;.*error: --metrics-port {port}: cannot listen"):
         server.wait_for_line(lambda line: line.startswith("ready:"), 120)
     assert "Traceback" not in server.log_path.read_text()
+
+
+def test_a_served_step_leaves_the_collector_nothing_old_to_walk(metered, model):
+    """swarm/gc_tuning.py: what the server built before its ready line is frozen out of collections (a full
+    collection would walk ~400,000 objects: 120-200 ms with the GIL held), and 100 decode steps cause no full
+    collection and few young ones."""
+    before = scrape(metered)
+    assert value(before, "python_gc_frozen_objects") > 100_000  # torch's and transformers' modules, the weights
+    with model.session(max_length=128) as session:
+        session.step([[1, 2, 3]])
+        for token in range(100):
+            session.step([[token % 7 + 1]])
+    after = scrape(metered)
+    collections = {generation: value(after, "python_gc_collections_total", generation=generation)
+                   - value(before, "python_gc_collections_total", generation=generation) for generation in "012"}
+    assert collections["2"] == 0 and collections["1"] == 0, collections
+    assert collections["0"] <= 5, collections

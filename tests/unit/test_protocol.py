@@ -38,6 +38,10 @@ def test_errors_cross_the_wire_with_their_type():
 def test_names():
     assert dht_prefix("/tmp/models/My Model/") == "My-Model"
     assert dht_prefix("SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+    # a Hub id keeps its organization: the same name under two, or beside the known model, are different weights
+    assert dht_prefix("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB--SmolLM2-135M-Instruct"
+    assert dht_prefix("other-org/SmolLM2-135M-Instruct") == "other-org--SmolLM2-135M-Instruct"
+    assert dht_prefix("org/name.v1") == "org--name-v1"
     assert format_block_ranges([(15, 30), (3, 4)]) == "15..29, 3"
 
 

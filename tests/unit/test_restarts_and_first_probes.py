@@ -43,8 +43,9 @@ def rpc_info(monkeypatch):
     return fake
 
 
-def probes_of(bans=None, load=None, timeout=2.0):
-    return RoundTripProbes(None, dht.EventLoop.get(), load or PeerLoad(), bans or Bans(), timeout=timeout)
+def probes_of(bans=None, load=None, timeout=2.0, period=5.0):
+    return RoundTripProbes(None, dht.EventLoop.get(), load or PeerLoad(), bans or Bans(), timeout=timeout,
+                           period=period)
 
 
 def settle(loop):
@@ -119,8 +120,8 @@ def test_a_clients_first_routing_waits_only_for_the_probes_the_bounds_allow(rpc_
 
 
 def test_first_probes_begun_per_period_are_bounded_even_when_they_end_at_once(rpc_info):
-    probes = probes_of()
+    probes = probes_of(period=3600.0)  # all ten batches inside one period, however loaded the machine
     for batch in range(10):  # peers that answer at once free their slots: the period's allowance still holds
         probes.measure_new([f"quick-{batch}-{index}" for index in range(50)], wait=1.0)
         settle(probes.loop)
-    assert len(rpc_info.asked) == FIRST_PROBES_PER_PERIOD
+    assert len([peer for peer in rpc_info.asked if peer.startswith("quick-")]) == FIRST_PROBES_PER_PERIOD
