@@ -10,7 +10,10 @@ Each command-line tool takes its defaults from here, so an operator can set them
     ALLOWED_CLIENTS   the only peers a block server serves (default: anyone); ALLOWED_SERVERS may push to it too
     FLOWING_STEPS     whether steps flow down the chain by the servers' pushes: 1 always, 0 never, unset (default)
                       where the round trips make it pay; PUSHED_STEPS=0: relayed steps ask for no push (default 1)
+    AUDIT_RATE        the chance (0..1, default 0.1; 0: off, as a private swarm may) that a client has another server
+                      recompute each hop of an ended session, and distrusts a server caught lying (swarm/client/audits.py)
     SPOT_CHECK_RATE   the chance (0..1, default 0: off) that a client re-checks a step's outputs on another server
+                      at once, the session waiting (the synchronous check, for the paranoid)
     BLOCK_WAIT_SECONDS  seconds a request waits where no server holds some of its blocks, then fails (default 30)
     MODEL             the model served by default (a known name, a local Hugging Face folder, or a Hugging Face Hub
                       id, ORG/NAME, fetched into the Hub's cache: HF_HOME, HF_TOKEN, HF_HUB_OFFLINE are the Hub's own)
@@ -98,6 +101,10 @@ def _session_store(environ: Mapping[str, str]) -> str | None:
     return setting or str(_default_cache_dir(environ) / "sessions.sqlite3")
 
 
+# hops of ended sessions audited (swarm/client/audits.py): what it costs and catches, docs/security.md
+DEFAULT_AUDIT_RATE = 0.1
+
+
 @dataclass(frozen=True)
 class SwarmSettings:
     """What a block server, a bootstrap peer or a swarm client needs to know before it starts."""
@@ -114,6 +121,7 @@ class SwarmSettings:
     allowed_servers: tuple[str, ...] = ()  # empty: any server
     allowed_clients: tuple[str, ...] = ()  # empty: any client
     spot_check_rate: float = 0.0
+    audit_rate: float = DEFAULT_AUDIT_RATE
     block_wait_seconds: float = 30.0  # a gap in the swarm's blocks is waited out this long (SwarmClient's block_wait)
     # a WAN on one machine: --simulated-latency's default, and --network-map's (a map: swarm/network_map.py)
     simulated_latency_ms: float = 0.0
@@ -124,6 +132,8 @@ class SwarmSettings:
             raise ValueError(f"WIRE_DTYPE must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if not 0.0 <= self.spot_check_rate <= 1.0:
             raise ValueError(f"SPOT_CHECK_RATE must be between 0 and 1, got {self.spot_check_rate}")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise ValueError(f"AUDIT_RATE must be between 0 and 1, got {self.audit_rate}")
         if not 0.0 <= self.block_wait_seconds <= 3600.0:  # NaN fails too
             raise ValueError(f"BLOCK_WAIT_SECONDS must be between 0 and 3600, got {self.block_wait_seconds}")
         if not 0.0 <= self.simulated_latency_ms <= 60000.0:
@@ -139,6 +149,7 @@ class SwarmSettings:
             allowed_servers=_split_list(environ.get("ALLOWED_SERVERS", "")),
             allowed_clients=_split_list(environ.get("ALLOWED_CLIENTS", "")),
             spot_check_rate=float(environ.get("SPOT_CHECK_RATE") or 0.0),
+            audit_rate=_float(environ, "AUDIT_RATE", DEFAULT_AUDIT_RATE),
             block_wait_seconds=_float(environ, "BLOCK_WAIT_SECONDS", 30.0),
             simulated_latency_ms=_float(environ, "SIMULATED_LATENCY_MS", 0.0),
             network_map=environ.get("NETWORK_MAP", "").strip() or None,

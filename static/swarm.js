@@ -61,7 +61,10 @@ function serverRow(model, server, gatewayVersion) {
     el("td", { title: server.peer_id }, el("code", {}, shortPeer(server.peer_id)),
        server.relayed ? el("span", { class: "relayed", title: "behind a NAT: reached through a relay (every "
                                      + "message takes a detour, so routing prefers a direct server)" }, " relayed")
-                      : null),
+                      : null,
+       server.caught_lying ? el("span", { class: "relayed", title: "an audit caught it returning wrong outputs: "
+                                          + "this gateway routes nothing to it for a day" }, " caught lying")
+                           : null),
     el("td", { class: "blocks" }, blockBar(model.num_blocks, server.start, server.end, server.state)),
     el("td", { class: `state ${server.state}` }, server.state),
     el("td", { class: "num" }, server.state === "joining" ? "–" : tokensPerSecond(server.throughput)),

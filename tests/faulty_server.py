@@ -1,10 +1,11 @@
 """A block server that fails its compute rounds on demand: a real `python -m swarm.server` process whose span
 raises after a number of rounds, so that tests see a server's own failure (internal_error) from the outside;
-or one whose sessions' steps answer with what cannot be outputs (another shape, another dtype, NaN).
+or one whose sessions' steps answer with what cannot be outputs (another shape, another dtype, NaN), or with noise
+on one-position steps only (decode_noise: a liar honest on prompts, hence on audits' prefills).
 Nothing in the server knows: the fault is patched in here, never by a flag of the server's.
 
     python tests/faulty_server.py --fail-after N [block server options]   # rounds N+1, N+2, ... fail
-    python tests/faulty_server.py --malformed shape|dtype|nan [block server options]
+    python tests/faulty_server.py --malformed shape|dtype|nan|decode_noise [block server options]
 
 From a test (the server stops with the swarm):
 
@@ -55,10 +56,18 @@ def _fail_rounds_after(count: int) -> None:
     BlockSpan.forward_packed = forward_packed
 
 
+def _noise_on_decode(output):
+    """A liar that serves prompts (and so audits' prefills) honestly: noise of about 10% on each one-position step."""
+    import torch
+
+    return output + 0.1 * output.abs().mean() * torch.randn_like(output) if output.shape[-2] == 1 else output
+
+
 MALFORMED = {  # what a step's outputs become
     "shape": lambda output: output[..., :-1],
     "dtype": lambda output: output.double(),
     "nan": lambda output: output.fill_(float("nan")),
+    "decode_noise": _noise_on_decode,
 }
 
 
@@ -77,7 +86,7 @@ def _malformed_outputs(kind: str) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or not (argv[0] == "--fail-after" and argv[1].isdigit()
                              or argv[0] == "--malformed" and argv[1] in MALFORMED):
-        sys.exit("usage: python tests/faulty_server.py --fail-after N | --malformed shape|dtype|nan "
+        sys.exit("usage: python tests/faulty_server.py --fail-after N | --malformed shape|dtype|nan|decode_noise "
                  "[block server options]")
     sys.path.insert(0, str(ROOT))
     if argv[0] == "--malformed":

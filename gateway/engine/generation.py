@@ -111,7 +111,7 @@ class Engine:
                     torch.set_num_threads(swarm.torch_threads)
                 self._client = SwarmClient(swarm.initial_peers, wire_dtype=getattr(torch, swarm.wire_dtype),
                                            allowed_servers=swarm.allowed_servers,
-                                           spot_check_rate=swarm.spot_check_rate,
+                                           spot_check_rate=swarm.spot_check_rate, audit_rate=swarm.audit_rate,
                                            block_wait=swarm.block_wait_seconds)
             return self._client
 
@@ -146,6 +146,7 @@ class Engine:
                  "state": server.info.state.name.lower(), "throughput": server.info.throughput,
                  "cache_tokens_free": server.info.cache_tokens_free, "version": server.info.version,
                  "relayed": server.info.relayed,  # reached through a relay (behind a NAT)
+                 "caught_lying": server.peer_id in health.caught_lying,  # distrusted (swarm/client/audits.py)
                  # the round trip this gateway measures to it (null: not measured yet, offline, or not answering)
                  "rtt_ms": round(health.round_trips[server.peer_id] * 1000, 1)
                  if server.peer_id in health.round_trips else None}

@@ -29,27 +29,18 @@ def pushing_by_default() -> bool:
     return said("PUSHED_STEPS") is not False
 
 
-class Hop:
-    """One server of a session's chain, and every input it has been sent (to replay onto a replacement).
+class Positions:
+    """Hidden states (batch, positions, hidden) by position, kept as the chunks they came in: a step appends one
+    (never copying what came before, so a reply's record costs its own size), a rewind drops chunks from the end,
+    and reading them joins them once."""
 
-    Inputs are kept as the chunks they were sent in: a step appends one (never copying what came before, so a
-    reply's record costs its own size), a rewind drops chunks from the end, and reading them joins them once."""
-
-    def __init__(self, link: ChainLink, stream: InferenceStream, inputs: Optional[torch.Tensor] = None,
-                 declared: int = NEXT_STEP_POSITIONS):
-        self.link, self.stream = link, stream
-        self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
-        self.relayed_steps = 0  # steps still relayed to it, not flowing, after a push to it was lost (flowing.py)
-        self.pushes_lost_in_a_row = 0  # flowing steps to it whose push was lost, with no flowing answer since
-        self.flow_lag: Optional[float] = None  # seconds its flowing answers come after the previous hop's outputs
-        self._chunks: list[torch.Tensor] = []  # (batch, positions, hidden) each, in order of position
+    def __init__(self):
+        self._chunks: list[torch.Tensor] = []  # in order of position
         self._length = 0  # positions recorded
-        if inputs is not None:
-            self.record(inputs, 0)
 
     @property
-    def inputs(self) -> Optional[torch.Tensor]:
-        """(batch, positions so far, hidden), or None before any step."""
+    def joined(self) -> Optional[torch.Tensor]:
+        """(batch, positions so far, hidden), or None before any."""
         if not self._chunks:
             return None
         if len(self._chunks) > 1:
@@ -57,7 +48,7 @@ class Hop:
         return self._chunks[0]
 
     def record(self, hidden: torch.Tensor, position: int) -> None:
-        """Inputs sent for positions position..; a position below what was sent rewinds the record there."""
+        """Positions position..; a position below what was recorded rewinds the record there."""
         while self._chunks and self._length - self._chunks[-1].shape[1] >= position:
             self._length -= self._chunks.pop().shape[1]
         if self._length > position:  # the last chunk straddles the rewind
@@ -66,6 +57,41 @@ class Hop:
             self._length = position
         self._chunks.append(hidden)
         self._length += hidden.shape[1]
+
+
+class Hop:
+    """One server of a session's chain, every input it has been sent (to replay onto a replacement), and, where
+    the session may be audited, every output it returned (swarm/client/audits.py)."""
+
+    def __init__(self, link: ChainLink, stream: InferenceStream, inputs: Optional[torch.Tensor] = None,
+                 declared: int = NEXT_STEP_POSITIONS):
+        self.link, self.stream = link, stream
+        self.declared = declared  # what its server was last told the next step may carry: pushes up to that run
+        self.relayed_steps = 0  # steps still relayed to it, not flowing, after a push to it was lost (flowing.py)
+        self.pushes_lost_in_a_row = 0  # flowing steps to it whose push was lost, with no flowing answer since
+        self.flow_lag: Optional[float] = None  # seconds its flowing answers come after the previous hop's outputs
+        self._inputs, self._outputs = Positions(), Positions()
+        if inputs is not None:
+            self.record(inputs, 0)
+
+    @property
+    def inputs(self) -> Optional[torch.Tensor]:
+        """(batch, positions so far, hidden), or None before any step."""
+        return self._inputs.joined
+
+    @property
+    def outputs(self) -> Optional[torch.Tensor]:
+        """What its server returned for every position (where recorded: record_outputs), or None."""
+        return self._outputs.joined
+
+    def record(self, hidden: torch.Tensor, position: int) -> None:
+        """Inputs sent for positions position..; a position below what was sent rewinds the record there."""
+        self._inputs.record(hidden, position)
+
+    def record_outputs(self, outputs: torch.Tensor, position: int) -> None:
+        """What its server returned for positions position.. (for the next hop, the same tensors as its inputs:
+        kept twice only once either is joined)."""
+        self._outputs.record(outputs, position)
 
     def takes_pushes(self, positions: int, pushing: bool) -> bool:
         """Whether the server before it should push it a step of `positions` positions: within what its server was

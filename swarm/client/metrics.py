@@ -23,6 +23,10 @@ for _outcome in ("served", "gave_up"):
     BLOCK_WAITS.labels(_outcome)
 WAITING_FOR_BLOCKS = Gauge("swarm_client_waiting_for_blocks",
                            "Sessions and requests waiting now for a server to hold their blocks again")
+AUDITS = Counter("swarm_client_audits_total",
+                 "Hops of ended sessions recomputed by other servers (swarm/client/audits.py), by outcome: passed, "
+                 "caught (a lying server distrusted), unresolved, no_auditor (no other server holds the blocks), "
+                 "dropped (too many waiting) or failed", ["outcome"])
 SPOT_CHECKS = Counter("swarm_client_spot_checks_total",
                       "Steps whose outputs other servers recomputed (swarm/client/spot_check.py), by outcome: agreed, "
                       "caught (a lying server was banned) or unresolved", ["outcome"])

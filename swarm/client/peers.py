@@ -45,6 +45,8 @@ class Bans:
         self._retried: set[str] = set()  # peers probed for a restart since their last strike
         # told of each ban but a probe's (the client probes the peer at once: a dead one leaves routing for good)
         self.on_ban: Optional[Callable[[str], None]] = None
+        # grows with each distrust: a session compares it with the one it saw last, at each step, to leave a liar
+        self.distrust_epoch = 0
         self._lock = threading.Lock()
 
     def ban(self, peer_id: str, seconds: Optional[float] = None, distrust: bool = False, probed: bool = False) -> None:
@@ -63,6 +65,7 @@ class Bans:
             seconds = min(self.base * 2 ** (strikes - 1), self.max) if seconds is None else seconds
             for bans in (self._until, self._distrusted_until) if distrust else (self._until,):
                 bans[peer_id] = max(bans.get(peer_id, 0.0), now + seconds)
+            self.distrust_epoch += distrust
 
     def strikes(self, peer_id: str) -> int:
         """The peer's failures that still count (those not faded with time)."""

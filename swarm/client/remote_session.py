@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
 import torch
@@ -14,12 +13,11 @@ import torch
 from swarm.client import metrics
 from swarm.client.flowing import FLOW_GRACE, Flow, flowing_by_default
 from swarm.client.hops import Hop, pushing_by_default
-from swarm.client.peers import Bans, PeerLoad
 from swarm.client.routing import ChainLink
-from swarm.client.spot_check import LIAR_BAN_SECONDS, SpotChecker
+from swarm.client.services import ClientServices, Route
+from swarm.client.spot_check import LIAR_BAN_SECONDS
 from swarm.client.step_channel import NEXT_STEP_POSITIONS
-from swarm.client.stubs import InferenceStream, MalformedOutputsError, StepChannels, checked_outputs
-from swarm.dht import EventLoop
+from swarm.client.stubs import STEP_SECONDS_PER_TOKEN, InferenceStream, MalformedOutputsError, checked_outputs
 from swarm.protocol import (
     PAGE_TOKENS,
     CacheFullError,
@@ -33,42 +31,9 @@ from swarm.protocol import (
 
 logger = logging.getLogger(__name__)
 
-# a step carrying many positions (a long prompt) may take this much longer per position: a CPU server prefilling
-# a 6,600-token prompt chunk by chunk, beside other sessions on a busy machine, runs some 30 positions a second
-STEP_SECONDS_PER_TOKEN = 0.05
 # a server at fault: dead, stalled, cut off, lying (spot checks), or failed on its own (out of memory, a bug);
 # the session bans it and goes on elsewhere, replaying what it had sent there
 SERVER_FAULTS = (ServerUnavailableError, InternalServerError)
-
-
-@dataclass(frozen=True)
-class Route:
-    """Which model a session runs: what it needs to find servers again after a failure."""
-
-    prefix: str
-    num_blocks: int
-    model_name: str  # "model:adapter" for a session through a LoRA adapter
-    adapter: Optional[str] = None  # the LoRA adapter every server of its chain applies (and announces)
-
-
-@dataclass(frozen=True)
-class ClientServices:
-    """What a session uses of its client (SwarmClient builds it; this module never imports swarm_client.py)."""
-
-    loop: EventLoop  # runs the network calls, from the session's thread
-    p2p: object  # the client's libp2p endpoint, which streams to servers open through
-    step_channels: StepChannels  # the steps of all the client's sessions on one server travel together
-    bans: Bans  # shared by the client's sessions: a server one of them saw fail, the others avoid too
-    load: PeerLoad
-    spot_checks: SpotChecker
-    # SwarmClient.chain and wait_for_chain: the best chain over some blocks, at once or waiting for missing ones
-    find_chain: Callable[..., list[ChainLink]]
-    wait_for_chain: Callable[..., list[ChainLink]]
-    wire_dtype: torch.dtype  # what hidden states travel as
-    open_timeout: float  # for opening a stream
-    step_timeout: float  # for a step, plus STEP_SECONDS_PER_TOKEN per position
-    max_retries: int  # replacements tried for a failed server
-    block_wait: float  # how long routing waits for missing blocks (0: it fails at once)
 
 
 class RemoteSession:
@@ -94,6 +59,7 @@ class RemoteSession:
     pushes_missed = 0  # flowing steps whose push did not come in time: the client sent their inputs
     pushing = True  # whether relayed steps push (see Hop.takes_pushes): PUSHED_STEPS by default
     group = 0  # its steps travel with its group's (the engine loop's pipeline: see StepChannel.step)
+    audited, _distrust_epoch = False, 0  # see __init__
 
     def __init__(self, services: ClientServices, route: Route, max_length: int, batch_size: int = 1,
                  on_wait: Optional[Callable[[str], None]] = None, forked: Optional[tuple["RemoteSession", int]] = None,
@@ -107,6 +73,8 @@ class RemoteSession:
         self._steps = 0  # step ids: servers tell a pushed step from the client's copy of it by these
         self.flowing = flowing_by_default()
         self.pushing = pushing_by_default()
+        self.audited = services.audits.rate > 0  # its hops record their outputs, for an audit once it ends
+        self._distrust_epoch = services.bans.distrust_epoch  # a server distrusted since is left at the next step
         self.hops: list[Hop] = []
         try:
             if forked is None:
@@ -158,6 +126,8 @@ class RemoteSession:
             stream = InferenceStream(services.p2p, hop.link.peer_id, hop.link.start, hop.link.end,
                                      services.open_timeout, services.step_channels)
             forked = Hop(hop.link, stream, inputs, self.next_positions)
+            if hop.outputs is not None:  # what the source's server returned for the shared positions: its own
+                forked.record_outputs(hop.outputs[:, :length], 0)
             services.load.opened(hop.link.peer_id)
             try:
                 services.loop.run(stream.open(self.max_length, self.batch_size, fork=(hop.stream, length),
@@ -194,13 +164,11 @@ class RemoteSession:
         position = self.position if position is None else position
         end = position + hidden.shape[1]
         if end > self.max_length:
-            raise SessionLengthError(
-                f"session max_length exceeded: {end} tokens would not fit in max_length={self.max_length}"
-            )
+            raise SessionLengthError(f"session max_length exceeded: {end} tokens would not fit in "
+                                     f"max_length={self.max_length}")
         output, index = hidden.to(self.services.wire_dtype), 0
         self._steps += 1
-        spot_checks = self.services.spot_checks
-        check = await asyncio.to_thread(spot_checks.plan, self.route, self.chain) if spot_checks.rate > 0 else None
+        check = await self._prepare_step()
         timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * output.shape[1]
         flow = Flow.of_step(self, output, position, timeout)  # None: the step is relayed
         pushing = flow is not None or self.pushing  # a flowing step goes on by its pushes
@@ -217,7 +185,9 @@ class RemoteSession:
                     else:
                         hop_output = await self._step_hop_async(hop, output, position, following)
                     if check is not None and check.link == hop.link:  # raises if the hop lied
-                        await asyncio.to_thread(spot_checks.verify, check, hop.inputs, hop_output)
+                        await asyncio.to_thread(self.services.spot_checks.verify, check, hop.inputs, hop_output)
+                    if self.audited:
+                        hop.record_outputs(hop_output, position)
                     output = hop_output
                     index += 1
                 # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
@@ -230,6 +200,13 @@ class RemoteSession:
                 flow.abandon()
         self.position = end
         return output.to(hidden.dtype)
+
+    async def _prepare_step(self):
+        """Before a step: leave a server distrusted since the last one; the spot check to run, if this step has one."""
+        if self.services.bans.distrust_epoch != self._distrust_epoch:
+            await asyncio.to_thread(self._leave_distrusted)
+        spot_checks = self.services.spot_checks
+        return await asyncio.to_thread(spot_checks.plan, self.route, self.chain) if spot_checks.rate > 0 else None
 
     def _step_hop(self, hop: Hop, hidden: torch.Tensor, position: int) -> torch.Tensor:
         return self.services.loop.run(self._step_hop_async(hop, hidden, position))
@@ -298,6 +275,8 @@ class RemoteSession:
             except SERVER_FAULTS as error:
                 self._ban(hop.link.peer_id, error)
                 raise
+            if self.audited:
+                hop.record_outputs(hidden, 0)
         return hidden
 
     def _ban(self, peer_id: str, error: Exception) -> None:
@@ -365,7 +344,26 @@ class RemoteSession:
         self.services.load.opened(hop.link.peer_id, -1)
         self.services.loop.run(hop.stream.close())
 
+    def _leave_distrusted(self) -> None:
+        """A server of the chain was caught lying since the last step (an audit of another session): replace it and
+        every hop after it, replaying their inputs, so that no cache downstream holds what it computed."""
+        self._distrust_epoch = self.services.bans.distrust_epoch
+        distrusted = self.services.bans.distrusted()
+        index = next((index for index, hop in enumerate(self.hops) if hop.link.peer_id in distrusted), None)
+        if index is None:
+            return
+        liar, inputs = self.hops[index], self.hops[index].inputs
+        logger.warning("server %s was caught lying: blocks %d:%d of this session are replayed elsewhere",
+                       liar.link.peer_id, liar.link.start, self.route.num_blocks)
+        for hop in self.hops[index:]:
+            self._close_hop(hop)
+        self.hops[index:] = replacement = self._open_hops(liar.link.start, self.route.num_blocks)
+        if inputs is not None:
+            self._replay(replacement, inputs)
+
     def close(self) -> None:
+        if self.audited and self.hops:  # drawn now, after every reply: no server could know which are audited
+            self.services.audits.consider(self.route.prefix, self.route.num_blocks, self.route.adapter, self.hops)
         for hop in self.hops:
             self._close_hop(hop)
         self.hops = []

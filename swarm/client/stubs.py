@@ -25,6 +25,10 @@ from swarm.protocol import ServerUnavailableError
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
 
 logger = logging.getLogger(__name__)
+
+# a step carrying many positions (a long prompt) may take this much longer per position: a CPU server prefilling
+# a 6,600-token prompt chunk by chunk, beside other sessions on a busy machine, runs some 30 positions a second
+STEP_SECONDS_PER_TOKEN = 0.05
 # closed inference streams still being read to their end (asyncio itself keeps only weak references to tasks)
 _DRAINING: set[asyncio.Task] = set()
 

@@ -20,7 +20,9 @@ from swarm.client.peers import Bans, DeadPeers, PeerLoad
 from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import (MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session,
                                   speaks)
-from swarm.client.remote_session import ClientServices, RemoteSession, Route
+from swarm.client.remote_session import RemoteSession
+from swarm.client.services import ClientServices, Route
+from swarm.client.audits import Auditor
 from swarm.client.spot_check import SpotChecker
 from swarm.client.flowing import flowing_by_default
 from swarm.client.forwards import forward_on
@@ -81,6 +83,7 @@ class SwarmHealth(_MissingBlocks):
     missing: list[tuple[int, int]]  # blocks no online server holds
     # seconds there and back, to the online servers measured (none to a server banned: it did not answer)
     round_trips: dict[str, float] = field(default_factory=dict)
+    caught_lying: set[str] = field(default_factory=set)  # distrusted: an audit or a check caught them
 
 
 class SwarmClient:
@@ -88,21 +91,23 @@ class SwarmClient:
 
     `allowed_servers`: a private swarm's servers (peer ids), the only ones it routes to (empty: any server);
     `spot_check_rate`: the chance that a step is checked on other servers (swarm/client/spot_check.py; 0: never);
+    `audit_rate`: the chance that each hop of an ended session is recomputed elsewhere (swarm/client/audits.py);
     `block_wait`: how long a session or a request waits when no server holds some of its blocks (servers
     restarting, a replica reloading), before it fails with MissingBlocksError (0: it fails at once).
-    Callers pass them from config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE, BLOCK_WAIT_SECONDS), so that
-    every client of a deployment (the gateway's too) follows them."""
+    Callers pass them from config.SwarmSettings (ALLOWED_SERVERS, SPOT_CHECK_RATE, AUDIT_RATE, BLOCK_WAIT_SECONDS),
+    so that every client of a deployment (the gateway's too) follows them."""
 
     def __init__(self, initial_peers: Sequence[str], timeout: float = 60.0, step_timeout: float = 5.0,
                  max_retries: int = 5, wire_dtype: torch.dtype = torch.float32,
-                 allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0, block_wait: float = 0.0,
-                 region: Optional[str] = None):
+                 allowed_servers: Collection[str] = (), spot_check_rate: float = 0.0, audit_rate: float = 0.0,
+                 block_wait: float = 0.0, region: Optional[str] = None):
         # a simulated network map's region (swarm/network_map.py), announced so that servers delay this client's
         # messages by its links (None: the map's default_region); checked before anything starts
         self.region = parse_region(region, None, "region")
         self.allowed_servers = frozenset(allowed_servers)
         self.block_wait = block_wait
         self.spot_checks = SpotChecker(self, spot_check_rate)
+        self.audits = Auditor(self, audit_rate)
         self.loop = dht.EventLoop.get()
         # hidden states travel in this dtype (bfloat16 or float16 halve the bytes; float32 keeps outputs exact)
         self.wire_dtype = wire_dtype
@@ -254,7 +259,7 @@ class SwarmClient:
         self.probes.measure_new(reachable)
         round_trips = {peer: seconds for peer, seconds in self.round_trips().items() if peer in reachable}
         return SwarmHealth(num_blocks, servers, servers_per_block(online, num_blocks),
-                           missing_ranges(online, num_blocks), round_trips)
+                           missing_ranges(online, num_blocks), round_trips, self.bans.distrusted())
 
     def server_info(self, peer_id: str) -> dict:
         return self.loop.run(call_info(self.node.p2p, peer_id))
@@ -317,11 +322,12 @@ class SwarmClient:
         """What a session uses of this client: its settings as they are now, its shared state, its routing."""
         return ClientServices(
             loop=self.loop, p2p=self.node.p2p, step_channels=self.step_channels, bans=self.bans, load=self.load,
-            spot_checks=self.spot_checks, find_chain=self.chain, wait_for_chain=self.wait_for_chain,
+            spot_checks=self.spot_checks, audits=self.audits, find_chain=self.chain, wait_for_chain=self.wait_for_chain,
             wire_dtype=self.wire_dtype, open_timeout=self.timeout, step_timeout=self.session_step_timeout(),
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
+        self.audits.close()
         self.probes.close()
         self.loop.run(self.step_channels.close())
         self.loop.run(self.node.shutdown())

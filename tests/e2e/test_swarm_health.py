@@ -68,9 +68,9 @@ def test_swarm_json_lists_servers_and_coverage(gateway):
                                                                                          (2, 4, "online")]
     for server in servers:
         assert set(server) == {"peer_id", "start", "end", "state", "throughput", "cache_tokens_free", "version",
-                               "relayed", "rtt_ms", "compatible"}
+                               "relayed", "rtt_ms", "compatible", "caught_lying"}
         assert server["peer_id"].startswith("Qm") and server["throughput"] > 0 and server["relayed"] is False
-        assert server["compatible"] is True
+        assert server["compatible"] is True and server["caught_lying"] is False
         assert server["cache_tokens_free"] > 0 and server["version"] == PROTOCOL_VERSION
     assert servers[0]["peer_id"] != servers[1]["peer_id"]
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from swarm.client.flowing import RELAYED_AFTER_LOST_PUSH
+from swarm.client.peers import Bans
 from swarm.protocol import PAGE_TOKENS, BadRequestError, NoPushError, ServerUnavailableError
 from swarm.server.backend import Backend
 from swarm.server.cache import CacheBudget
@@ -151,7 +152,7 @@ def client_session(streams, grace=5.0):
     from swarm.client.routing import ChainLink
 
     session = RemoteSession.__new__(RemoteSession)  # its chain by hand: no network
-    session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0),
+    session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0), bans=Bans(),
                                        step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None))
     session.max_length, session.position, session._steps, session.next_positions = 100, 0, 0, 8
     session.flowing, session.flow_grace = True, grace

@@ -139,6 +139,7 @@ def test_a_client_declares_its_next_step_and_asks_no_server_for_a_push_the_next_
     says more), and a server is asked to push a step on only where the next server was told to expect it."""
     from types import SimpleNamespace
 
+    from swarm.client.peers import Bans
     from swarm.client.remote_session import Hop, RemoteSession
     from swarm.client.routing import ChainLink
     from swarm.client.step_channel import NEXT_STEP_POSITIONS
@@ -153,7 +154,7 @@ def test_a_client_declares_its_next_step_and_asks_no_server_for_a_push_the_next_
 
     streams = [Stream("first"), Stream("second")]
     session = RemoteSession.__new__(RemoteSession)  # its chain by hand: no network
-    session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0),
+    session.services = SimpleNamespace(wire_dtype=torch.float32, spot_checks=SimpleNamespace(rate=0), bans=Bans(),
                                        step_timeout=5.0, load=SimpleNamespace(observed=lambda *args: None))
     session.max_length, session.position, session._steps = 1000, 0, 0
     session.next_positions = NEXT_STEP_POSITIONS
