@@ -1,0 +1,55 @@
+"""Who an audit convicts (swarm/client/audits.py referee), on outputs made up here: the judge's verdicts decide,
+opinions are asked lazily, and a liar among the auditors neither convicts an honest hop nor shields a lying one."""
+
+import torch
+
+from swarm.client.audits import referee
+
+HONEST = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(0))
+LIE = HONEST + torch.randn(HONEST.shape, generator=torch.Generator().manual_seed(1))  # far from the honest outputs
+OTHER_LIE = HONEST * -1.0
+
+
+class Opinions:
+    """Other servers' recomputations, counting how many were asked."""
+
+    def __init__(self, *opinions):
+        self.opinions, self.asked = list(opinions), 0
+
+    def __iter__(self):
+        for opinion in self.opinions:
+            self.asked += 1
+            yield opinion
+
+
+def test_an_honest_hop_passes_on_the_first_opinion_alone():
+    opinions = Opinions(("auditor", HONEST.clone()), ("referee", HONEST.clone()))
+    assert referee("hop", HONEST, iter(opinions)) == ("passed", None)
+    assert opinions.asked == 1  # a referee only after a disagreement
+
+
+def test_two_opinions_agreeing_against_the_hop_convict_it():
+    assert referee("hop", LIE, iter(Opinions(("auditor", HONEST), ("referee", HONEST)))) == ("caught", "hop")
+
+
+def test_a_lying_auditor_is_convicted_by_a_referee_siding_with_the_hop():
+    assert referee("hop", HONEST, iter(Opinions(("auditor", LIE), ("referee", HONEST)))) == ("caught", "auditor")
+
+
+def test_a_lying_auditor_against_a_lying_hop_waits_for_two_honest_opinions():
+    opinions = Opinions(("liar", OTHER_LIE), ("honest", HONEST), ("honest2", HONEST))
+    assert referee("hop", LIE, iter(opinions)) == ("caught", "hop") and opinions.asked == 3
+
+
+def test_no_agreement_or_no_answer_is_unresolved():
+    assert referee("hop", LIE, iter(Opinions(("auditor", HONEST), ("referee", OTHER_LIE)))) == ("unresolved", None)
+    assert referee("hop", LIE, iter(Opinions(("auditor", None), ("referee", None)))) == ("unresolved", None)
+    assert referee("hop", LIE, iter(Opinions(("gone", None), ("auditor", HONEST), ("referee", HONEST)))) \
+        == ("caught", "hop")
+
+
+def test_outputs_of_another_shape_or_not_finite_never_agree():
+    assert referee("hop", HONEST[:, :-1], iter(Opinions(("auditor", HONEST), ("referee", HONEST))))[0] == "caught"
+    nan = HONEST.clone()
+    nan[0, 3, 0] = float("nan")
+    assert referee("hop", nan, iter(Opinions(("auditor", HONEST), ("referee", HONEST)))) == ("caught", "hop")
