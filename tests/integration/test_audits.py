@@ -1,7 +1,7 @@
 """Audits after the fact (swarm/client/audits.py) against real servers of the tiny model: a server with other
-weights, and one honest on prompts but noisy on decode steps, are caught once a session through them ends, never
-while it runs; distrusted, they are left by the sessions open on them, which go on exactly as on honest servers;
-honest servers (float32, and a bfloat16 one) pass."""
+weights, one honest on prompts but noisy on decode steps, one adding noise, one skipping a block, are caught once
+a session through them ends, never while it runs; distrusted, they are left by the sessions open on them, which go
+on exactly as on honest servers; honest servers (float32, and a bfloat16 one) pass."""
 
 import threading
 
@@ -20,9 +20,17 @@ TOKENS = [3, 8, 13, 21, 34, 55]  # fed, not sampled: the same inputs whoever com
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_swarm, tmp_path_factory):
-    """Two honest float32 servers of every block, a bfloat16 one, a liar with other weights (seed 1), and a liar
-    honest on prompts whose decode steps carry noise (tests/faulty_server.py)."""
+def attack_file(tmp_path_factory):
+    """What the attacker's steps do now (tests/faulty_server.py ATTACKS): a test writes it before its session."""
+    path = tmp_path_factory.mktemp("attack") / "attack"
+    path.write_text("honest")
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_swarm, tmp_path_factory, attack_file):
+    """Two honest float32 servers of every block, a bfloat16 one, a liar with other weights (seed 1), and an
+    attacker whose lie the attack file names (tests/faulty_server.py)."""
     from faulty_server import add_faulty_server
 
     other_weights = build_tiny_model(tmp_path_factory.mktemp("other"), "llama", TINY_BLOCKS, seed=1)
@@ -30,7 +38,7 @@ def servers(tiny_swarm, tmp_path_factory):
     started = {name: tiny_swarm.add_server(blocks + extra, wait=False) for name, extra in
                [("honest", []), ("honest2", []), ("bfloat16", ["--dtype", "bfloat16"]),
                 ("other_weights", ["--model", str(other_weights)])]}
-    started["decode_noise"] = add_faulty_server(tiny_swarm, blocks, malformed="decode_noise", wait=False)
+    started["attacker"] = add_faulty_server(tiny_swarm, blocks, attack_file=str(attack_file), wait=False)
     for server in started.values():
         server.ready_line = server.wait_for_line(lambda line: line.startswith("ready:"), 120)
     yield started
@@ -60,11 +68,13 @@ def audits(outcome: str) -> float:
 
 
 @pytest.mark.parametrize("liar", ["other_weights", "decode_noise"])
-def test_a_liar_is_caught_after_the_session_and_an_open_session_leaves_it_exactly(model, tiny_remote, servers, liar):
+def test_a_liar_is_caught_after_the_session_and_an_open_session_leaves_it_exactly(model, tiny_remote, servers, liar,
+                                                                                  attack_file):
     with tiny_remote.session(max_length=len(PROMPT) + len(TOKENS)) as session:  # honest servers only
         session.step([PROMPT])
         reference = fed(session, TOKENS)
-    liar = servers[liar]
+    attack_file.write_text(liar)  # the attacker's, or nothing (other_weights lies by its weights)
+    liar = servers[liar] if liar in servers else servers["attacker"]
     on_only(model, liar)
     still_open = model.session(max_length=len(PROMPT) + len(TOKENS))
     still_open.step([PROMPT])
@@ -84,6 +94,19 @@ def test_a_liar_is_caught_after_the_session_and_an_open_session_leaves_it_exactl
     assert liar.peer_id not in [link.peer_id for link in still_open.blocks.chain]
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
     still_open.close()
+
+
+@pytest.mark.parametrize("attack", ["noise_1e-1", "noise_1e-2", "skip_block"])
+def test_each_attack_is_caught_by_an_audit_of_one_session(model, servers, attack_file, attack):
+    attack_file.write_text(attack)
+    on_only(model, servers["attacker"])
+    caught = audits("caught")
+    with model.session(max_length=len(PROMPT) + len(TOKENS)) as session:
+        session.step([PROMPT])
+        fed(session, TOKENS)
+        model.client.allowed_servers = frozenset()
+    assert model.client.audits.drain(60)
+    assert audits("caught") == caught + 1 and model.client.bans.distrusted() == {servers["attacker"].peer_id}
 
 
 def test_honest_servers_of_float32_and_bfloat16_pass(model, servers):
