@@ -8,8 +8,8 @@ on a tie (within rounding, see better) the chain of fewer hops wins. Two steps:
    all its blocks whose round trip + L x its cost is no more: a server outpriced so at every length it could
    serve is in no chain that the others cannot match, at no more time in as many hops. Exact ties are kept, so the
    tie-breaks below still see them. Of bench/routing_cost.py's 1,000 servers, 25 (24 blocks) to about 100 (80
-   blocks) stay. At worst (no span holding another's, each server the cheapest of its span at some length) all
-   stay, and the search below still visits each server once per block it holds.
+   blocks) stay. At worst (every server, at some hop length, the cheapest of those holding all its blocks) all
+   stay, and the search below still visits each server only once per block it holds.
 2. Search (search_chain): a shortest path over block positions. A hop of s entered at q and left at p costs
    (best[q] - q x cost[s]) + p x cost[s] + round_trips[s]: each server's best entry so far is kept as the search
    goes, so each position visits only the servers holding the block before it, once: the work is the sum of the
