@@ -19,7 +19,7 @@ on a tie (within rounding, see better) the chain of fewer hops wins. Two steps:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -39,9 +39,9 @@ class ChainLink:
     end: int
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A server as the search sees it: its span clipped to the blocks searched, its prices."""
+class Candidate(NamedTuple):
+    """A server as the search sees it: its span clipped to the blocks searched, its prices (a tuple: a routing
+    call at 10,000 servers builds 10,000 of them)."""
 
     peer_id: str
     start: int
