@@ -1,6 +1,7 @@
 """`python -m bench.routing_cost`: what routing costs a client as a swarm grows (the figures of docs/wan.md).
 
-    python -m bench.routing_cost [--servers 16,100,1000] [--blocks 24,30,80] [--span-fraction 0.3] [--repeats 20]
+    python -m bench.routing_cost [--servers 16,100,1000,10000] [--blocks 24,30,80] [--span-fraction 0.3]
+                                 [--repeats 20] [--flowing-repeats 3]
 
 Measures, in this process (no swarm needed):
   - the bytes of one server's record as the DHT stores it under each of its blocks (signed, under its owner
@@ -49,17 +50,28 @@ def synthetic_swarm(servers: int, blocks: int, span_fraction: float, rng: random
     return remote, rtt, measured
 
 
-def choose_chain_seconds(servers: int, blocks: int, span_fraction: float, repeats: int) -> float:
+def choose_chain_seconds(servers: int, blocks: int, span_fraction: float, repeats: int,
+                         flowing: bool = False) -> float:
+    """choose_chain's median seconds on a synthetic swarm."""
     from swarm.client.routing import choose_chain
 
-    rng = random.Random(servers * 1000 + blocks)
-    remote, rtt, measured = synthetic_swarm(servers, blocks, span_fraction, rng)
+    remote, rtt, measured = synthetic_swarm(servers, blocks, span_fraction, random.Random(servers * 1000 + blocks))
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
-        choose_chain(remote, blocks, "synthetic", measured=measured, rtt=rtt)
+        choose_chain(remote, blocks, "synthetic", measured=measured, rtt=rtt, flowing=flowing)
         times.append(time.perf_counter() - began)
     return statistics.median(times)
+
+
+def servers_searched(servers: int, blocks: int, span_fraction: float) -> int:
+    """How many of the same synthetic swarm's servers choose_chain's search keeps (the others outpriced)."""
+    from swarm.client.chain_search import candidates, drop_outpriced
+    from swarm.client.routing import round_trip_estimates, seconds_per_block
+
+    remote, rtt, measured = synthetic_swarm(servers, blocks, span_fraction, random.Random(servers * 1000 + blocks))
+    speed, round_trips = seconds_per_block(remote, measured), round_trip_estimates(remote, rtt)
+    return len(drop_outpriced(candidates(remote, speed, round_trips, 0, blocks)))
 
 
 def live_lookups(client, prefix: str, num_blocks: int, repeats: int = 5) -> dict:
@@ -79,22 +91,27 @@ def live_lookups(client, prefix: str, num_blocks: int, repeats: int = 5) -> dict
 def main(argv=None) -> None:
     numbers = lambda text: [int(item) for item in text.split(",") if item]  # noqa: E731
     parser = argparse.ArgumentParser(prog="python -m bench.routing_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--servers", type=numbers, default=[16, 100, 1000])
+    parser.add_argument("--servers", type=numbers, default=[16, 100, 1000, 10000])
     parser.add_argument("--blocks", type=numbers, default=[24, 30, 80])
     parser.add_argument("--span-fraction", type=float, default=0.3, help="each server's share of the blocks (0.3)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--flowing-repeats", type=int, default=3, help="runs of the slower flowing search (3)")
     options = parser.parse_args(argv)
 
     record = signed_record_bytes()
     print(f"one server's signed record under one block: {record} bytes\n")
-    print("| servers | blocks | records per lookup | bytes per lookup | choose_chain ms |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| servers | blocks | records per lookup | bytes per lookup | choose_chain ms | servers searched "
+          "| choose_chain flowing ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for blocks in options.blocks:
         span = max(1, round(blocks * options.span_fraction))
         for servers in options.servers:
             records = servers * span  # each server's record under each block it holds: all come back
-            milliseconds = choose_chain_seconds(servers, blocks, options.span_fraction, options.repeats) * 1000
-            print(f"| {servers} | {blocks} | {records} | {records * record / 1e6:.2f} MB | {milliseconds:.2f} |")
+            seconds = choose_chain_seconds(servers, blocks, options.span_fraction, options.repeats)
+            searched = servers_searched(servers, blocks, options.span_fraction)
+            flowing = choose_chain_seconds(servers, blocks, options.span_fraction, options.flowing_repeats, True)
+            print(f"| {servers} | {blocks} | {records} | {records * record / 1e6:.2f} MB | {seconds * 1000:.2f} "
+                  f"| {searched} | {flowing * 1000:.1f} |")
 
 
 if __name__ == "__main__":

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional
 
+from swarm.client.chain_search import ChainLink, cheapest_chain
 from swarm.client.flowing_routes import announced_round_trips, cheapest_flowing_chain, flowing_network_seconds
 from swarm.protocol import (MAX_THROUGHPUT, PROTOCOL_VERSION, MissingBlocksError, RemoteServer, format_block_ranges,
                             missing_ranges)
-
-
-@dataclass(frozen=True)
-class ChainLink:
-    """One hop of a chain: this server runs blocks [start, end) (maybe only part of what it holds)."""
-
-    peer_id: str
-    start: int
-    end: int
 
 
 MAX_ADAPTERS_PER_MODEL = 32  # LoRA adapters of one model a client names (lists, serves), the best announced first
@@ -68,7 +59,7 @@ def choose_chain(
     Servers announcing less free cache than `min_cache_tokens` are left out while others can serve.
     With `flowing` (flowing steps), the network's share is priced as a flowing step crosses it instead: half
     the client's round trip to the first and from the last server, and half each server-to-server one
-    (swarm/client/flowing_routes.py).
+    (swarm/client/flowing_routes.py). The search without flowing: swarm/client/chain_search.py.
     """
     servers = _routable(servers, num_blocks, model_name, exclude, start, min_cache_tokens)
     load = load or {}
@@ -79,50 +70,7 @@ def choose_chain(
 
     if flowing:
         return [ChainLink(*hop) for hop in cheapest_flowing_chain(servers, cost, round_trips, start, num_blocks)]
-    return _cheapest_chain(servers, cost, round_trips, start, num_blocks)
-
-
-def _cheapest_chain(servers: list[RemoteServer], cost: Mapping[str, float], round_trips: Mapping[str, float],
-                    start: int, num_blocks: int) -> list[ChainLink]:
-    """The least-time chain over [start, num_blocks), a hop of server s from block q to p costing
-    round_trips[s] + (p - q) * cost[s]: a shortest path over positions, O(blocks x servers)."""
-    # best[position] = (seconds, hops, link); for each p, each server's best entry q is the least
-    # best[q] - q * cost[s] so far within its span
-    best: list = [None] * (num_blocks + 1)
-    best[start] = (0.0, 0, None)
-    entry: dict[str, tuple] = {}  # server -> (best[q] - q * cost, hops, q)
-    for position in range(start + 1, num_blocks + 1):
-        previous = best[position - 1]
-        for server in servers:
-            info, peer = server.info, server.peer_id
-            if not info.start < position <= info.end:
-                continue
-            if previous is not None and info.start <= position - 1:
-                candidate = (previous[0] - (position - 1) * cost[peer], previous[1], position - 1)
-                # on a tie, enter later: the hop before goes as far as it can
-                if peer not in entry or not _better(entry[peer][:2], candidate[:2]):
-                    entry[peer] = candidate
-            if peer not in entry:
-                continue
-            offset, hops, entered = entry[peer]
-            arrival = (offset + position * cost[peer] + round_trips[peer], hops + 1)
-            if best[position] is None or _better(arrival, best[position][:2]):
-                best[position] = (*arrival, ChainLink(peer, entered, position))
-
-    chain, position = [], num_blocks
-    while position > start:
-        link = best[position][2]
-        chain.append(link)
-        position = link.start
-    return chain[::-1]
-
-
-def _better(candidate: tuple[float, int], incumbent: tuple[float, int]) -> bool:
-    """Less time, or (within rounding) as much time in fewer hops."""
-    tolerance = 1e-9 * max(1.0, abs(incumbent[0]))
-    if candidate[0] < incumbent[0] - tolerance:
-        return True
-    return abs(candidate[0] - incumbent[0]) <= tolerance and candidate[1] < incumbent[1]
+    return cheapest_chain(servers, cost, round_trips, start, num_blocks)
 
 
 def chain_step_seconds(chain: Iterable[ChainLink], servers: Collection[RemoteServer], rtt: Mapping[str, float],
@@ -179,12 +127,23 @@ def _routable(servers: Collection[RemoteServer], num_blocks: int, model_name: st
     """The servers a chain may use: not excluded, and with room for the session if enough of them have it."""
     servers = [server for server in servers if server.peer_id not in exclude]
     roomy = [server for server in servers if server.info.cache_tokens_free >= min_cache_tokens]
-    if not missing_ranges(roomy, num_blocks, start):
-        servers = roomy
-    missing = missing_ranges(servers, num_blocks, start)
-    if missing:
+    if _hold_every_block(roomy, num_blocks, start):
+        return roomy
+    if not _hold_every_block(servers, num_blocks, start):
+        missing = missing_ranges(servers, num_blocks, start)
         raise MissingBlocksError(f"no server holds blocks {format_block_ranges(missing)} of {model_name}")
     return servers
+
+
+def _hold_every_block(servers: Collection[RemoteServer], num_blocks: int, start: int) -> bool:
+    """Whether `servers` together hold blocks [start, num_blocks): a sweep over their spans by start, O(servers)
+    where missing_ranges walks every block of every span (a routing call at 1,000 servers checks it twice)."""
+    reached = start
+    for first, end in sorted((server.info.start, server.info.end) for server in servers):
+        if first > reached:
+            break
+        reached = max(reached, end)
+    return reached >= num_blocks
 
 
 def seconds_per_block(servers: Iterable[RemoteServer], measured: Mapping[str, float]) -> dict[str, float]:

@@ -159,7 +159,7 @@ def test_the_wan_targets_compare_speculation_at_50_ms_and_check_outputs_are_iden
 
 
 def test_routing_cost_measures_a_real_signed_record_and_routes_synthetic_swarms():
-    from bench.routing_cost import choose_chain_seconds, signed_record_bytes, synthetic_swarm
+    from bench.routing_cost import choose_chain_seconds, servers_searched, signed_record_bytes, synthetic_swarm
     from swarm.client.routing import choose_chain
     from swarm.protocol import missing_ranges
     from swarm.trust import MAX_VALUE_BYTES
@@ -171,3 +171,5 @@ def test_routing_cost_measures_a_real_signed_record_and_routes_synthetic_swarms(
         chain = choose_chain(remote, blocks, "synthetic", measured=measured, rtt=rtt)
         assert chain[0].start == 0 and chain[-1].end == blocks
     assert choose_chain_seconds(16, 24, 0.3, repeats=2) > 0
+    assert choose_chain_seconds(16, 24, 0.3, repeats=1, flowing=True) > 0
+    assert 2 <= servers_searched(16, 24, 0.3) <= 16  # no single server of the 16 holds every block
