@@ -45,5 +45,6 @@ Beside the suite, each its own command: prefix_share.py and reuse.py (issue 22: 
 warm); wan.py (decode speed at simulated round trips, speculation on and off; its prompts in wan_prompts.py);
 churn/ (the churn harness: servers leaving and joining under live sessions); routing_cost.py (what routing's
 DHT lookups and choose_chain cost as a swarm grows: docs/wan.md); flowing.py (flowing steps against relayed
-ones through 2, 4 and 8 hops of a simulated network map).
+ones through 2, 4 and 8 hops of a simulated network map); audits.py (issue 41: the audit judge's calibration on
+honest servers, and what it detects of hostile ones at a rate: docs/security.md).
 """

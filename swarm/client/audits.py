@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -34,6 +34,7 @@ from swarm.protocol import SwarmError
 
 logger = logging.getLogger(__name__)
 
+QUANTIZED = "quantized"  # a server whose weights are (--quantize): not judged, see Auditor.audit
 AUDITS_WAITING = 64  # audits queued at most; past that, a session's audits are dropped (counted), never waited for
 CAUGHT_LISTED = 100  # liars the swarm page lists, the newest
 
@@ -110,13 +111,21 @@ class Auditor:
 
     def audit(self, audit: Audit) -> str:
         """Recompute the hop on other servers and judge it: "passed", "caught" (a liar distrusted: the hop's server
-        or, refereed, the auditor), "unresolved", or "no_auditor" (no other server holds its blocks)."""
+        or, refereed, the auditor), "unresolved", "no_auditor" (no other server holds its blocks), or "quantized"
+        (its server says its weights are: the judge's thresholds are for unquantized ones, see the module)."""
         link = audit.link
-        auditors = self._auditors(audit)
+        hop_dtype = self._dtype(link.peer_id)
+        if hop_dtype == QUANTIZED:
+            return "quantized"
+        auditors = [(peer, dtype) for peer in self._auditors(audit) if (dtype := self._dtype(peer)) != QUANTIZED]
         if not auditors:
             return "no_auditor"
-        opinions = ((peer, self._recompute(peer, audit)) for peer in auditors)
-        outcome, liar = referee(link.peer_id, audit.claimed, opinions)
+        # the inputs as the hop's server saw them: one computing in bfloat16 rounded them first, and the judge's
+        # calibration compares servers given the same inputs
+        if hop_dtype in ("bfloat16", "float16"):
+            audit = replace(audit, inputs=audit.inputs.to(getattr(torch, hop_dtype)))
+        opinions = ((peer, self._recompute(peer, audit), dtype) for peer, dtype in auditors)
+        outcome, liar = referee(link.peer_id, (audit.claimed, hop_dtype), opinions)
         blocks = f"blocks {link.start}:{link.end}"
         if outcome == "unresolved":
             logger.warning("audit of %s on server %s: another server disagreed, and no referee sided with either",
@@ -135,6 +144,17 @@ class Auditor:
                  if server.peer_id != link.peer_id and server.peer_id not in excluded
                  and server.info.start <= link.start and link.end <= server.info.end]
         return self.rng.sample(peers, len(peers))
+
+    def _dtype(self, peer: str) -> str:
+        """What a server says it computes in (rpc_info): a dtype's name, "unknown" (the judge's loosest), or
+        QUANTIZED."""
+        try:
+            info = self.client.server_info(peer)
+        except SwarmError:
+            return "unknown"
+        if info.get("quantization"):
+            return QUANTIZED
+        return str(info.get("dtype", "unknown"))
 
     def _recompute(self, peer: str, audit: Audit) -> Optional[torch.Tensor]:
         """The hop's outputs for all its positions as `peer` computes them in one prefill, or None if it fails."""
@@ -159,32 +179,38 @@ class Auditor:
             await stream.close()
 
 
-def referee(hop: str, claimed: torch.Tensor, opinions: Iterator[tuple[str, Optional[torch.Tensor]]]
+Outputs = tuple[torch.Tensor, str]  # (rows, positions, hidden), and the dtype its server says it computes in
+
+
+def referee(hop: str, claimed: Outputs, opinions: Iterator[tuple[str, Optional[torch.Tensor], str]]
             ) -> tuple[str, Optional[str]]:
-    """(outcome, liar) of a hop's `claimed` outputs against other servers' recomputations, asked lazily (referees
-    only after a disagreement): "passed" when the first agrees; "caught" and the hop's server when two others
-    agree with each other against it; "caught" and the first auditor when another sides with the hop against it;
-    else "unresolved". An opinion of None (that server failed to answer) says nothing."""
-    opinions = ((peer, theirs) for peer, theirs in opinions if theirs is not None)
+    """(outcome, liar) of a hop's `claimed` outputs against other servers' recomputations (peer, outputs, dtype),
+    asked lazily (referees only after a disagreement): "passed" when the first agrees; "caught" and the hop's
+    server when two others agree with each other against it; "caught" and the first auditor when another sides
+    with the hop against it; else "unresolved". An opinion of None (that server failed to answer) says nothing."""
+    opinions = ((peer, (theirs, dtype)) for peer, theirs, dtype in opinions if theirs is not None)
     first = next(opinions, None)
     if first is None:
         return "unresolved", None
     if agree(claimed, first[1]):
         return "passed", None
-    dissenters = [first]  # each disagrees with the hop; two that agree with each other convict it
-    for peer, theirs in opinions:
+    dissenters = [first[1]]  # each disagrees with the hop; two that agree with each other convict it
+    for _, theirs in opinions:
         if agree(claimed, theirs):
             return "caught", first[0]
-        if any(agree(earlier, theirs) for _, earlier in dissenters):
+        if any(agree(earlier, theirs) for earlier in dissenters):
             return "caught", hop
-        dissenters.append((peer, theirs))
+        dissenters.append(theirs)
     return "unresolved", None
 
 
-def agree(candidate: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether `candidate` (rows, positions, hidden) passes the judge against `reference`, row by row."""
-    from swarm.client.audit_judge import fingerprint, judge
+def agree(candidate: Outputs, reference: Outputs) -> bool:
+    """Whether `candidate` passes the judge against `reference`, row by row, at the coarser of their dtypes
+    (swarm/client/audit_judge.py: two float32 servers must agree far more closely than a bfloat16 one)."""
+    from swarm.client.audit_judge import coarser, fingerprint, judge
 
-    if candidate.shape != reference.shape:
+    (ours, our_dtype), (theirs, their_dtype) = candidate, reference
+    if ours.shape != theirs.shape:
         return False
-    return all(judge(fingerprint(ours), fingerprint(theirs)).honest for ours, theirs in zip(candidate, reference))
+    precision = coarser(our_dtype, their_dtype)
+    return all(judge(fingerprint(row), fingerprint(other), precision).honest for row, other in zip(ours, theirs))
