@@ -63,3 +63,15 @@ def test_a_bfloat16_servers_rounding_passes_where_float32_servers_must_agree_clo
     rounded = HONEST.bfloat16().float()  # what a bfloat16 server's outputs differ by: about 0.4% per value
     assert judged(rounded, ("auditor", HONEST), dtype="bfloat16") == ("passed", None)
     assert judged(rounded, ("auditor", HONEST), ("referee", HONEST), dtype="float32") == ("caught", "hop")
+
+
+def test_the_audit_rate_is_read_checked_and_off_by_default():
+    import pytest
+
+    from config import SwarmSettings
+
+    assert SwarmSettings.from_env({}).audit_rate == 0.0
+    assert SwarmSettings.from_env({"AUDIT_RATE": "0.3"}).audit_rate == 0.3
+    for bad in ("2", "-0.1", "nan"):
+        with pytest.raises(ValueError, match="AUDIT_RATE"):
+            SwarmSettings.from_env({"AUDIT_RATE": bad})
