@@ -15,7 +15,7 @@ from pathlib import Path
 import requests
 
 from gateway_log import assert_clean_log
-from processes import ROOT, free_port
+from processes import ROOT, free_port, stop_process
 
 
 class Gateway:
@@ -63,11 +63,7 @@ class Gateway:
         self._log.close()
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process)
         self._log.close()
 
 

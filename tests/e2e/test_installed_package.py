@@ -28,7 +28,7 @@ import pytest
 import requests
 
 from gateway_log import assert_clean_log
-from processes import ROOT, free_port
+from processes import ROOT, free_port, stop_process
 
 COMMANDS = ("swarm-dht", "swarm-server", "swarm-gateway")
 PRODUCT_FOLDERS = ("swarm", "gateway", "static")  # with the checkout's top-level files, all a build reads
@@ -135,12 +135,7 @@ class Command:
         raise AssertionError(f"{self.name} wrote no such line in {timeout} s: {self.stderr.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
 
 def test_the_installed_commands_serve_the_local_models_greedy_reply(installed, tiny_llama, tmp_path):
