@@ -8,7 +8,7 @@ client) lives as long as the process, so it is frozen out of every later collect
 SGLang do once started): a full collection then walks only what serving made, 0.03 ms right after start-up.
 
 The young generation's threshold stays CPython's: a step's objects mostly die by reference counting, and a
-server collected its young generation 3 times in 100 decode steps.
+server collected its young generation 3 to 10 times in 100 decode steps.
 
 A frozen object is still freed when its last reference goes, but never as part of a cycle: so once something
 frozen is let go (a model the gateway unloads past MAX_LOADED_MODELS), everything is thawed for good. Nothing is
