@@ -25,3 +25,26 @@ Two packages, and what both share:
 Dependencies go one way: client -> shared modules <- server; the client and the server never import each
 other. This package never imports flask or gateway; torch, transformers and hivemind load only when used.
 """
+
+import importlib.util as _importlib_util
+import sys as _sys
+import types as _types
+
+
+def _register_hivemind_without_its_init() -> None:
+    """hivemind's package __init__ imports all of hivemind: its averager, optimizers and mixture of experts, with
+    scipy. The swarm uses its DHT, P2P and utilities only, so the package is registered without running that
+    __init__ (its submodules import one another by full name, never through it): half a second less in the
+    start of every server, gateway and command. Where hivemind was imported whole already, it stays as it is."""
+    if "hivemind" in _sys.modules:
+        return
+    spec = _importlib_util.find_spec("hivemind")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    package = _types.ModuleType("hivemind", "hivemind's modules, imported one by one (swarm/__init__.py)")
+    package.__spec__, package.__file__ = spec, spec.origin
+    package.__path__ = list(spec.submodule_search_locations)
+    _sys.modules["hivemind"] = package
+
+
+_register_hivemind_without_its_init()

@@ -72,7 +72,7 @@ def wait_ready(server):
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
 def test_generation_survives_faults_with_identical_output(chaos_swarm, model, reference, fault):
-    rounds = 4  # two faults on each hop of the chain, each at another step
+    rounds = 2  # a fault on each hop of the chain, each at another step (the seeded tests below strike again)
     replacements = {}  # hop index -> the server started to replace the last victim there
     for round_ in range(rounds):
         victims = []
