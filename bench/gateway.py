@@ -46,8 +46,10 @@ class Gateway:
     or a folder) and runs its embeddings and LM head on `device` in `dtype`."""
 
     def __init__(self, initial_peers: Sequence[str], max_sessions: int, torch_threads: int, log_dir: Path,
-                 model: str = MODEL, device: str = "cpu", dtype: str = "float32", env: dict | None = None):
-        self.port = free_port()
+                 model: str = MODEL, device: str = "cpu", dtype: str = "float32", env: dict | None = None,
+                 app: str = "app:app"):
+        """`app`: what gunicorn serves (bench.instant_swarm:app: the gateway over a swarm that answers at once)."""
+        self.port, self.app = free_port(), app
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/v2/generate"
         self.openai_url = f"{self.url}/v1"
@@ -70,7 +72,7 @@ class Gateway:
     def launch(self) -> "Gateway":
         """Start the gateway's process without waiting for it (several start side by side); then wait_healthy."""
         command = ["-m", "gunicorn", "--config", str(ROOT / "gunicorn.conf.py"), "--chdir", str(ROOT),
-                   "--bind", f"127.0.0.1:{self.port}", "--threads", str(self.threads), "app:app"]
+                   "--bind", f"127.0.0.1:{self.port}", "--threads", str(self.threads), self.app]
         self.process = ChildProcess("gateway", command, self.log_dir, {**os.environ, **self.env})
         return self
 
