@@ -256,9 +256,11 @@ def _add_relay_limit_flags(parser) -> None:
     default = RelayLimits()
     parser.add_argument("--relay-max-reservations", type=int, default=default.max_reservations,
                         help="relay slots in all, whoever takes them: p2pd cannot share them out per peer or "
-                             f"address (default: {default.max_reservations})")
+                             "address, and counts a slot for 30 minutes even if its holder leaves "
+                             f"(default: {default.max_reservations})")
     parser.add_argument("--relay-max-circuits", type=int, default=default.max_circuits,
-                        help=f"relayed connections open at once per peer (default: {default.max_circuits})")
+                        help="relayed connections open at once from each peer, and to each "
+                             f"(default: {default.max_circuits})")
     parser.add_argument("--relay-data-limit-mib", type=float, default=default.data_limit / 2**20,
                         help="MiB a relayed connection carries each way before the relay resets it "
                              f"(default: {default.data_limit / 2**20:g})")

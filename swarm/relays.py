@@ -4,8 +4,7 @@ A server that accepts no inbound connection (behind a home router, a firewall) d
 swarm (`python -m swarm.server --relay-through MADDR ...`), reserves a slot on them (libp2p circuit relay v2,
 through p2pd's auto-relay with them as its static relays), and is reached at `MADDR/p2p-circuit/p2p/ITS_ID`:
 every stream to it goes through the relay. Every node can dial such an address (p2pd's relay transport is on
-everywhere), and every public peer that knows itself public relays: the bootstrap peer always, a block server
-with --serve-as-relay.
+everywhere); the bootstrap peer and block servers with --serve-as-relay relay within the limits they are given.
 
 What p2pd (hivemind 1.1.12's go-libp2p) does and how it is worked around here:
 
@@ -16,12 +15,20 @@ What p2pd (hivemind 1.1.12's go-libp2p) does and how it is worked around here:
   192.168.x, gives none): a relayed server announces the circuit addresses through the relays it was given
   itself, so they must be addresses every client can dial;
 - its relay service is on by default in every node that finds itself public (AutoNAT), for any peer, within
-  limits that hivemind does not let one set: 128 reservations in all, 16 circuits per peer, each circuit carrying
-  up to 4 GiB each way for 30 minutes. Here it runs only where a relay is wanted (the bootstrap peer, unless
-  --no-relay; a server with --serve-as-relay), with the limits of RelayLimits (the bootstrap peer's flags set
-  them), passed to p2pd as its -relay* flags (relay_service_flags). p2pd offers no flag that limits a relay to
-  the swarm's own servers, nor reservations per peer or per address: a relay serves any peer that asks, and one
-  host may hold every reservation a relay offers (--relay-max-reservations bounds what it can take).
+  limits that hivemind does not let one set (128 reservations in all, 16 circuits per peer, each circuit carrying
+  up to 4 GiB each way for 30 minutes). Here it is asked for only where a relay is wanted (the bootstrap peer,
+  unless --no-relay; a server with --serve-as-relay), with the limits of RelayLimits (the bootstrap peer's flags
+  set them), passed to p2pd as its -relay* flags (relay_service_flags);
+- but p2pd also starts a second relay service, with go-libp2p's defaults (128 KiB and 2 minutes a circuit, 4
+  slots a peer id, 8 an IP address), on every node with -relay=1, which every node needs to dial relayed peers:
+  every node relays within those defaults, -relayService=0 or not, and on a relay whichever service registered
+  last answers, the configured one or the defaults (a race: measured, both happen);
+- p2pd offers no flag that limits a relay to the swarm's own servers (go-libp2p's relay ACL and connection
+  gater are not exposed), and sets the per-peer, per-IP and per-ASN reservation limits to the total: one host
+  may take every slot, with distinct peer ids or with one that reconnects (a slot stays counted 30 minutes).
+  max_circuits bounds the circuits from each peer id and to each (one peer id can fill a relayed server's).
+
+`python -m bench.relay_limits` measures all of this on real daemons; docs/wan.md has the figures.
 """
 
 from __future__ import annotations
@@ -59,14 +66,17 @@ def relay_options(relays: Sequence[str] = (), serve_relay: bool = False) -> dict
 @dataclass(frozen=True)
 class RelayLimits:
     """What a relay gives the peers it relays for: p2pd's -relay* flags, p2pd's defaults unless an operator sets
-    them (python -m swarm.dht --relay-*). One peer id may hold every reservation and max_circuits circuits,
-    each holding up to 2 x buffer_size bytes of the relay's memory (512 MiB at the defaults)."""
+    them (python -m swarm.dht --relay-*), but for the buffer. One host may hold every reservation, and each of
+    its peer ids max_circuits circuits, each holding up to 2 x buffer_size bytes of the relay's memory (the
+    relay's p2pd runs no resource manager limits): measured well under 1 MiB a circuit (bench/relay_limits.py)."""
 
     max_reservations: int = 128  # reserved slots in all, whoever holds them (p2pd counts no peer's share)
     max_circuits: int = 16  # relayed connections open at once per peer
     data_limit: int = 4 << 30  # bytes a circuit carries each way before the relay resets it (a failover)
     time_limit: float = 1800.0  # seconds a circuit lasts before the relay resets it
-    buffer_size: int = 16 << 20  # bytes of buffer per relayed connection, each way
+    # bytes of copy buffer per relayed connection, each way: p2pd's 16 MiB bounds a circuit's memory at 32 MiB
+    # for no speed (measured: 64 KiB relays as fast on loopback, >100 MiB/s)
+    buffer_size: int = 64 << 10
 
     def __post_init__(self):
         for name in ("max_reservations", "max_circuits", "data_limit", "time_limit", "buffer_size"):
@@ -76,8 +86,9 @@ class RelayLimits:
 
 
 def relay_service_flags(serve_relay: bool, limits: RelayLimits = RelayLimits()) -> dict:
-    """p2pd's flags for its relay service: off unless the node serves as a relay (p2pd runs it on any node that
-    finds itself public), and within `limits` where it does."""
+    """p2pd's flags for its configurable relay service: off unless the node serves as a relay (p2pd runs it on
+    any node that finds itself public), and within `limits` where it does. p2pd's second relay service, with
+    go-libp2p's defaults, runs on every node whatever these say (see above)."""
     if not serve_relay:
         return {"relayService": False}
     return {"relayService": True, "relayMaxReservations": limits.max_reservations,

@@ -86,14 +86,14 @@ def test_the_relay_flags(capsys):
     assert "lacks the peer id part" in capsys.readouterr().err
 
 
-def test_only_a_relay_runs_p2pds_relay_service_and_within_the_limits_set():
+def test_only_a_relay_runs_p2pds_configurable_relay_service_and_within_the_limits_set():
     from swarm.relays import RelayLimits, relay_service_flags
 
     assert relay_service_flags(False) == {"relayService": False}  # p2pd runs it on any public node unless told
     flags = relay_service_flags(True, RelayLimits(max_reservations=8, max_circuits=2, data_limit=1 << 20,
                                                   time_limit=120.0))
     assert flags == {"relayService": True, "relayMaxReservations": 8, "relayMaxCircuits": 2,
-                     "relayDataLimit": 1 << 20, "relayTimeLimit": "120s", "relayBufferSize": 16 << 20}
+                     "relayDataLimit": 1 << 20, "relayTimeLimit": "120s", "relayBufferSize": 64 << 10}
     for odd in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="max_circuits"):
             RelayLimits(max_circuits=odd)

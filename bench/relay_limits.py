@@ -1,0 +1,366 @@
+"""What one hostile host can take from a relay started as the product starts it (`python -m bench.relay_limits`).
+
+The relay is the bootstrap peer's node (swarm.dht.start_node(serve_relay=True, relay_limits=...)), restarted
+until its configured relay service is the one that answers (p2pd runs a second one, with go-libp2p's defaults:
+configured_relay_answers). The hostile peers are bare p2pd daemons on the same 127.0.0.1, as hivemind starts
+them, with whatever flags suit them: they listen on no address and dial no DHT peers, so every connection between
+them is a circuit the bench opens. The "relayed" ones reserve a slot on the relay at once (-relayDiscovery=0
+makes it a static relay, which p2pd's auto-relay uses without its 3-minute boot delay); the "dialers" open
+circuits through it. A slot is held iff a dialer can open a circuit to its holder (NO_RESERVATION otherwise).
+
+Prints a table: each limit, what was set, what one host got; and the relay p2pd's resident memory (VmRSS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from swarm.relays import RelayLimits, daemon_class, relay_options
+
+RELAY_STARTS = 5  # relay starts to get one whose configured relay service answers
+PROBE_KIB = 256  # KiB the probe sends: more than go-libp2p's default relay service lets through a circuit
+SINK = "relay_limits.sink"  # the stream handler every relayed peer runs: it counts the bytes that reach it
+# dialers run no libp2p DHT (its lookups would open circuits between the peers) and relay for nobody
+BARE = {"dhtClient": False, "relayService": False}
+# every hostile peer listens on no address (nothing dials it but through the relay), and punches no hole
+HOSTILE = dict(no_listen=True, dht_mode="client", nat_port_map=False, auto_nat=False)
+DIAL_TIMEOUT = 5.0  # seconds: a refused circuit fails at once; a dial with no answer gives up after this
+
+
+@dataclass
+class Row:
+    measure: str
+    setting: str
+    result: str
+
+
+def rss_mib(p2p, field: str = "VmRSS") -> float:
+    """The daemon's resident memory now (VmRSS) or at its peak (VmHWM), in MiB."""
+    with open(f"/proc/{p2p._child.pid}/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith(field))
+
+
+class CircuitAddress:
+    """RELAY/p2p-circuit as p2pd reads it: hivemind's Multiaddr writes a /p2p/ part as a CID, which p2pd's
+    multiaddr parser refuses in a connect request (it wants the bare multihash)."""
+
+    def __init__(self, relay_maddr: str):
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        transport, relay_id = relay_maddr.rstrip("/").split("/p2p/")
+        multihash = PeerID.from_base58(relay_id).to_bytes()
+        p2p_code, circuit_code = 421, 290
+        self.data = (Multiaddr(transport).to_bytes() + _varint(p2p_code) + _varint(len(multihash)) + multihash
+                     + _varint(circuit_code))
+
+    def to_bytes(self) -> bytes:
+        return self.data
+
+
+def _varint(number: int) -> bytes:
+    out = bytearray()
+    while number >= 0x80:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    return bytes(out + bytes([number]))
+
+
+async def start_relayed(relay_maddr: str, identity_path: str | None = None, reads: bool = True):
+    """A peer that reserves a slot on the relay at once, and counts the bytes streamed to it (.received) and when
+    each stream to it ended (.ended). One that `reads` nothing lets the relay's buffers fill."""
+    # p2pd's auto-relay wants its DHT on: a client one, which dials no peer that is not a DHT server
+    daemon = daemon_class({"relayService": False, "relayDiscovery": False})
+    p2p = await daemon.create(**HOSTILE, identity_path=identity_path, **relay_options([relay_maddr]))
+    p2p.received, p2p.ended = 0, []
+
+    async def sink(_info, reader, _writer):
+        with contextlib.suppress(Exception):
+            while reads or await asyncio.Event().wait():  # a peer that reads nothing: never
+                if not (chunk := await reader.read(1 << 16)):
+                    break
+                p2p.received += len(chunk)
+        p2p.ended.append(time.monotonic())
+
+    await p2p.add_binary_stream_handler(SINK, sink)
+    return p2p
+
+
+async def start_dialer(identity_path: str | None = None):
+    """A peer that opens circuits through the relay (no hole punching: a circuit stays a circuit)."""
+    daemon = daemon_class(BARE)
+    return await daemon.create(**HOSTILE, identity_path=identity_path)
+
+
+async def open_circuit(dialer, relay_maddr: str, target) -> str:
+    """'ok', or why the relay (or the dial) refused the circuit."""
+    try:
+        await asyncio.wait_for(dialer._client.connect(target.peer_id, [CircuitAddress(relay_maddr)]),
+                               DIAL_TIMEOUT)
+        return "ok"
+    except asyncio.TimeoutError:
+        return "timeout"
+    except Exception as error:  # p2pd's ControlFailure: its message names the relay's status
+        for status in ("NO_RESERVATION", "RESOURCE_LIMIT_EXCEEDED", "PERMISSION_DENIED"):
+            if status in str(error):
+                return status
+        return str(error)[:80]
+
+
+async def circuits_open(dialers, relay_maddr: str, targets) -> list[str]:
+    """Each dialer opens a circuit to each target, one after another."""
+    return [await open_circuit(dialer, relay_maddr, target) for dialer in dialers for target in targets]
+
+
+async def shutdown(*peers) -> None:
+    await asyncio.gather(*(peer.shutdown() for peer in peers), return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def relay_node(limits: RelayLimits, configured: bool = True):
+    """The relay as the product starts it. `configured`: restarted until its configured relay service is the
+    one that answers (see configured_relay_answers), which a probe finds out at the cost of one slot."""
+    from swarm import dht
+
+    for _ in range(RELAY_STARTS):
+        node = await dht.start_node(serve_relay=True, relay_limits=limits)
+        node.maddr = str((await node.get_visible_maddrs())[0])
+        if not configured or await configured_service_answers(node):
+            break
+        await node.shutdown()
+    else:
+        raise RuntimeError(f"go-libp2p's default relay service answered in {RELAY_STARTS} relay starts")
+    try:
+        yield node
+    finally:
+        await node.shutdown()
+
+
+async def configured_service_answers(relay) -> bool:
+    """Whether PROBE_KIB through a circuit arrive whole: go-libp2p's default relay service cuts a circuit at
+    128 KiB, whatever the relay was told (each test here sets a data limit of 1 MiB or more)."""
+    (target,), dialer = await relayed_peers(relay, 1), await start_dialer()
+    await open_circuit(dialer, relay.maddr, target)
+    await stream_bytes(dialer, target, PROBE_KIB << 10)
+    await shutdown(dialer, target)
+    return target.received == PROBE_KIB << 10
+
+
+def _summary(outcomes: list[str]) -> str:
+    counts = {outcome: outcomes.count(outcome) for outcome in dict.fromkeys(outcomes)}
+    return ", ".join(f"{count} {outcome}" for outcome, count in counts.items())
+
+
+RESERVE_WAIT = 0.5  # seconds for a relayed peer's auto-relay to take its slot once connected to the relay
+CONNECT_WAIT = 30.0  # seconds for relayed peers to connect to the relay (all at once on a loaded machine)
+SMALL_BUFFER = 64 << 10  # a relay buffer small enough that the relay's memory limit is not what stops circuits
+
+
+async def relayed_peers(relay, count: int, identity_path: str | None = None, reads: bool = True) -> list:
+    """`count` relayed peers, once each is connected to the relay and has had time to reserve its slot."""
+    peers = await asyncio.gather(*(start_relayed(relay.maddr, identity_path, reads) for _ in range(count)))
+    deadline = time.monotonic() + CONNECT_WAIT
+    while time.monotonic() < deadline:
+        connected = {info.peer_id for info in await relay.p2p._client.list_peers()}
+        if all(peer.peer_id in connected for peer in peers):
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(RESERVE_WAIT)
+    return list(peers)
+
+
+async def reservations_one_host(limit: int = 13, peers: int = 14) -> Row:
+    """Distinct peer ids from one address: go-libp2p would let one IP hold 8 slots; p2pd sets its per-peer,
+    per-IP and per-ASN limits to the total, so one host holds every slot."""
+    async with relay_node(RelayLimits(max_reservations=limit, max_circuits=64, buffer_size=SMALL_BUFFER)) as relay:
+        targets = await relayed_peers(relay, peers)
+        dialer = await start_dialer()
+        outcomes = await circuits_open([dialer], relay.maddr, targets)
+        await shutdown(dialer, *targets)
+    return Row("reservations, one host", f"--relay-max-reservations={limit}",
+               f"{outcomes.count('ok')} of {peers} peer ids got a slot, the bench's probe 1 ({_summary(outcomes)})")
+
+
+async def reservations_one_peer_reconnecting(limit: int = 3) -> Row:
+    """One peer id that reserves, disconnects and comes back: the relay forgets its reservation, not the slot it
+    counted (go-libp2p counts a slot for 30 minutes whatever happens to the reservation). The probe holds one
+    of `limit` + 1 slots."""
+    async with relay_node(RelayLimits(max_reservations=limit + 1, max_circuits=64, buffer_size=SMALL_BUFFER)) as relay:
+        dialer = await start_dialer()
+        with tempfile.TemporaryDirectory() as folder:
+            identity = os.path.join(folder, "hostile.key")
+            outcomes = []
+            for _ in range(limit + 1):
+                (peer,) = await relayed_peers(relay, 1, identity)
+                outcomes.append(await open_circuit(dialer, relay.maddr, peer))
+                await dialer._client.disconnect(peer.peer_id)
+                await shutdown(peer)
+        newcomer = await relayed_peers(relay, 1)
+        honest = await open_circuit(dialer, relay.maddr, newcomer[0])
+        await shutdown(dialer, *newcomer)
+    return Row("reservations, one peer id reconnecting", f"--relay-max-reservations={limit + 1}",
+               f"one key started {limit + 1} times in turn: {_summary(outcomes)}; then a new peer: {honest}")
+
+
+async def circuits_one_peer(max_circuits: int = 4, targets: int = 6) -> Row:
+    """One dialer to distinct relayed peers: max_circuits bounds the circuits each peer id opens."""
+    limits = RelayLimits(max_circuits=max_circuits, buffer_size=SMALL_BUFFER)
+    async with relay_node(limits) as relay:
+        peers = await relayed_peers(relay, targets)
+        dialer = await start_dialer()
+        outcomes = await circuits_open([dialer], relay.maddr, peers)
+        await shutdown(dialer, *peers)
+    return Row("circuits, one peer id to many", f"--relay-max-circuits={max_circuits}, buffer 64 KiB",
+               f"{outcomes.count('ok')} of {targets} ({_summary(outcomes)})")
+
+
+async def circuits_to_one_server(max_circuits: int = 4) -> Row:
+    """One hostile peer id (several daemons sharing its key) fills a relayed server's circuits: max_circuits
+    also bounds the circuits that reach each peer id, so an honest client can no longer reach it."""
+    async with relay_node(RelayLimits(max_circuits=max_circuits, buffer_size=SMALL_BUFFER)) as relay:
+        (server,) = await relayed_peers(relay, 1)
+        with tempfile.TemporaryDirectory() as folder:
+            identity = os.path.join(folder, "hostile.key")
+            hostile = [await start_dialer(identity) for _ in range(max_circuits + 1)]
+            outcomes = await circuits_open(hostile, relay.maddr, [server])
+        honest = await start_dialer()
+        honest_outcome = await open_circuit(honest, relay.maddr, server)
+        await shutdown(honest, server, *hostile)
+    return Row("circuits, one peer id to one server", f"--relay-max-circuits={max_circuits}",
+               f"hostile: {_summary(outcomes)}; then an honest client: {honest_outcome}")
+
+
+async def stream_bytes(dialer, target, size: int) -> None:
+    """Send `size` bytes to the target's sink over a new stream; a circuit cut on the way ends it early."""
+    with contextlib.suppress(Exception):
+        _info, _reader, writer = await dialer.call_binary_stream_handler(target.peer_id, SINK)
+        chunk = bytes(1 << 16)
+        for _ in range(size // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+        writer.close()
+    await asyncio.sleep(0.5)  # what is on its way arrives
+
+
+async def data_limit_cuts(limit_mib: float = 1.0, sent_mib: int = 4) -> Row:
+    """A circuit is reset after data_limit bytes each way; the same peer then opens a new circuit, with a
+    new allowance: the limit is per circuit, not per peer."""
+    limits = RelayLimits(data_limit=int(limit_mib * 2**20), buffer_size=SMALL_BUFFER)
+    async with relay_node(limits) as relay:
+        (target,), dialer = await relayed_peers(relay, 1), await start_dialer()
+        received = []
+        for _ in range(2):
+            await open_circuit(dialer, relay.maddr, target)
+            before = target.received
+            await stream_bytes(dialer, target, sent_mib << 20)
+            received.append(f"{(target.received - before) / 2**20:.2f}")
+        await shutdown(dialer, target)
+    return Row("data per circuit", f"--relay-data-limit-mib={limit_mib:g}",
+               f"{sent_mib} MiB sent, twice (a new circuit each time): {' and '.join(received)} MiB arrived")
+
+
+async def time_limit_cuts(seconds: float = 2.0) -> Row:
+    """A circuit is reset time_limit seconds after it opened, busy or not: a stream through it that sends a
+    little every 0.1 s ends then (the peer may open a new circuit at once: the limit is per circuit)."""
+    async with relay_node(RelayLimits(time_limit=seconds, buffer_size=SMALL_BUFFER)) as relay:
+        (target,), dialer = await relayed_peers(relay, 1), await start_dialer()
+        opened, started = await open_circuit(dialer, relay.maddr, target), time.monotonic()
+        with contextlib.suppress(Exception):
+            _info, _reader, writer = await dialer.call_binary_stream_handler(target.peer_id, SINK)
+            while not target.ended and time.monotonic() - started < 3 * seconds:
+                writer.write(bytes(1024))
+                await writer.drain()
+                await asyncio.sleep(0.1)
+        lasted = (target.ended[0] - started) if target.ended else None
+        await shutdown(dialer, target)
+    return Row("time per circuit", f"--relay-time-limit={seconds:g}",
+               f"circuit {opened}; a stream through it ended after {lasted:.1f} s" if lasted else
+               f"circuit {opened}; a stream through it still open after {3 * seconds:g} s")
+
+
+async def memory_per_circuit(buffer_size: int = 16 << 20, circuits: int = 16, sent_mib: int = 32,
+                             reads: bool = True) -> Row:
+    """The relay p2pd's resident memory with `circuits` circuits from one peer id, idle, then once `sent_mib`
+    MiB were sent through each (to peers that read them, or that read nothing: the relay's buffers fill)."""
+    async with relay_node(RelayLimits(max_circuits=circuits, buffer_size=buffer_size)) as relay:
+        peers, dialer = await relayed_peers(relay, circuits, reads=reads), await start_dialer()
+        base = rss_mib(relay.p2p)
+        opened = (await circuits_open([dialer], relay.maddr, peers)).count("ok")
+        idle = rss_mib(relay.p2p)
+        sends = (stream_bytes(dialer, peer, sent_mib << 20) for peer in peers)
+        with contextlib.suppress(asyncio.TimeoutError):  # to a peer that reads nothing, a send stalls
+            await asyncio.wait_for(asyncio.gather(*sends), 10 + sent_mib * circuits / 50)
+        busy, peak = rss_mib(relay.p2p), rss_mib(relay.p2p, "VmHWM")
+        await shutdown(dialer, *peers)
+    receivers = "receivers" if reads else "receivers that read nothing"
+    return Row(f"relay memory, {receivers}", f"buffer {buffer_size >> 10} KiB, {opened} circuits",
+               f"RSS {base:.0f} MiB, +{(idle - base) / opened:.2f} MiB a circuit idle, +{(busy - base) / opened:.2f}"
+               f" MiB once {sent_mib} MiB were sent through each (peak +{(peak - base) / opened:.2f})")
+
+
+async def plain_node_relays() -> Row:
+    """A node started without serve_relay (p2pd's -relayService=0): does it relay all the same?"""
+    from swarm import dht
+
+    node = await dht.start_node()
+    try:
+        node.maddr = str((await node.get_visible_maddrs())[0])
+        (target,), dialer = await relayed_peers(node, 1), await start_dialer()
+        outcome = await open_circuit(dialer, node.maddr, target)
+        received = target.received
+        await stream_bytes(dialer, target, 1 << 20)
+        received = (target.received - received) / 2**10
+        await shutdown(dialer, target)
+    finally:
+        await node.shutdown()
+    return Row("a node without serve_relay", "-relayService=0", f"circuit through it: {outcome}; "
+               f"1024 KiB sent, {received:.0f} KiB arrived")
+
+
+async def configured_relay_answers(starts: int = 5) -> Row:
+    """p2pd starts two relay services on a relay: the configured one (its -relay* flags), once the node knows
+    itself public, and one with go-libp2p's defaults (128 KiB and 2 minutes a circuit; 4 slots a peer id, 8 an
+    IP address) on every node with -relay=1; the one that registered last answers. Which, over several starts."""
+    answers = []
+    for _ in range(starts):
+        async with relay_node(RelayLimits(buffer_size=SMALL_BUFFER), configured=False) as relay:
+            answers.append(await configured_service_answers(relay))
+    return Row("which relay service answers", f"{starts} relay starts",
+               f"the configured one {sum(answers)} times, go-libp2p's defaults {starts - sum(answers)} times "
+               f"({PROBE_KIB} KiB through a circuit arrive whole, or 96 KiB)")
+
+
+MEASURES = (plain_node_relays, configured_relay_answers, reservations_one_host, reservations_one_peer_reconnecting,
+            circuits_one_peer, circuits_to_one_server, data_limit_cuts, time_limit_cuts, memory_per_circuit,
+            functools.partial(memory_per_circuit, reads=False))
+
+
+def table(rows: list[Row]) -> str:
+    widths = [max(len(getattr(row, field)) for row in rows) for field in ("measure", "setting")]
+    return "\n".join(f"{row.measure:<{widths[0]}}  {row.setting:<{widths[1]}}  {row.result}" for row in rows)
+
+
+async def measure_all() -> list[Row]:
+    rows = []
+    for measure in MEASURES:
+        rows.append(await measure())
+        print(table(rows[-1:]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    started = time.monotonic()
+    rows = asyncio.run(measure_all())
+    print(table([Row("measure", "setting", "what one host got"), *rows]))
+    print(f"({time.monotonic() - started:.0f} s; relay p2pd: hivemind's, go-libp2p v0.32.1)")
+
+
+if __name__ == "__main__":
+    main()
