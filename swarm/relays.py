@@ -8,9 +8,10 @@ everywhere); the bootstrap peer and block servers with --serve-as-relay relay wi
 
 What p2pd (hivemind 1.1.12's go-libp2p) does and how it is worked around here:
 
-- its auto-relay reserves slots only once it has found 4 relay candidates, or 3 minutes after it started (its
-  boot delay; no p2pd flag changes either): a relayed server that names fewer than 4 relays announces itself
-  online only after that delay (RelayWait), or clients would find it unreachable and ban it meanwhile;
+- its auto-relay, left to discover relays, reserves slots only once it has found 4 candidates, or 3 minutes after
+  it started (its boot delay): with -relayDiscovery=0 it takes the relays it is given as they are, and reserves on
+  them at once, one relay as well as four (measured: well under a second, bench/relay_limits.py), so every node
+  starts with discovery off, and a relayed server announces itself online a moment after it starts (RelayWait);
 - it builds its circuit addresses only from a relay's public addresses (a relay on a private network, 10.x or
   192.168.x, gives none): a relayed server announces the circuit addresses through the relays it was given
   itself, so they must be addresses every client can dial;
@@ -42,10 +43,8 @@ from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
-# p2pd's auto-relay reserves at once with this many relay candidates, else after AUTO_RELAY_BOOT_DELAY seconds
-AUTO_RELAY_MIN_CANDIDATES = 4
-AUTO_RELAY_BOOT_DELAY = 180.0
-# p2pd's auto-relay, once it starts reserving, takes well under a second on a LAN: a margin before going online
+# p2pd's auto-relay, given its relays (no discovery), reserves in well under a second on a LAN: a margin before a
+# relayed server goes online
 RESERVATION_MARGIN = 5.0
 
 
@@ -88,10 +87,11 @@ class RelayLimits:
 def relay_service_flags(serve_relay: bool, limits: RelayLimits = RelayLimits()) -> dict:
     """p2pd's flags for its configurable relay service: off unless the node serves as a relay (p2pd runs it on
     any node that finds itself public), and within `limits` where it does. p2pd's second relay service, with
-    go-libp2p's defaults, runs on every node whatever these say (see above)."""
+    go-libp2p's defaults, runs on every node whatever these say (see above). Relay discovery is off everywhere: a
+    relayed node reserves on the relays it was given, at once (see above); no other node has an auto-relay."""
     if not serve_relay:
-        return {"relayService": False}
-    return {"relayService": True, "relayMaxReservations": limits.max_reservations,
+        return {"relayService": False, "relayDiscovery": False}
+    return {"relayService": True, "relayDiscovery": False, "relayMaxReservations": limits.max_reservations,
             "relayMaxCircuits": limits.max_circuits, "relayDataLimit": limits.data_limit,
             "relayTimeLimit": f"{limits.time_limit:g}s", "relayBufferSize": limits.buffer_size}
 
@@ -113,28 +113,18 @@ def circuit_address(relay: str) -> str:
     return f"{relay.rstrip('/')}/p2p-circuit"
 
 
-def relay_peers(relays: Sequence[str]) -> set[str]:
-    """The peer ids of `relays`: auto-relay counts candidates by peer, not by address."""
-    return {relay.rstrip("/").rsplit("/p2p/", 1)[-1] for relay in relays}
-
-
 class RelayWait:
     """Until when a relayed server must wait before it announces itself online: until p2pd's auto-relay has
-    reserved its slots (at once with AUTO_RELAY_MIN_CANDIDATES relays, else after its boot delay)."""
+    reserved its slots on the relays it was given (a moment: RESERVATION_MARGIN), or clients would find it
+    unreachable and ban it meanwhile. A direct server waits for nothing."""
 
     def __init__(self, relays: Sequence[str], started: float):
         self.relays, self.started = tuple(relays), started
-        delay = AUTO_RELAY_BOOT_DELAY if 0 < len(relay_peers(self.relays)) < AUTO_RELAY_MIN_CANDIDATES else 0.0
-        self.ready_at = started + delay + (RESERVATION_MARGIN if self.relays else 0.0)
+        self.ready_at = started + (RESERVATION_MARGIN if self.relays else 0.0)
 
     @classmethod
     def starting_now(cls, relays: Sequence[str]) -> "RelayWait":
-        wait = cls(relays, time.monotonic())
-        if wait.ready_at - wait.started > RESERVATION_MARGIN:
-            logger.warning("%d relay(s) named: p2pd reserves a relay slot only %.0f s after it starts (at once with "
-                           "%d relays), so this server announces itself online only then", len(relay_peers(relays)),
-                           AUTO_RELAY_BOOT_DELAY, AUTO_RELAY_MIN_CANDIDATES)
-        return wait
+        return cls(relays, time.monotonic())
 
     async def until_reserved(self) -> None:
         remaining = self.ready_at - time.monotonic()

@@ -223,8 +223,8 @@ def _add_relay_flags(parser) -> None:
     parser.add_argument("--relay-through", nargs="+", type=multiaddr, default=[], metavar="MADDR",
                         help="for a server that accepts no inbound connection (behind a NAT or a firewall): be reached "
                              "through these public peers of the swarm (a bootstrap peer, or a server with "
-                             "--serve-as-relay), at addresses every client can dial (4 of them, or it goes online "
-                             "only 3 minutes after it starts: see swarm/relays.py); the server announces "
+                             "--serve-as-relay), at addresses every client can dial (one is enough; more, for when "
+                             "one is down); the server announces "
                              "itself as relayed, and clients route through it only where it pays")
     parser.add_argument("--serve-as-relay", action="store_true",
                         help="a server on a public address: relay for servers that accept no inbound connection "

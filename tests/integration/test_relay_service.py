@@ -20,8 +20,9 @@ def test_only_a_relay_runs_the_configured_relay_service_and_within_its_limits():
     try:
         # it dials relayed peers; its configurable relay service is off (-relayHopLimit: hivemind's, deprecated
         # in p2pd), though p2pd relays within go-libp2p's defaults on every node (swarm/relays.py)
-        assert daemon_flags(plain) == {"-relay=1", "-relayHopLimit=0", "-relayService=0"}
-        assert daemon_flags(relay) == {"-relay=1", "-relayHopLimit=0", "-relayService=1", "-relayMaxReservations=8",
+        assert daemon_flags(plain) == {"-relay=1", "-relayHopLimit=0", "-relayService=0", "-relayDiscovery=0"}
+        assert daemon_flags(relay) == {"-relay=1", "-relayHopLimit=0", "-relayService=1", "-relayDiscovery=0",
+                                       "-relayMaxReservations=8",
                                        "-relayMaxCircuits=2", f"-relayDataLimit={64 << 20}", "-relayTimeLimit=600s",
                                        f"-relayBufferSize={64 << 10}"}
         assert loop.run(plain.find_nearest_nodes([relay.node_id]))  # the DHT works over them as before

@@ -12,7 +12,7 @@ from swarm.client.routing import (
     round_trip_estimates,
 )
 from swarm.protocol import RemoteServer, ServerInfo, ServerState
-from swarm.relays import AUTO_RELAY_BOOT_DELAY, RESERVATION_MARGIN, RelayWait, circuit_address, relay_options
+from swarm.relays import RESERVATION_MARGIN, RelayWait, circuit_address, relay_options
 
 RELAY = "/ip4/203.0.113.7/tcp/31337/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
 PEERS = ["--initial-peers", RELAY]
@@ -62,13 +62,11 @@ def test_relay_options_of_a_relayed_a_relaying_and_a_plain_node():
     assert plain["use_relay"] and not plain["use_auto_relay"] and plain["force_reachability"] is None
 
 
-def test_a_relayed_server_goes_online_once_its_relay_reservation_is_made():
+def test_a_relayed_server_goes_online_once_its_relay_reservation_is_made_one_relay_or_four():
     assert RelayWait([], 100.0).ready_at == 100.0  # a direct server: at once
     four = [f"{RELAY[:-1]}{index}" for index in range(4)]
     assert RelayWait(four, 100.0).ready_at == 100.0 + RESERVATION_MARGIN
-    assert RelayWait([RELAY], 100.0).ready_at == 100.0 + AUTO_RELAY_BOOT_DELAY + RESERVATION_MARGIN
-    addresses = [RELAY.replace("203.0.113.7", f"198.51.100.{index}") for index in range(4)]  # of one relay
-    assert RelayWait(addresses, 100.0).ready_at == 100.0 + AUTO_RELAY_BOOT_DELAY + RESERVATION_MARGIN
+    assert RelayWait([RELAY], 100.0).ready_at == 100.0 + RESERVATION_MARGIN  # no discovery: no 3-minute wait
 
 
 def test_the_relay_flags(capsys):
@@ -89,10 +87,11 @@ def test_the_relay_flags(capsys):
 def test_only_a_relay_runs_p2pds_configurable_relay_service_and_within_the_limits_set():
     from swarm.relays import RelayLimits, relay_service_flags
 
-    assert relay_service_flags(False) == {"relayService": False}  # p2pd runs it on any public node unless told
+    # p2pd runs it on any public node unless told; relay discovery is off everywhere (a relayed node takes its relays)
+    assert relay_service_flags(False) == {"relayService": False, "relayDiscovery": False}
     flags = relay_service_flags(True, RelayLimits(max_reservations=8, max_circuits=2, data_limit=1 << 20,
                                                   time_limit=120.0))
-    assert flags == {"relayService": True, "relayMaxReservations": 8, "relayMaxCircuits": 2,
+    assert flags == {"relayService": True, "relayDiscovery": False, "relayMaxReservations": 8, "relayMaxCircuits": 2,
                      "relayDataLimit": 1 << 20, "relayTimeLimit": "120s", "relayBufferSize": 64 << 10}
     for odd in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="max_circuits"):
