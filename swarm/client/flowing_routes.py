@@ -151,6 +151,7 @@ class _FlowingSearch:
         self.entered = np.full(count, -1, dtype=np.int64)  # where its last hop entered
         self.before = np.full(count, -1, dtype=np.int64)  # and the server of the hop before (-1: the client)
         self.history: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (entered, before) then
+        self.slot_of = np.zeros(count, dtype=np.int64)  # server -> its place among those entering (scratch)
         self._rows_by_position()
         for position in range(self.start, self.num_blocks):
             arrivals = self._arrivals(position)
@@ -229,7 +230,8 @@ class _FlowingSearch:
         if len(rows) == 0:
             return
         way_hops = self.hops[senders] + 1
-        slots = np.searchsorted(entering, self.links.receiver[rows])
+        self.slot_of[entering] = np.arange(len(entering))
+        slots = self.slot_of[self.links.receiver[rows]]
         starts = np.r_[True, slots[1:] != slots[:-1]]
         firsts, group = np.flatnonzero(starts), np.cumsum(starts) - 1
         least = np.minimum.reduceat(way_in, firsts)
