@@ -74,8 +74,8 @@ def measure(connection, gateway, counter, servers: int, options) -> dict:
                         **difference(counter.snapshot(), before)})
     rtt = {server.peer_id: server.client_rtt for server in truths}
     measured = {server.peer_id: server.seconds_per_block for server in truths}
-    choice = {}
-    for flowing in (False, True):
+    choice = {"relayed": None, "flowing": None}
+    for flowing in (False, True) if found else ():  # nothing found (every lookup RPC failed): no chain to choose
         times = []
         for _ in range(5):
             began = time.perf_counter()
@@ -100,8 +100,19 @@ def row(figures: dict) -> str:
             f"| {statistics.median(look['seconds'] for look in lookups):.2f} s "
             f"(max {max(look['seconds'] for look in lookups):.2f}) | {lookup_bytes / 1e6:.2f} MB, "
             f"{statistics.median(look['calls'] for look in lookups):g} RPCs "
-            f"| {min(look['found'] for look in lookups):,} | {figures['choose_chain_seconds']['relayed'] * 1e3:.1f} / "
-            f"{figures['choose_chain_seconds']['flowing'] * 1e3:.1f} ms |")
+            f"{_failed(lookups)}| {min(look['found'] for look in lookups):,} | {_milliseconds(figures)} |")
+
+
+def _failed(lookups: list[dict]) -> str:
+    failed = statistics.median(look["failed"] for look in lookups)
+    return f"({failed:g} failed) " if failed else ""
+
+
+def _milliseconds(figures: dict) -> str:
+    seconds = figures["choose_chain_seconds"]
+    if seconds["flowing"] is None:
+        return "no server found"
+    return f"{seconds['relayed'] * 1e3:.1f} / {seconds['flowing'] * 1e3:.1f} ms"
 
 
 HEADER = ("| servers | announcing them all | announce traffic per server (the last tenth's, RPCs) | records per key "
@@ -142,12 +153,12 @@ def main(argv=None) -> list[dict]:
         for servers in options.servers:
             results.append(measure(connection, gateway, counter, servers, options))
             print(row(results[-1]), flush=True)
+            if options.json:  # after each N: a long run stopped midway keeps what it measured
+                with open(options.json, "w") as file:
+                    json.dump({"options": vars(options), "results": results}, file, indent=1)
         EventLoop.get().run(gateway.shutdown())
     finally:
         stop_hosts(process, connection)
-    if options.json:
-        with open(options.json, "w") as file:
-            json.dump({"options": vars(options), "results": results}, file, indent=1)
     return results
 
 

@@ -36,7 +36,7 @@ class RpcBytes:
     """Protobuf bytes of the RPCs a node sends (requests) and gets back (replies), per RPC name."""
 
     def __init__(self):
-        self.sent, self.received, self.calls = Counter(), Counter(), Counter()
+        self.sent, self.received, self.calls, self.failed = Counter(), Counter(), Counter(), Counter()
 
     def install(self, node) -> "RpcBytes":
         original = node.protocol.get_stub
@@ -44,7 +44,8 @@ class RpcBytes:
         return self
 
     def snapshot(self) -> dict:
-        return {"sent": dict(self.sent), "received": dict(self.received), "calls": dict(self.calls)}
+        return {"sent": dict(self.sent), "received": dict(self.received), "calls": dict(self.calls),
+                "failed": dict(self.failed)}
 
 
 class _CountingStub:
@@ -57,7 +58,11 @@ class _CountingStub:
             return method
 
         async def counted(request, *args, **kwargs):
-            response = await method(request, *args, **kwargs)
+            try:
+                response = await method(request, *args, **kwargs)
+            except BaseException:  # a reply over libp2p's message size, a timeout: hivemind goes on without it
+                self._counter.failed[name] += 1
+                raise
             self._counter.calls[name] += 1
             self._counter.sent[name] += request.ByteSize()
             self._counter.received[name] += response.ByteSize() if response is not None else 0
@@ -67,8 +72,9 @@ class _CountingStub:
 
 
 def difference(after: dict, before: dict) -> dict:
-    """What a counter snapshot added since another: {sent, received, calls} of totals over the RPC names."""
-    return {part: sum(after[part].values()) - sum(before[part].values()) for part in ("sent", "received", "calls")}
+    """What a counter snapshot added since another: {sent, received, calls, failed}, totals over the RPC names."""
+    return {part: sum(after[part].values()) - sum(before[part].values())
+            for part in ("sent", "received", "calls", "failed")}
 
 
 def load_keys(count: int, path: Path = KEY_CACHE) -> list:
@@ -172,7 +178,7 @@ class Hosts:
         await asyncio.gather(*(one(number) for number in range(len(records))))
         traffic = [difference(counter.snapshot(), old) for counter, old in zip(self.counters, before)]
         return {"servers": len(records), "seconds": time.perf_counter() - began,
-                **{part: sum(each[part] for each in traffic) for part in ("sent", "received", "calls")}}
+                **{part: sum(each[part] for each in traffic) for part in ("sent", "received", "calls", "failed")}}
 
     def stored_keys(self) -> set:
         return {key for node in self.nodes for key, _ in node.protocol.storage.items()}
