@@ -5,7 +5,7 @@ gateway whose routing is the real code, fed as SwarmClient feeds it.
 
     python -m bench.routing_quality [--servers 1000] [--blocks 80] [--seconds 120] [--warmup 60]
                                     [--sessions-per-second 2] [--session-steps 20] [--churn-every 3]
-                                    [--noise 1.0] [--variants today,no-noise,probe-all,exact] [--seed 0]
+                                    [--noise 1.0] [--variants today,fresh,exact] [--seed 0]
                                     [--json PATH]
 
 The gateway (SimulatedGateway): each chain is routing.choose_chain(..., flowing=True) over the records the
@@ -18,9 +18,11 @@ probed, and FIRST_PROBES_PER_PERIOD first probes of servers never probed, at ran
 is routed again. Each choice after --warmup is judged: its true step time (flowing, the gateway's load factors
 counted) over the best chain's (quality_world.best_seconds).
 
-Variants: `today` (as the gateway is), `no-noise` (measurements exact), `probe-all` (every server probed every
-period), `exact` (routing given the true round trips and compute of every server: what the cost model alone
-loses, announced links against true ones). Prints a Markdown table; exits 0.
+Variants (--variants): `today` (as the gateway is), `no-noise` (measurements exact), `fresh` (compute kept as
+proposed: the least of the last steps, forgotten FRESH_SECONDS after the last: fresh_compute_load),
+`probe-all` (every server probed every period), `fresh+probe-all`, `exact` (routing given the true round trip
+and compute of every server: what the cost model alone loses, its link estimates against the true links).
+Prints a Markdown table; exits 0.
 """
 
 from __future__ import annotations
@@ -34,7 +36,38 @@ from dataclasses import dataclass, field
 
 from bench.quality_world import World, best_seconds, chain_seconds, noise
 
-VARIANTS = ("today", "no-noise", "probe-all", "exact")
+# name -> how the gateway differs from today's: measurements without noise, compute kept as FreshCompute keeps
+# it, every server probed every period, or routing given every server's true round trip and compute
+VARIANTS = {"today": {}, "no-noise": {"no_noise": True}, "fresh": {"fresh": True}, "probe-all": {"probe_all": True},
+            "fresh+probe-all": {"fresh": True, "probe_all": True}, "exact": {"exact": True}}
+FRESH_SECONDS = 30.0  # FreshCompute: a server's measured compute counts this long after its last step there
+
+
+def fresh_compute_load(clock):
+    """A PeerLoad (swarm/client/peers.py) that keeps compute as the proposed fix would: the least of the last
+    COMPUTE_SAMPLES (queueing only adds to a step, as to a probe, so the least is the closest to the compute),
+    and forgotten FRESH_SECONDS after the last step there (then the server's announced speed counts again: a
+    measurement only ever makes a server look slower than it claims, so a stale one would keep a server that
+    sped up out of routing for good). `clock()`: the simulation's seconds."""
+    from swarm.client.peers import PeerLoad
+
+    class FreshCompute(PeerLoad):
+        def __init__(self):
+            super().__init__()
+            self.stepped: dict[str, float] = {}
+
+        def observed(self, peer_id: str, seconds: float, blocks: int = 1) -> None:
+            super().observed(peer_id, seconds, blocks)
+            with self._lock:
+                self.latency[peer_id] = min(self._compute_samples[peer_id])
+                self.stepped[peer_id] = clock()
+
+        def measured(self) -> dict[str, float]:
+            with self._lock:
+                return {peer: seconds for peer, seconds in self.latency.items()
+                        if clock() - self.stepped[peer] <= FRESH_SECONDS}
+
+    return FreshCompute()
 
 
 @dataclass
@@ -54,12 +87,13 @@ class SimulatedGateway:
     """A gateway's routing inputs, kept as SwarmClient keeps them (swarm/client/peers.PeerLoad), from
     simulated probes and steps."""
 
-    def __init__(self, world: World, rng: random.Random, noise_scale: float, probe_all: bool, exact: bool):
+    def __init__(self, world: World, rng: random.Random, noise_scale: float, probe_all: bool = False,
+                 exact: bool = False, fresh: bool = False):
         from swarm.client.peers import PeerLoad
         from swarm.client.probes import FIRST_PROBES_PER_PERIOD, PROBE_PERIOD, PROBES_PER_ROUND
 
         self.world, self.rng, self.noise_scale, self.exact = world, rng, noise_scale, exact
-        self.load = PeerLoad()
+        self.load = fresh_compute_load(lambda: world.time) if fresh else PeerLoad()
         self.period = PROBE_PERIOD
         self.per_round = 10**9 if probe_all else PROBES_PER_ROUND
         self.first_per_period = 10**9 if probe_all else FIRST_PROBES_PER_PERIOD
@@ -124,10 +158,10 @@ class SimulatedGateway:
 
 def simulate(options, variant: str) -> Judged:
     """One run of the world and the gateway, a tick a second; the choices after the warm-up judged."""
-    world = World(options.servers, options.blocks, options.seed, 0.0 if variant == "no-noise" else options.noise,
-                  options.churn_every)
-    gateway = SimulatedGateway(world, random.Random(options.seed + 1), world.noise_scale, variant == "probe-all",
-                               variant == "exact")
+    settings = dict(VARIANTS[variant])
+    world = World(options.servers, options.blocks, options.seed,
+                  0.0 if settings.pop("no_noise", False) else options.noise, options.churn_every)
+    gateway = SimulatedGateway(world, random.Random(options.seed + 1), world.noise_scale, **settings)
     judged, sessions, owed = Judged(), [], 0.0
     while world.time < options.warmup + options.seconds:
         judge = world.time >= options.warmup
