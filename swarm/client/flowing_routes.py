@@ -78,10 +78,10 @@ def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str,
     links = _Links.among(servers, found)
     linked = np.zeros(len(found), dtype=bool)
     linked[links.sender], linked[links.receiver] = True, True
-    unlinked = drop_outpriced([server for server, link in zip(found, linked) if not link], ROUND_TRIP_SHARES)
+    unlinked = np.flatnonzero(~linked)
+    survivors = drop_outpriced([found[number]._replace(peer_id=number) for number in unlinked], ROUND_TRIP_SHARES)
     keep = linked.copy()
-    keep[[number for number, server in enumerate(found) if server.peer_id in {kept.peer_id for kept in unlinked}
-          and not linked[number]]] = True
+    keep[[survivor.peer_id for survivor in survivors]] = True  # numbered, not named, while pruned
     kept = [server for server, chosen in zip(found, keep) if chosen]
     return _FlowingSearch(kept, links.renumbered(keep), start, num_blocks).chain()
 
@@ -153,9 +153,11 @@ class _FlowingSearch:
         self.history: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (entered, before) then
         self.slot_of = np.zeros(count, dtype=np.int64)  # server -> its place among those entering (scratch)
         self._rows_by_position()
+        self.entering_at = _by_position(self.first, self.end, self.num_blocks)  # first <= q < end
+        self.ending_at = _by_position(self.first + 1, self.end + 1, self.num_blocks + 1)  # first < q <= end
         for position in range(self.start, self.num_blocks):
             arrivals = self._arrivals(position)
-            entering = np.flatnonzero((self.first <= position) & (position < self.end))
+            entering = self.entering_at[position]
             if position == self.start:
                 entry = (self.rtt[entering] / 2, np.ones(len(entering), dtype=np.int64),
                          np.full(len(entering), -1, dtype=np.int64))
@@ -171,7 +173,8 @@ class _FlowingSearch:
         Where each of those hops entered is kept for the way back."""
         if position == self.start:
             return None
-        here = np.flatnonzero((self.first < position) & (position <= self.end) & np.isfinite(self.offset))
+        here = self.ending_at[position]
+        here = here[np.isfinite(self.offset[here])]
         if len(here) == 0:
             return None
         self.history[position] = (self.entered.copy(), self.before.copy())
@@ -189,10 +192,13 @@ class _FlowingSearch:
         entry = [way_out[best] + self.rtt[entering] / 4, np.full(len(entering), hops[best] + 1),
                  np.full(len(entering), here[best])]
         # the servers the cheapest way out cannot serve (itself, and those it has a link with): the next one
-        barred = np.zeros(len(self.servers), dtype=bool)
-        barred[here[best]] = True
-        barred[self.links.of(here[best])] = True
-        slots = np.flatnonzero(barred[entering])
+        if len(self.links.receiver):
+            barred = np.zeros(len(self.servers), dtype=bool)
+            barred[here[best]] = True
+            barred[self.links.of(here[best])] = True
+            slots = np.flatnonzero(barred[entering])
+        else:
+            slots = np.flatnonzero(entering == here[best])
         if len(slots):
             order = np.lexsort((here, hops, way_out)) if order is None else order
             found = self._next_ways_out(entering[slots], here, order)
@@ -273,16 +279,24 @@ class _FlowingSearch:
             return []
         here, seconds, hops = arrivals
         finals = seconds + self.rtt[here] / 2
-        chosen = 0
-        for rank in range(1, len(here)):
-            if _better(finals[rank], hops[rank], finals[chosen], hops[chosen]):
-                chosen = rank
+        # the least time; within rounding of it, the fewest hops; of those, the first server
+        near = ~_better(np.min(finals), np.iinfo(np.int64).max, finals, hops)
+        chosen = int(np.flatnonzero(near & (hops == np.min(hops[near])))[0])
         chain, position, server = [], self.num_blocks, int(here[chosen])
         while position > self.start:
             entered, before = self.history[position]
             chain.append((self.servers[server].peer_id, int(entered[server]), position))
             position, server = int(entered[server]), int(before[server])
         return chain[::-1]
+
+
+def _by_position(low: np.ndarray, high: np.ndarray, positions: int) -> list[np.ndarray]:
+    """For each position q < `positions`, the indices i with low[i] <= q < high[i], ascending."""
+    counts = np.maximum(np.minimum(high, positions) - np.maximum(low, 0), 0)
+    index = np.repeat(np.arange(len(low)), counts)
+    position = np.repeat(np.maximum(low, 0) - np.cumsum(counts) + counts, counts) + np.arange(len(index))
+    order = np.argsort(position, kind="stable")
+    return np.split(index[order], np.searchsorted(position[order], np.arange(1, positions)))
 
 
 def _better(seconds, hops, incumbent_seconds, incumbent_hops):
