@@ -5,7 +5,7 @@ gateway whose routing is the real code, fed as SwarmClient feeds it.
 
     python -m bench.routing_quality [--servers 1000] [--blocks 80] [--seconds 120] [--warmup 60]
                                     [--sessions-per-second 2] [--session-steps 20] [--churn-every 3]
-                                    [--noise 1.0] [--variants today,fresh,exact] [--seed 0]
+                                    [--noise 1.0] [--variants today,fresh,exact,...] [--seed 0]
                                     [--json PATH]
 
 The gateway (SimulatedGateway): each chain is routing.choose_chain(..., flowing=True) over the records the
@@ -21,7 +21,10 @@ counted) over the best chain's (quality_world.best_seconds).
 Variants (--variants): `today` (as the gateway is), `no-noise` (measurements exact), `fresh` (compute kept as
 proposed: the least of the last steps, forgotten FRESH_SECONDS after the last: fresh_compute_load),
 `probe-all` (every server probed every period), `fresh+probe-all`, `exact` (routing given the true round trip
-and compute of every server: what the cost model alone loses, its link estimates against the true links).
+and compute of every server: what the cost model alone loses, its link estimates against the true links),
+`upper-links` (a link no server announced priced at the sum of the two servers' round trips from the gateway,
+the triangle inequality's bound, not their mean: flowing_routes.UNANNOUNCED_LINK_SHARE 0.5), `all-three` (fresh,
+probe-all and upper-links) and `exact+upper-links`.
 Prints a Markdown table; exits 0.
 """
 
@@ -39,7 +42,9 @@ from bench.quality_world import World, best_seconds, chain_seconds, noise
 # name -> how the gateway differs from today's: measurements without noise, compute kept as FreshCompute keeps
 # it, every server probed every period, or routing given every server's true round trip and compute
 VARIANTS = {"today": {}, "no-noise": {"no_noise": True}, "fresh": {"fresh": True}, "probe-all": {"probe_all": True},
-            "fresh+probe-all": {"fresh": True, "probe_all": True}, "exact": {"exact": True}}
+            "fresh+probe-all": {"fresh": True, "probe_all": True}, "exact": {"exact": True},
+            "upper-links": {"link_share": 0.5}, "all-three": {"fresh": True, "probe_all": True, "link_share": 0.5},
+            "exact+upper-links": {"exact": True, "link_share": 0.5}}
 FRESH_SECONDS = 30.0  # FreshCompute: a server's measured compute counts this long after its last step there
 
 
@@ -158,10 +163,21 @@ class SimulatedGateway:
 
 def simulate(options, variant: str) -> Judged:
     """One run of the world and the gateway, a tick a second; the choices after the warm-up judged."""
+    from swarm.client import flowing_routes
+
     settings = dict(VARIANTS[variant])
+    link_share, today_share = settings.pop("link_share", None), flowing_routes.UNANNOUNCED_LINK_SHARE
     world = World(options.servers, options.blocks, options.seed,
                   0.0 if settings.pop("no_noise", False) else options.noise, options.churn_every)
     gateway = SimulatedGateway(world, random.Random(options.seed + 1), world.noise_scale, **settings)
+    try:
+        flowing_routes.UNANNOUNCED_LINK_SHARE = link_share or today_share
+        return _run(options, world, gateway)
+    finally:
+        flowing_routes.UNANNOUNCED_LINK_SHARE = today_share
+
+
+def _run(options, world: World, gateway: SimulatedGateway) -> Judged:
     judged, sessions, owed = Judged(), [], 0.0
     while world.time < options.warmup + options.seconds:
         judge = world.time >= options.warmup

@@ -28,10 +28,18 @@ from swarm.protocol import RemoteServer
 
 Hop = tuple[str, int, int]  # (peer id, first block, one past the last)
 
-# a hop pays this share of its server's round trip from the client where no link of it is announced: a quarter
-# for each link to a neighbour in the chain (half the mean of the two round trips), a half for the client's link
-# in or out: a hop inside a chain pays a half, the first or last three quarters, a chain's only hop all of it
-ROUND_TRIP_SHARES = (0.5, 0.75, 1.0)
+# a server-to-server link no server announced is priced, one way, at this share of each end's round trip from the
+# client: a quarter (half the mean of the two). bench/routing_quality.py measures a half (the triangle inequality's
+# upper bound, both round trips in full) as a proposal; the searches and flowing_network_seconds read it here
+UNANNOUNCED_LINK_SHARE = 0.25
+
+
+def round_trip_shares() -> tuple[float, ...]:
+    """The shares of its round trip from the client a hop pays where no link of it is announced: one
+    UNANNOUNCED_LINK_SHARE for each neighbour in the chain, a half for the client's link in or out: a hop inside
+    a chain two, the first or last a half and one, a chain's only hop all of it."""
+    return (2 * UNANNOUNCED_LINK_SHARE, 0.5 + UNANNOUNCED_LINK_SHARE, 1.0)
+
 NEXT_WAYS_OUT = 48  # the cheapest ways out tried at once for a server the cheapest cannot serve
 
 
@@ -50,7 +58,9 @@ def announced_round_trips(servers: Iterable[RemoteServer]) -> dict[tuple[str, st
 def server_round_trip(links: Mapping[tuple[str, str], float], client_rtt: Mapping[str, float],
                       sender: str, receiver: str) -> float:
     announced = links.get((sender, receiver))
-    return announced if announced is not None else (client_rtt[sender] + client_rtt[receiver]) / 2
+    if announced is not None:
+        return announced
+    return (client_rtt[sender] + client_rtt[receiver]) * 2 * UNANNOUNCED_LINK_SHARE
 
 
 def flowing_network_seconds(peers: list[str], links: Mapping[tuple[str, str], float],
@@ -71,7 +81,7 @@ def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str,
     be worth its block.
 
     Servers that announce no link, and to which none is announced, are priced by their client round trip alone
-    (ROUND_TRIP_SHARES): one of them outpriced at every hop length and share by such servers holding all its
+    (round_trip_shares()): one of them outpriced at every hop length and share by such servers holding all its
     blocks (chain_search.drop_outpriced) is in no chain that they cannot beat, so it is dropped. The others are
     all searched (a server's announced links may make it the best neighbour of one server and no other's)."""
     found = candidates(list(servers), cost, client_rtt, start, num_blocks)
@@ -79,7 +89,8 @@ def cheapest_flowing_chain(servers: Collection[RemoteServer], cost: Mapping[str,
     linked = np.zeros(len(found), dtype=bool)
     linked[links.sender], linked[links.receiver] = True, True
     unlinked = np.flatnonzero(~linked)
-    survivors = drop_outpriced([found[number]._replace(peer_id=number) for number in unlinked], ROUND_TRIP_SHARES)
+    survivors = drop_outpriced([found[number]._replace(peer_id=number) for number in unlinked],
+                               round_trip_shares())
     keep = linked.copy()
     keep[[survivor.peer_id for survivor in survivors]] = True  # numbered, not named, while pruned
     kept = [server for server, chosen in zip(found, keep) if chosen]
@@ -132,8 +143,9 @@ class _FlowingSearch:
     at q costs E(q, t) to enter, the least over s != t of A(q, s) + the one way from s to t, and A(p, t) is
     p x cost[t] plus the least of E(q, t) - q x cost[t] over q < p: kept per server as the search goes (`offset`),
     so each position prices each server once. The way in from s without an announced link costs
-    (A(q, s) + rtt[s] / 4) + rtt[t] / 4: the least over s of the first term serves every t but s and the servers
-    linked to s (found further down the order); announced links are priced with numpy, a row each."""
+    (A(q, s) + rtt[s] x share) + rtt[t] x share (UNANNOUNCED_LINK_SHARE): the least over s of the first term
+    serves every t but s and the servers linked to s (found further down the order); announced links are priced
+    with numpy, a row each."""
 
     def __init__(self, servers: list[Candidate], links: _Links, start: int, num_blocks: int):
         self.servers, self.links, self.start, self.num_blocks = servers, links, start, num_blocks
@@ -183,13 +195,13 @@ class _FlowingSearch:
     def _entries(self, position: int, arrivals, entering: np.ndarray):
         """(seconds, hops, server before) of the cheapest way into a hop through each of `entering`."""
         here, seconds, hops = arrivals
-        way_out = seconds + self.rtt[here] / 4
+        way_out = seconds + self.rtt[here] * UNANNOUNCED_LINK_SHARE
         best = int(np.argmin(way_out))
         order = None  # the cheapest way out first; on a tie, fewer hops: sorted only where needed
         if np.count_nonzero(way_out == way_out[best]) > 1:
             order = np.lexsort((here, hops, way_out))
             best = int(order[0])
-        entry = [way_out[best] + self.rtt[entering] / 4, np.full(len(entering), hops[best] + 1),
+        entry = [way_out[best] + self.rtt[entering] * UNANNOUNCED_LINK_SHARE, np.full(len(entering), hops[best] + 1),
                  np.full(len(entering), here[best])]
         # the servers the cheapest way out cannot serve (itself, and those it has a link with): the next one
         if len(self.links.receiver):
@@ -202,7 +214,8 @@ class _FlowingSearch:
         if len(slots):
             order = np.lexsort((here, hops, way_out)) if order is None else order
             found = self._next_ways_out(entering[slots], here, order)
-            entry[0][slots] = np.where(found >= 0, way_out[found] + self.rtt[entering[slots]] / 4, math.inf)
+            entry[0][slots] = np.where(found >= 0, way_out[found] + self.rtt[entering[slots]] * UNANNOUNCED_LINK_SHARE,
+                                       math.inf)
             entry[1][slots] = np.where(found >= 0, hops[found] + 1, 0)
             entry[2][slots] = np.where(found >= 0, here[found], -1)
         if len(self.links.receiver):

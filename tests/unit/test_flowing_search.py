@@ -231,3 +231,21 @@ def test_choose_chain_with_flowing_steps_routes_as_before():
         cost = {server.peer_id: speed[server.peer_id] * load.get(server.peer_id, 1.0) for server in servers}
         expected = reference_flowing_chain(servers, cost, routing.round_trip_estimates(servers, rtt), 0, blocks)
         assert [(link.peer_id, link.start, link.end) for link in chain] == expected
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_with_unannounced_links_priced_at_their_upper_bound_the_chain_is_still_the_least_of_every_chain(
+        seed, monkeypatch):
+    """UNANNOUNCED_LINK_SHARE 0.5 (bench.routing_quality's `upper-links`): a link no server announced priced at the
+    sum of the two round trips from the client; the search and its pruning follow, and so does the brute force
+    (flowing_network_seconds)."""
+    monkeypatch.setattr(flowing_routes, "UNANNOUNCED_LINK_SHARE", 0.5)
+    rng = random.Random(7000 + seed)
+    blocks = rng.randint(2, 5)
+    remote, cost, rtt = random_swarm(rng, rng.randint(2, 6), blocks, rng.choice([0.0, 0.5]))
+    hops = cheapest_flowing_chain(remote, cost, rtt, 0, blocks)
+    seconds = flowing_network_seconds([peer for peer, _, _ in hops], announced_round_trips(remote), rtt) + sum(
+        (end - start) * cost[peer] for peer, start, end in hops)
+    least_seconds, least_hops = every_chain_best(remote, cost, rtt, blocks)
+    assert seconds == pytest.approx(least_seconds, rel=1e-9, abs=1e-12)
+    assert len(hops) == least_hops
