@@ -5,14 +5,16 @@
 
 Measures, in this process (no swarm needed):
   - the bytes of one server's record as the DHT stores it under each of its blocks (signed, under its owner
-    subkey), and so the bytes a routing lookup brings back (one record per server per block it holds);
+    subkey), and so the bytes a routing lookup would bring back with one record per server per block it holds,
+    each fetched once (what a lookup really brings back, with whatever layout swarm/dht.py writes:
+    `python -m bench.scale`);
   - choose_chain's time on synthetic swarms of --servers servers over --blocks blocks (spans of about
     --span-fraction of the blocks, random round trips and speeds), the median of --repeats runs: both searches,
     without flowing steps (swarm/client/chain_search.py) and with them (flowing_routes.cheapest_flowing_chain,
     --flowing-repeats runs), the latter also with each server announcing its round trips to --links servers of
     the block after its span, as servers do (swarm/server/round_trips.py), which its pruning cannot use.
 The churn harness measures the lookups themselves on a live swarm (`python -m bench.churn`: its "dht" figures,
-from `live_lookups`). Prints a Markdown table; exits 0.
+from `live_lookups`), bench.scale on real DHT nodes holding up to thousands of simulated servers. Prints a Markdown table; exits 0.
 """
 
 from __future__ import annotations
