@@ -95,7 +95,7 @@ def row(figures: dict) -> str:
     return (f"| {figures['servers']:,}{'' if done == figures['servers'] else f' ({done:,} announced)'} "
             f"| {sum(batch['seconds'] for batch in batches):.1f} s "
             f"| {total / max(done, 1) / 1e3:,.0f} kB ({(last['sent'] + last['received']) / last['servers'] / 1e3:,.0f} kB, "
-            f"{last['calls'] / last['servers']:.0f} RPCs) "
+            f"{last['calls'] / last['servers']:.0f} RPCs); {total / max(len(per_key), 1) / 1e3:,.0f} kB per key "
             f"| {len(per_key)} keys: median {statistics.median(per_key):g}, max {max(per_key)} "
             f"| {statistics.median(look['seconds'] for look in lookups):.2f} s "
             f"(max {max(look['seconds'] for look in lookups):.2f}) | {lookup_bytes / 1e6:.2f} MB, "
@@ -115,7 +115,7 @@ def _milliseconds(figures: dict) -> str:
     return f"{seconds['relayed'] * 1e3:.1f} / {seconds['flowing'] * 1e3:.1f} ms"
 
 
-HEADER = ("| servers | announcing them all | announce traffic per server (the last tenth's, RPCs) | records per key "
+HEADER = ("| servers | announcing them all | announce traffic per server (the last tenth's, RPCs); per key | records per key "
           "| lookup time, median | lookup bytes and RPCs | servers found (fewest) | choose_chain relayed / flowing |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
 
