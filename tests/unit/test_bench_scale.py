@@ -100,3 +100,15 @@ def test_the_routing_quality_simulation_judges_real_routing_choices(tmp_path):
         assert 1.0 - 1e-9 <= figures["median"] <= figures["max"]  # no chain beats the best
         assert 0 <= figures["within_10_percent"] <= 1
     assert results[1]["measured_share"] == 1.0  # `exact`: every server's truth given
+
+
+def test_routing_cost_s_synthetic_servers_announce_links_to_their_next_block():
+    from bench.routing_cost import choose_chain_seconds, synthetic_swarm
+
+    remote, _, _ = synthetic_swarm(100, 24, 0.3, random.Random(0), links=16)
+    spans = {server.peer_id: (server.info.start, server.info.end) for server in remote}
+    for server in remote:
+        assert len(server.info.round_trips) <= 16
+        assert all(spans[peer][0] <= server.info.end < spans[peer][1] for peer, _ in server.info.round_trips)
+    assert sum(len(server.info.round_trips) for server in remote) > 100 * 8
+    assert choose_chain_seconds(100, 24, 0.3, repeats=1, flowing=True, links=16) > 0
