@@ -75,24 +75,29 @@ def candidates(servers: Sequence[RemoteServer], cost: Mapping[str, float], round
     return clipped
 
 
-def drop_outpriced(servers: list[Candidate]) -> list[Candidate]:
+def drop_outpriced(servers: list[Candidate], round_trip_shares: Sequence[float] = (1.0,)) -> list[Candidate]:
     """`servers`, in order, less those outpriced at every hop length they could serve by servers holding all their
     blocks (and maybe more): each server's price of each hop length, against the least price of that length among
     the servers whose span holds its span (ties kept). Those spans are found as prefix minima over a table of
     (span start, span end, hop length); too large a table (a model of hundreds of blocks) is not built, and then
-    every server is searched."""
+    every server is searched.
+
+    A hop's price is its share of the round trip plus its blocks x cost; `round_trip_shares`: the shares a hop may
+    pay (1: a relayed step's whole round trip; flowing steps pay a half, three quarters or all of it, by where the
+    hop lies in its chain: flowing_routes.py), a server dropped only if outpriced at every length and share."""
     if len(servers) < 2:
         return servers
     firsts = np.array([server.start for server in servers])
     ends = np.array([server.end for server in servers])
     lengths = np.arange(1, int((ends - firsts).max()) + 1)
-    serves = lengths[None, :] <= (ends - firsts)[:, None]
-    hop_seconds = (np.array([server.round_trip for server in servers])[:, None]
-                   + lengths[None, :] * np.array([server.cost for server in servers])[:, None])
+    serves = np.tile(lengths[None, :] <= (ends - firsts)[:, None], len(round_trip_shares))
+    round_trips = np.array([server.round_trip for server in servers])[:, None]
+    costs = np.array([server.cost for server in servers])[:, None]
+    hop_seconds = np.hstack([share * round_trips + lengths[None, :] * costs for share in round_trip_shares])
     hop_seconds[~serves] = np.inf
     starts_seen, start_rank = np.unique(firsts, return_inverse=True)
     ends_seen, end_rank = np.unique(ends, return_inverse=True)
-    if len(starts_seen) * len(ends_seen) * len(lengths) > MAX_TABLE_CELLS:
+    if len(starts_seen) * len(ends_seen) * hop_seconds.shape[1] > MAX_TABLE_CELLS:
         return servers
     least = _least_per_span(hop_seconds, start_rank, end_rank, (len(starts_seen), len(ends_seen)))
     # then per span over every span holding it (starting no later, ending no earlier): prefix minima, a row or a
