@@ -355,7 +355,10 @@ async def measure_all() -> list[Row]:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m bench.relay_limits", description=__doc__.split("\n")[0]).parse_args(argv)
     started = time.monotonic()
     rows = asyncio.run(measure_all())
     print(table([Row("measure", "setting", "what one host got"), *rows]))

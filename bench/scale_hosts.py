@@ -18,7 +18,6 @@ are timed against nodes that do not share its event loop.
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 import random
 import time
@@ -27,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-KEY_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "swarm-bench" / "scale-keys.pickle"
 ANNOUNCES_AT_ONCE = 64  # simulated servers announcing at the same moment (a real swarm's are spread over a period)
 RECORD_SECONDS = 600.0  # how long the simulated records live: longer than a run
 
@@ -77,11 +75,19 @@ def difference(after: dict, before: dict) -> dict:
             for part in ("sent", "received", "calls", "failed")}
 
 
-def load_keys(count: int, path: Path = KEY_CACHE) -> list:
+def key_cache() -> Path:
+    """Where the simulated servers' keys are kept between runs (making 9,000 takes minutes): the swarm's cache."""
+    from config import SwarmSettings
+
+    return SwarmSettings.from_env().cache_dir / "bench-scale-keys.pickle"
+
+
+def load_keys(count: int, path: Optional[Path] = None) -> list:
     """`count` RSA identity keys (hivemind's RSAPrivateKey: 2048 bits, as every node's), the first ones kept in
     `path` across runs: generating one takes 30-60 ms of CPU, 10,000 several minutes."""
     from hivemind.utils.crypto import RSAPrivateKey
 
+    path = path or key_cache()
     stored: list[bytes] = []
     if path.exists():
         with open(path, "rb") as file:
@@ -222,7 +228,7 @@ def _announce_population(loop, hosts: Hosts, options: dict, key_cache: Optional[
     from swarm.trust import owner_peer_id
 
     began = time.perf_counter()
-    keys = load_keys(options["servers"], Path(key_cache) if key_cache else KEY_CACHE)
+    keys = load_keys(options["servers"], Path(key_cache) if key_cache else None)
     markers = _assign(hosts, keys)
     servers = population([owner_peer_id(marker) for marker in markers], options, random.Random(options["seed"]))
     records = records_of(servers, options)
