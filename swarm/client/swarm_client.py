@@ -21,6 +21,7 @@ from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import (MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session,
                                   speaks)
 from swarm.client.remote_session import RemoteSession
+from swarm.client.swarm_view import OPENING_MAX_AGE, REPLAN_MAX_AGE, SwarmView
 from swarm.client.services import ClientServices, Route
 from swarm.client.audits import Auditor
 from swarm.client.spot_check import SpotChecker
@@ -127,15 +128,29 @@ class SwarmClient:
         self._region_announced = -REGION_TTL
         self._announce_region()
 
-    def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> list[RemoteServer]:
+    def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None,
+                max_age: float = OPENING_MAX_AGE) -> list[RemoteServer]:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
-        `adapter`, only those that announce that LoRA adapter."""
+        `adapter`, only those that announce that LoRA adapter. From the client's shared view of the model's servers
+        (swarm_view.py), looked up again if older than `max_age` seconds (0: looked up now)."""
         self._announce_region()
-        servers = self._speaking(self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers)))
+        servers = self._speaking(self.view.servers(prefix, num_blocks, max_age))
         self.dead.seen(servers)
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
         return [server for server in servers if adapter is None or adapter in server.info.adapters]
+
+    @property
+    def view(self) -> SwarmView:
+        """One view of each model's servers, shared by every session, refreshed in the background (swarm_view.py);
+        made on first use."""
+        view = self.__dict__.get("_view")
+        if view is None:
+            view = self._view = SwarmView(self.loop, self._look_up_servers)
+        return view
+
+    async def _look_up_servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
+        return await dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers)
 
     def adapters(self, prefix: str, num_blocks: int) -> set[str]:
         """The LoRA adapters of a model that online servers announce (at most MAX_ADAPTERS_PER_MODEL: see
@@ -186,13 +201,19 @@ class SwarmClient:
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
-        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None,
+        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None, replan: bool = False,
     ) -> list[ChainLink]:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers, of
         servers that hold the LoRA `adapter` (if any); each choice is logged (one line: which server runs which
-        blocks), as Petals logs its routes."""
-        servers = self.servers(prefix, num_blocks, adapter)
-        chain = self._best_chain(servers, num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        blocks), as Petals logs its routes. `replan`: a failed server's blocks are re-routed: the view of the swarm
+        serves as long as its records live (no lookup), where an opening wants it a few seconds old at most. Where
+        the view lacks some blocks, the servers are looked up once more before MissingBlocksError."""
+        routing = (num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        try:
+            servers = self.servers(prefix, num_blocks, adapter, REPLAN_MAX_AGE if replan else OPENING_MAX_AGE)
+            chain = self._best_chain(servers, *routing)
+        except MissingBlocksError:  # a server may have joined since the view's lookup
+            chain = self._best_chain(self.servers(prefix, num_blocks, adapter, max_age=0), *routing)
         if chain:
             logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
                         " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
@@ -245,8 +266,9 @@ class SwarmClient:
         return self.loop.run(dht.fetch_catalogue(self.node, self.allowed_servers), timeout=10)
 
     def coverage(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> Coverage:
-        """How many online servers hold blocks of the model (with the LoRA `adapter`, if any), and which none holds."""
-        servers = self.servers(prefix, num_blocks, adapter)
+        """How many online servers hold blocks of the model (with the LoRA `adapter`, if any), and which none holds:
+        looked up now (what a listing of models or a health check shows), which refreshes routing's view too."""
+        servers = self.servers(prefix, num_blocks, adapter, max_age=0)
         return Coverage(num_blocks, len(servers), missing_ranges(servers, num_blocks))
 
     def health(self, prefix: str, num_blocks: int) -> SwarmHealth:
@@ -327,6 +349,7 @@ class SwarmClient:
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
+        self.view.close()
         self.audits.close()
         self.probes.close()
         self.loop.run(self.step_channels.close())
