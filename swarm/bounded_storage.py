@@ -45,8 +45,8 @@ def _decoded(signed_value: bytes):
         return None
 
 
-def install(node) -> None:
-    """Give the node's protocol bounded storage and cache, with whatever it already holds."""
+def install(node):
+    """Give the node's protocol bounded storage and cache, with whatever it already holds; returns the node."""
     protocol = node.protocol
     for name in ("storage", "cache"):
         old = getattr(protocol, name)
@@ -58,3 +58,4 @@ def install(node) -> None:
             else:
                 new.store(key, item.value, item.expiration_time)
         setattr(protocol, name, new)
+    return node

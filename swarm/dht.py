@@ -89,8 +89,7 @@ async def start_node(
         await p2p.shutdown()
         raise
     node._should_shutdown_p2p = True  # its daemon is the node's alone, as when hivemind starts it: it stops with it
-    bounded_storage.install(node)  # a key keeps at most what swarm/directory.py allows
-    return node
+    return bounded_storage.install(node)  # a key keeps at most what swarm/directory.py allows
 
 
 async def visible_maddrs(node) -> list[str]:
