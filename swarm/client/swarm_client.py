@@ -134,7 +134,7 @@ class SwarmClient:
         `adapter`, only those that announce that LoRA adapter. From the client's shared view of the model's servers
         (swarm_view.py), looked up again if older than `max_age` seconds (0: looked up now)."""
         self._announce_region()
-        servers = self._speaking(self.view.servers(prefix, num_blocks, max_age))
+        servers = self._speaking(self.view.servers(prefix, num_blocks, max_age, self.allowed_servers))
         self.dead.seen(servers)
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
@@ -149,8 +149,8 @@ class SwarmClient:
             view = self._view = SwarmView(self.loop, self._look_up_servers)
         return view
 
-    async def _look_up_servers(self, prefix: str, num_blocks: int) -> list[RemoteServer]:
-        return await dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers)
+    async def _look_up_servers(self, prefix: str, num_blocks: int, allowed: frozenset) -> list[RemoteServer]:
+        return await dht.fetch_servers(self.node, prefix, num_blocks, allowed)
 
     def adapters(self, prefix: str, num_blocks: int) -> set[str]:
         """The LoRA adapters of a model that online servers announce (at most MAX_ADAPTERS_PER_MODEL: see

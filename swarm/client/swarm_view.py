@@ -27,7 +27,8 @@ IDLE_SECONDS = 60.0
 OPENING_MAX_AGE = 3.0  # above REFRESH_SECONDS: a model in use is always fresh enough, openings never wait
 REPLAN_MAX_AGE = 30.0  # a record's life (three announce periods of 10 s)
 
-Fetch = Callable[[str, int], Awaitable[list[RemoteServer]]]
+Fetch = Callable[[str, int, frozenset], Awaitable[list[RemoteServer]]]  # (prefix, num_blocks, allowed servers)
+Model = tuple[str, int, frozenset]
 
 
 @dataclass
@@ -39,28 +40,25 @@ class _ModelView:
 
 
 class SwarmView:
-    """The servers of each model (prefix, num_blocks), as `fetch` (a coroutine function) finds them. Runs on
-    `loop` (a dht.EventLoop): `servers` may be called from any thread."""
+    """The servers of each model (prefix, num_blocks), as `fetch` (a coroutine function) finds them: one view per
+    set of servers a client allows (a private swarm's; empty: any), which a client may change. Runs on `loop` (a
+    dht.EventLoop): `servers` may be called from any thread."""
 
     def __init__(self, loop, fetch: Fetch, refresh_seconds: float = REFRESH_SECONDS,
                  idle_seconds: float = IDLE_SECONDS):
         self.loop, self.fetch = loop, fetch
         self.refresh_seconds, self.idle_seconds = refresh_seconds, idle_seconds
         self.lookups = 0  # lookups made, in the background or for a caller
-        self._views: dict[tuple[str, int], _ModelView] = {}
+        self._views: dict[Model, _ModelView] = {}
         self._refresher: Optional[asyncio.Task] = None
 
-    def servers(self, prefix: str, num_blocks: int, max_age: float = OPENING_MAX_AGE) -> list[RemoteServer]:
-        """The model's servers, from a lookup at most `max_age` seconds old (0: a lookup now, or the one in
-        flight)."""
-        return self.loop.run(self._servers((prefix, num_blocks), max_age))
+    def servers(self, prefix: str, num_blocks: int, max_age: float = OPENING_MAX_AGE,
+                allowed: frozenset = frozenset()) -> list[RemoteServer]:
+        """The model's servers (only those in `allowed`, if any), from a lookup at most `max_age` seconds old (0: a
+        lookup now, or the one in flight)."""
+        return self.loop.run(self._servers((prefix, num_blocks, frozenset(allowed)), max_age))
 
-    def age(self, prefix: str, num_blocks: int) -> float:
-        """Seconds since the model's view was looked up (inf: never)."""
-        view = self._views.get((prefix, num_blocks))
-        return float("inf") if view is None else time.monotonic() - view.fetched
-
-    async def _servers(self, model: tuple[str, int], max_age: float) -> list[RemoteServer]:
+    async def _servers(self, model: Model, max_age: float) -> list[RemoteServer]:
         view = self._views.setdefault(model, _ModelView())
         view.used = time.monotonic()
         if self._refresher is None:
@@ -69,12 +67,12 @@ class SwarmView:
         now = time.time()  # DHT time: a record the view holds leaves it when it expires, as it leaves the DHT
         return [server for server in servers if server.expires > now]
 
-    async def _refresh(self, model: tuple[str, int], view: _ModelView) -> list[RemoteServer]:
+    async def _refresh(self, model: Model, view: _ModelView) -> list[RemoteServer]:
         if view.pending is None:
             view.pending = asyncio.ensure_future(self._look_up(model, view))
         return await asyncio.shield(view.pending)  # a caller that gives up does not cancel the others' lookup
 
-    async def _look_up(self, model: tuple[str, int], view: _ModelView) -> list[RemoteServer]:
+    async def _look_up(self, model: Model, view: _ModelView) -> list[RemoteServer]:
         try:
             self.lookups += 1
             began = time.monotonic()
