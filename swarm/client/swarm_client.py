@@ -207,20 +207,22 @@ class SwarmClient:
         servers that hold the LoRA `adapter` (if any); each choice is logged (one line: which server runs which
         blocks), as Petals logs its routes. `replan`: a failed server's blocks are re-routed: the view of the swarm
         serves as long as its records live (no lookup), where an opening wants it a few seconds old at most. Where
-        the view lacks some blocks, the servers are looked up once more before MissingBlocksError."""
+        the view has no server for some blocks but banned ones, they are looked up anew: a server may have joined
+        since (a replacement), before routing settles for a banned one or fails with MissingBlocksError."""
         routing = (num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        servers = self.servers(prefix, num_blocks, adapter, REPLAN_MAX_AGE if replan else OPENING_MAX_AGE)
         try:
-            servers = self.servers(prefix, num_blocks, adapter, REPLAN_MAX_AGE if replan else OPENING_MAX_AGE)
-            chain = self._best_chain(servers, *routing)
-        except MissingBlocksError:  # a server may have joined since the view's lookup
-            chain = self._best_chain(self.servers(prefix, num_blocks, adapter, max_age=0), *routing)
+            chain = self._best_chain(servers, *routing, fall_back=False)
+        except MissingBlocksError:
+            chain = self._best_chain(self.servers(prefix, num_blocks, adapter, max_age=0), *routing, fall_back=True)
         if chain:
             logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
                         " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
         return chain
 
     def _best_chain(self, servers: list[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str],
-                    end: Optional[int], start: int, min_cache_tokens: int) -> list[ChainLink]:
+                    end: Optional[int], start: int, min_cache_tokens: int, fall_back: bool = True) -> list[ChainLink]:
+        """`fall_back`: on servers banned for failures, where only they hold some of the blocks."""
         end = num_blocks if end is None else end
         banned = self.bans.current()
         self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
@@ -230,7 +232,7 @@ class SwarmClient:
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
                                 flowing_by_default() is not False)
         except MissingBlocksError:
-            if not self.bans.current() - self.bans.distrusted():
+            if not fall_back or not self.bans.current() - self.bans.distrusted():
                 raise
             # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
             # not strand a session when there are none (a server that was only slow under a burst of load)
