@@ -161,7 +161,7 @@ class SwarmClient:
         """The LoRA adapters of a model that online servers announce, each with its coverage, from one lookup of
         the model's servers: at most MAX_ADAPTERS_PER_MODEL of them, as routing.announced_adapters ranks them
         (any peer may announce hundreds of names: a model's list, and what each name costs, stay bounded)."""
-        servers = self.servers(prefix, num_blocks)
+        servers = self.servers(prefix, num_blocks, max_age=0)  # what a listing shows: looked up now, as coverage
         coverage = {}
         for adapter in announced_adapters(servers, MAX_ADAPTERS_PER_MODEL):
             holders = [server for server in servers if adapter in server.info.adapters]
@@ -261,7 +261,7 @@ class SwarmClient:
         """The most tokens (max_length x batch size) one session of the model can hold on the swarm now: for
         each block, the best max_session_tokens among the servers holding it; the least of those over the blocks.
         None if unknown (a block with no server, or only servers too old to announce it)."""
-        return longest_session(self.servers(prefix, num_blocks), num_blocks)
+        return longest_session(self.servers(prefix, num_blocks, max_age=0), num_blocks)  # as coverage: looked up now
 
     def catalogue(self) -> list[ModelRecord]:
         """The models the swarm's servers announce (one record per model, as most of its servers sign it)."""
