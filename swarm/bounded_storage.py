@@ -20,7 +20,10 @@ from swarm import directory
 
 
 class BoundedStorage(DHTLocalStorage):
+    """hivemind's storage, but a key holding server records or catalogue entries keeps what directory.kept keeps."""
+
     def store_subkey(self, key, subkey, value, expiration_time) -> bool:
+        """Store as hivemind does, then drop what the key does not keep; whether the entry stored is kept."""
         stored = super().store_subkey(key, subkey, value, expiration_time)
         found = self.get(key)
         if not stored or found is None or not isinstance(found.value, DictionaryDHTValue):
