@@ -22,9 +22,9 @@ from swarm.protocol import RemoteServer
 
 logger = logging.getLogger(__name__)
 
-REFRESH_SECONDS = 2.0
+REFRESH_SECONDS = 1.0
 IDLE_SECONDS = 60.0
-OPENING_MAX_AGE = 3.0  # above REFRESH_SECONDS: a model in use is always fresh enough, openings never wait
+OPENING_MAX_AGE = 2.0  # above REFRESH_SECONDS: a model in use is always fresh enough, openings never wait
 REPLAN_MAX_AGE = 30.0  # a record's life (three announce periods of 10 s)
 
 Fetch = Callable[[str, int, frozenset], Awaitable[list[RemoteServer]]]  # (prefix, num_blocks, allowed servers)
