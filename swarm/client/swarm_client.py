@@ -129,10 +129,11 @@ class SwarmClient:
         self._announce_region()
 
     def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None,
-                max_age: float = OPENING_MAX_AGE) -> list[RemoteServer]:
+                max_age: float = 0.0) -> list[RemoteServer]:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
-        `adapter`, only those that announce that LoRA adapter. From the client's shared view of the model's servers
-        (swarm_view.py), looked up again if older than `max_age` seconds (0: looked up now)."""
+        `adapter`, only those that announce that LoRA adapter. Looked up now by default (which refreshes the
+        client's shared view of the model's servers: swarm_view.py); from that view where it is at most `max_age`
+        seconds old (what routing asks: see chain)."""
         self._announce_region()
         servers = self._speaking(self.view.servers(prefix, num_blocks, max_age, self.allowed_servers))
         self.dead.seen(servers)
@@ -161,7 +162,7 @@ class SwarmClient:
         """The LoRA adapters of a model that online servers announce, each with its coverage, from one lookup of
         the model's servers: at most MAX_ADAPTERS_PER_MODEL of them, as routing.announced_adapters ranks them
         (any peer may announce hundreds of names: a model's list, and what each name costs, stay bounded)."""
-        servers = self.servers(prefix, num_blocks, max_age=0)  # what a listing shows: looked up now, as coverage
+        servers = self.servers(prefix, num_blocks)
         coverage = {}
         for adapter in announced_adapters(servers, MAX_ADAPTERS_PER_MODEL):
             holders = [server for server in servers if adapter in server.info.adapters]
@@ -214,7 +215,7 @@ class SwarmClient:
         try:
             chain = self._best_chain(servers, *routing, fall_back=False)
         except MissingBlocksError:
-            chain = self._best_chain(self.servers(prefix, num_blocks, adapter, max_age=0), *routing, fall_back=True)
+            chain = self._best_chain(self.servers(prefix, num_blocks, adapter), *routing, fall_back=True)
         if chain:
             logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
                         " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
@@ -261,16 +262,15 @@ class SwarmClient:
         """The most tokens (max_length x batch size) one session of the model can hold on the swarm now: for
         each block, the best max_session_tokens among the servers holding it; the least of those over the blocks.
         None if unknown (a block with no server, or only servers too old to announce it)."""
-        return longest_session(self.servers(prefix, num_blocks, max_age=0), num_blocks)  # as coverage: looked up now
+        return longest_session(self.servers(prefix, num_blocks), num_blocks)
 
     def catalogue(self) -> list[ModelRecord]:
         """The models the swarm's servers announce (one record per model, as most of its servers sign it)."""
         return self.loop.run(dht.fetch_catalogue(self.node, self.allowed_servers), timeout=10)
 
     def coverage(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> Coverage:
-        """How many online servers hold blocks of the model (with the LoRA `adapter`, if any), and which none holds:
-        looked up now (what a listing of models or a health check shows), which refreshes routing's view too."""
-        servers = self.servers(prefix, num_blocks, adapter, max_age=0)
+        """How many online servers hold blocks of the model (with the LoRA `adapter`, if any), and which none holds."""
+        servers = self.servers(prefix, num_blocks, adapter)
         return Coverage(num_blocks, len(servers), missing_ranges(servers, num_blocks))
 
     def health(self, prefix: str, num_blocks: int) -> SwarmHealth:
