@@ -13,7 +13,9 @@ import threading
 from collections import Counter
 from typing import Collection, Iterable, Optional, Sequence
 
-from swarm.protocol import CATALOGUE_KEY, ModelRecord, RemoteServer, ServerInfo, ServerState, block_key
+from swarm import directory
+from swarm.directory import record_key, start_keys
+from swarm.protocol import CATALOGUE_KEY, ModelRecord, RemoteServer, ServerInfo, ServerState
 
 
 class EventLoop:
@@ -58,7 +60,7 @@ async def start_node(
     in place of those it listens on (a forwarded port's: swarm/server/addresses.py)."""
     from hivemind.dht.node import DHTNode
 
-    from swarm import trust
+    from swarm import bounded_storage, trust
     from swarm.relays import RelayLimits, daemon_class, relay_options, relay_service_flags
     from swarm.transport import coalesce_small_writes
 
@@ -87,7 +89,7 @@ async def start_node(
         await p2p.shutdown()
         raise
     node._should_shutdown_p2p = True  # its daemon is the node's alone, as when hivemind starts it: it stops with it
-    return node
+    return bounded_storage.install(node)  # a key keeps at most what swarm/directory.py allows
 
 
 async def visible_maddrs(node) -> list[str]:
@@ -99,19 +101,15 @@ def peer_id_of(node) -> str:
 
 
 async def announce(node, prefix: str, info: ServerInfo, expiration: float) -> None:
-    """Store the server's record under each of its blocks, signed, under its owner subkey (so that only it
-    can change the record, and readers know which peer wrote it); valid `expiration` seconds."""
+    """Store the server's record once, under the key of the block its span starts at (swarm/directory.py),
+    signed, under its owner subkey (so that only it can change the record, and readers know which peer wrote
+    it); valid `expiration` seconds."""
     from hivemind.utils import get_dht_time
 
     from swarm.trust import owner_subkey
 
-    keys = [block_key(prefix, index) for index in range(info.start, info.end)]
-    await node.store_many(
-        keys,
-        [info.to_wire()] * len(keys),
-        expiration_time=get_dht_time() + expiration,
-        subkeys=[owner_subkey(node)] * len(keys),
-    )
+    await node.store(record_key(prefix, info), info.to_wire(), get_dht_time() + expiration,
+                     subkey=owner_subkey(node))
 
 
 async def announce_model(node, record: ModelRecord, expiration: float) -> None:
@@ -150,10 +148,25 @@ async def fetch_servers(node, prefix: str, num_blocks: int, allowed: Collection[
     return [server for server in servers if server.info.state == ServerState.ONLINE]
 
 
-async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collection[str] = ()) -> list[RemoteServer]:
-    """Every server with an unexpired record under any block of the model, joining and offline ones too
-    (what a health page shows; routing wants fetch_servers); only servers in `allowed`, if given."""
-    keys = [block_key(prefix, index) for index in range(num_blocks)]
+async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collection[str] = (),
+                            until: Optional[int] = None) -> list[RemoteServer]:
+    """Every server with an unexpired record of the model, joining and offline ones too (what a health page
+    shows; routing wants fetch_servers); only servers in `allowed`, if given. With `until`, only the keys that
+    hold the servers of the blocks before it (see swarm/directory.py): a server may hold later blocks too."""
+    return await _newest_records(node, start_keys(prefix, num_blocks, until), num_blocks, allowed)
+
+
+async def servers_of_block(node, prefix: str, block: int, allowed: Collection[str] = ()) -> set[str]:
+    """Peer ids of the online servers whose newest record says they hold block `block` (only servers in `allowed`,
+    if given): where a server may push a session's next step. Their records lie under the starts [0, block]."""
+    servers = await _newest_records(node, start_keys(prefix, block + 1), None, allowed)
+    return {server.peer_id for server in servers
+            if server.info.state == ServerState.ONLINE and server.info.start <= block < server.info.end}
+
+
+async def _newest_records(node, keys: list[str], num_blocks: Optional[int],
+                          allowed: Collection[str]) -> list[RemoteServer]:
+    """Each server's newest record under these keys (ignoring those past `num_blocks`, if given)."""
     # latest=True in effect: a cached record may be stale (a server that left), so always ask the swarm
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
     latest: dict[str, tuple[float, RemoteServer]] = {}
@@ -162,22 +175,11 @@ async def fetch_all_servers(node, prefix: str, num_blocks: int, allowed: Collect
             info = ServerInfo.from_wire(record.value, num_blocks)  # None: malformed, insane, or past the model's end
             if info is None:
                 continue
-            # a server that moved left OFFLINE records under its old blocks: its newest record says where it is
+            # a server that moved left an OFFLINE record under its old start: its newest record says where it is
+            # (and a server of the layout before this one left a record under each of its blocks)
             if peer_id not in latest or record.expiration_time > latest[peer_id][0]:
                 latest[peer_id] = (record.expiration_time, RemoteServer(peer_id, info, record.expiration_time))
     return [server for _, server in latest.values()]
-
-
-async def servers_of_block(node, prefix: str, block: int, allowed: Collection[str] = ()) -> set[str]:
-    """Peer ids of the online servers whose newest record under block `block` says they hold it (only servers in
-    `allowed`, if given): where a server may push a session's next step."""
-    entry = await node.get(block_key(prefix, block), latest=True)
-    holders = set()
-    for peer_id, record in _signed_entries(entry, allowed):
-        info = ServerInfo.from_wire(record.value)
-        if info is not None and info.state == ServerState.ONLINE and info.start <= block < info.end:
-            holders.add(peer_id)
-    return holders
 
 
 async def announce_region(node, region: str, expiration: float) -> None:
@@ -202,14 +204,21 @@ async def fetch_regions(node) -> dict[str, str]:
 
 def _signed_entries(entry, allowed: Collection[str] = ()):
     """(peer id of the writer, entry) for each entry of a dictionary value that its writer signed (see
-    swarm/trust.py); with `allowed`, only those written by these peers. Every other entry could be anyone's."""
+    swarm/trust.py), at most what swarm/directory.py lets a key keep (several replicas, or nodes of older
+    versions, may send back more); with `allowed`, only those written by these peers. Every other entry could
+    be anyone's."""
+    from hivemind.utils import get_dht_time
+
     from swarm.trust import owner_peer_id
 
     if entry is None or not isinstance(entry.value, dict):
         return
-    for subkey, item in entry.value.items():
-        peer_id = owner_peer_id(subkey)
-        if peer_id is not None and (not allowed or peer_id in allowed):
+    signed = {subkey: (peer_id, item) for subkey, item in entry.value.items()
+              if (peer_id := owner_peer_id(subkey)) is not None and (not allowed or peer_id in allowed)}
+    keep = directory.kept((directory.Entry(subkey, item.value, item.expiration_time)
+                           for subkey, (_, item) in signed.items()), get_dht_time())
+    for subkey, (peer_id, item) in signed.items():
+        if keep is None or subkey in keep:
             yield peer_id, item
 
 

@@ -1,10 +1,13 @@
 """What travels between peers: the DHT key scheme, the server record, RPC metadata and the error tree.
 
-DHT layout: one key per transformer block, ``"{prefix}.{index}"``; each server that holds the block stores
-its ServerInfo under that key, with its own owner marker as the subkey (signed: see swarm/trust.py), so
-servers never overwrite each other, no peer can forge another's record, and a lookup of N keys returns
-every server of every block. The catalogue, one more key (CATALOGUE_KEY), holds the ModelRecord of each
-server's model under its owner marker: what a client needs to serve a model it was not configured with.
+DHT layout (swarm/directory.py): one key per transformer block, ``"{prefix}.{index}"``; each server stores its
+ServerInfo once, under the key of the block its span starts at, with its own owner marker as the subkey (signed:
+see swarm/trust.py), so servers never overwrite each other, no peer can forge another's record, and a lookup of
+the N keys returns each server once, whatever its span (servers of the layout before announced under every block
+they hold: readers keep each server's newest record). A key keeps a bounded number of records (the best by
+announced capacity, and a sample). The catalogue, one more key (CATALOGUE_KEY), holds the ModelRecord of each
+server's model under its owner marker (a few per model): what a client needs to serve a model it was not
+configured with.
 
 Errors (every one a SwarmError, each with a stable ``code`` that crosses the wire)::
 
@@ -170,7 +173,7 @@ PEER_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """The record a server announces under each of its blocks."""
+    """The record a server announces, under the key of its first block."""
 
     state: ServerState
     start: int  # first block held

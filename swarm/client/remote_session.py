@@ -78,7 +78,7 @@ class RemoteSession:
         self.hops: list[Hop] = []
         try:
             if forked is None:
-                self.hops = self._open_hops(0, route.num_blocks)
+                self.hops = self._open_hops(0, route.num_blocks, replan=False)
             else:
                 self._open_forks(*forked)
         except BaseException:
@@ -286,14 +286,17 @@ class RemoteSession:
         else:
             self.services.bans.ban(peer_id)
 
-    def _open_hops(self, start: int, end: int, full: Collection[str] = ()) -> list[Hop]:
+    def _open_hops(self, start: int, end: int, full: Collection[str] = (), replan: bool = True) -> list[Hop]:
         """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any
-        found full or unreachable on the way)."""
+        found full or unreachable on the way). `replan`: a session's servers are being replaced, not opened:
+        routing goes by the client's view of the swarm as long as its records live (swarm/client/swarm_view.py),
+        with no lookup of its own."""
         services = self.services
         full, unreachable = set(full), set()  # full: its cache (or a limit), or it does not serve us
         last_refusal = ""
         while True:
-            chain = self._route(start, end, full, unreachable, last_refusal)
+            chain = self._route(start, end, full, unreachable, last_refusal, replan)
+            replan = True  # routing around refusals goes by the same view
             hops = [Hop(link, InferenceStream(services.p2p, link.peer_id, link.start, link.end, services.open_timeout,
                                               services.step_channels), declared=self.next_positions)
                     for link in chain]
@@ -324,13 +327,14 @@ class RemoteSession:
                                         return_exceptions=True)
         return [(hop.link, outcome) for hop, outcome in zip(hops, outcomes) if isinstance(outcome, BaseException)]
 
-    def _route(self, start: int, end: int, full: set[str], unreachable: set[str], last_refusal: str) -> list[ChainLink]:
+    def _route(self, start: int, end: int, full: set[str], unreachable: set[str], last_refusal: str,
+               replan: bool) -> list[ChainLink]:
         """The best chain over blocks [start, end) around those servers; while no server holds some of the
         blocks, wait for one (the client's block_wait at most)."""
         services, route = self.services, self.route
         # servers take cache a page at a time as the session grows: what matters is room for the first
         routing = dict(exclude=full | unreachable, end=end, start=start, adapter=route.adapter,
-                       min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size)
+                       min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size, replan=replan)
         if not full:
             return services.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,
                                          on_wait=self.on_wait)

@@ -21,6 +21,7 @@ from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import (MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session,
                                   speaks)
 from swarm.client.remote_session import RemoteSession
+from swarm.client.swarm_view import OPENING_MAX_AGE, REPLAN_MAX_AGE, SwarmView
 from swarm.client.services import ClientServices, Route
 from swarm.client.audits import Auditor
 from swarm.client.spot_check import SpotChecker
@@ -127,15 +128,30 @@ class SwarmClient:
         self._region_announced = -REGION_TTL
         self._announce_region()
 
-    def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None) -> list[RemoteServer]:
+    def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None,
+                max_age: float = 0.0) -> list[RemoteServer]:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
-        `adapter`, only those that announce that LoRA adapter."""
+        `adapter`, only those that announce that LoRA adapter. Looked up now by default (which refreshes the
+        client's shared view of the model's servers: swarm_view.py); from that view where it is at most `max_age`
+        seconds old (what routing asks: see chain)."""
         self._announce_region()
-        servers = self._speaking(self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers)))
+        servers = self._speaking(self.view.servers(prefix, num_blocks, max_age, self.allowed_servers))
         self.dead.seen(servers)
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
         return [server for server in servers if adapter is None or adapter in server.info.adapters]
+
+    @property
+    def view(self) -> SwarmView:
+        """One view of each model's servers, shared by every session, refreshed in the background (swarm_view.py);
+        made on first use."""
+        view = self.__dict__.get("_view")
+        if view is None:
+            view = self._view = SwarmView(self.loop, self._look_up_servers)
+        return view
+
+    async def _look_up_servers(self, prefix: str, num_blocks: int, allowed: frozenset) -> list[RemoteServer]:
+        return await dht.fetch_servers(self.node, prefix, num_blocks, allowed)
 
     def adapters(self, prefix: str, num_blocks: int) -> set[str]:
         """The LoRA adapters of a model that online servers announce (at most MAX_ADAPTERS_PER_MODEL: see
@@ -186,20 +202,28 @@ class SwarmClient:
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
-        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None,
+        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None, replan: bool = False,
     ) -> list[ChainLink]:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers, of
         servers that hold the LoRA `adapter` (if any); each choice is logged (one line: which server runs which
-        blocks), as Petals logs its routes."""
-        servers = self.servers(prefix, num_blocks, adapter)
-        chain = self._best_chain(servers, num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        blocks), as Petals logs its routes. `replan`: a failed server's blocks are re-routed: the view of the swarm
+        serves as long as its records live (no lookup), where an opening wants it a few seconds old at most. Where
+        the view has no server for some blocks but banned ones, they are looked up anew: a server may have joined
+        since (a replacement), before routing settles for a banned one or fails with MissingBlocksError."""
+        routing = (num_blocks, model_name, exclude, end, start, min_cache_tokens)
+        servers = self.servers(prefix, num_blocks, adapter, REPLAN_MAX_AGE if replan else OPENING_MAX_AGE)
+        try:
+            chain = self._best_chain(servers, *routing, fall_back=False)
+        except MissingBlocksError:
+            chain = self._best_chain(self.servers(prefix, num_blocks, adapter), *routing, fall_back=True)
         if chain:
             logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
                         " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
         return chain
 
     def _best_chain(self, servers: list[RemoteServer], num_blocks: int, model_name: str, exclude: Collection[str],
-                    end: Optional[int], start: int, min_cache_tokens: int) -> list[ChainLink]:
+                    end: Optional[int], start: int, min_cache_tokens: int, fall_back: bool = True) -> list[ChainLink]:
+        """`fall_back`: on servers banned for failures, where only they hold some of the blocks."""
         end = num_blocks if end is None else end
         banned = self.bans.current()
         self.probes.measure_new([server.peer_id for server in servers if server.peer_id not in banned])
@@ -209,7 +233,7 @@ class SwarmClient:
                                 self.load.factors(), min_cache_tokens, self.load.measured(), self.round_trips(),
                                 flowing_by_default() is not False)
         except MissingBlocksError:
-            if not self.bans.current() - self.bans.distrusted():
+            if not fall_back or not self.bans.current() - self.bans.distrusted():
                 raise
             # only banned servers hold some of the blocks: a ban for a failure steers toward others, it must
             # not strand a session when there are none (a server that was only slow under a burst of load)
@@ -327,6 +351,7 @@ class SwarmClient:
             max_retries=self.max_retries, block_wait=self.block_wait)
 
     def shutdown(self) -> None:
+        self.view.close()
         self.audits.close()
         self.probes.close()
         self.loop.run(self.step_channels.close())

@@ -216,7 +216,7 @@ class Presence:
                 torch.cuda.empty_cache()
             return
         self.span, self.throughput = span, throughput
-        await dht.announce(self.node, self.prefix, old, expiration=self.expiration)  # leave the old blocks
+        await dht.announce(self.node, self.prefix, old, expiration=self.expiration)  # leave the old span's key
         await dht.announce(self.node, self.prefix, self.record(ServerState.ONLINE), expiration=self.expiration)
         print(f"moved: blocks {start}:{end} of {self.prefix}", flush=True)
 
