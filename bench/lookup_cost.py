@@ -1,7 +1,7 @@
 """What one lookup of a model's servers returns, in the DHT layout before issue 42 (a record under every block a
 server holds) and in today's (one record per server, keys bounded: swarm/directory.py).
 
-`python -m scripts.lookup_cost [--servers 50] [--blocks 80] [--span 24] [--starts 0] [--nodes 3]`: real DHT nodes in this process
+`python -m bench.lookup_cost [--servers 50] [--blocks 80] [--span 24] [--starts 0] [--nodes 3]`: real DHT nodes in this process
 (full nodes that store, a client that writes as each simulated server's identity, a client that looks up); each
 layout under a model prefix of its own. Prints, per layout, the records and protobuf bytes of the replies one lookup
 (dht.fetch_all_servers: one get_many over every block's key) received, the servers it found, and its time.
@@ -91,7 +91,7 @@ def measure(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m scripts.lookup_cost", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lookup_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", type=int, default=50)
     parser.add_argument("--blocks", type=int, default=80)
     parser.add_argument("--span", type=int, default=24)

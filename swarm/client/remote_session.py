@@ -334,7 +334,8 @@ class RemoteSession:
         services, route = self.services, self.route
         # servers take cache a page at a time as the session grows: what matters is room for the first
         routing = dict(exclude=full | unreachable, end=end, start=start, adapter=route.adapter,
-                       min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size, replan=replan)
+                       min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size, replan=replan,
+                       opening=not replan)
         if not full:
             return services.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,
                                          on_wait=self.on_wait)

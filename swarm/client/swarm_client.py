@@ -202,16 +202,18 @@ class SwarmClient:
 
     def chain(
         self, prefix: str, num_blocks: int, model_name: str, exclude: Collection[str] = (), end: Optional[int] = None,
-        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None, replan: bool = False,
+        start: int = 0, min_cache_tokens: int = 0, adapter: Optional[str] = None, replan=False, opening=False,
     ) -> list[ChainLink]:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers, of
         servers that hold the LoRA `adapter` (if any); each choice is logged (one line: which server runs which
-        blocks), as Petals logs its routes. `replan`: a failed server's blocks are re-routed: the view of the swarm
-        serves as long as its records live (no lookup), where an opening wants it a few seconds old at most. Where
+        blocks), as Petals logs its routes. The servers are looked up now, but for sessions (remote_session.py):
+        `opening` a session routes by the shared view of the swarm a few seconds old at most, and `replan` (a
+        failed server's blocks re-routed) by the view as long as its records live (no lookup). Where
         the view has no server for some blocks but banned ones, they are looked up anew: a server may have joined
         since (a replacement), before routing settles for a banned one or fails with MissingBlocksError."""
         routing = (num_blocks, model_name, exclude, end, start, min_cache_tokens)
-        servers = self.servers(prefix, num_blocks, adapter, REPLAN_MAX_AGE if replan else OPENING_MAX_AGE)
+        servers = self.servers(prefix, num_blocks, adapter,
+                               REPLAN_MAX_AGE if replan else OPENING_MAX_AGE if opening else 0.0)
         try:
             chain = self._best_chain(servers, *routing, fall_back=False)
         except MissingBlocksError:
