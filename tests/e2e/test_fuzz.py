@@ -42,9 +42,9 @@ CONTEXT = 128  # the model's max_session_length
 # a few tokens per request, so that hundreds of requests take seconds; no rate limit, room for many sessions
 LIMITS = Limits(max_new_tokens=4, requests_per_minute=0, max_sessions=32, max_sessions_per_client=32,
                 session_idle_timeout=2, ws_max_message_bytes=8192)
-EXAMPLES_PER_OPERATION = int(os.environ.get("FUZZ_EXAMPLES", 20))
+EXAMPLES_PER_OPERATION = int(os.environ.get("FUZZ_EXAMPLES", 15))
 WS_SEED = int(os.environ.get("FUZZ_SEED", 8))
-WS_MESSAGES = 300
+WS_MESSAGES = 200
 LEAKS = ("Traceback", 'File "', "/site-packages/", "/work/", '.py", line')
 tally = Counter()  # printed at the end (pytest -s): how much was sent, and what came back
 
