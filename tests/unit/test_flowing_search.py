@@ -177,17 +177,22 @@ def every_chain_best(servers, cost, rtt, num_blocks):
     return best
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_the_least_time_of_every_chain_in_the_fewest_hops(seed):
-    rng = random.Random(2000 + seed)
-    blocks = rng.randint(2, 5)
-    remote, cost, rtt = random_swarm(rng, rng.randint(2, 5), blocks, rng.choice([0.0, 0.5, 1.0]))
+def assert_least_time_in_fewest_hops(remote, cost, rtt, blocks) -> None:
+    """The flowing search's chain takes the least time of every chain over the blocks, in the fewest hops."""
     hops = cheapest_flowing_chain(remote, cost, rtt, 0, blocks)
     seconds = flowing_network_seconds([peer for peer, _, _ in hops], announced_round_trips(remote), rtt) + sum(
         (end - start) * cost[peer] for peer, start, end in hops)
     least_seconds, least_hops = every_chain_best(remote, cost, rtt, blocks)
     assert seconds == pytest.approx(least_seconds, rel=1e-9, abs=1e-12)
     assert len(hops) == least_hops
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_least_time_of_every_chain_in_the_fewest_hops(seed):
+    rng = random.Random(2000 + seed)
+    blocks = rng.randint(2, 5)
+    remote, cost, rtt = random_swarm(rng, rng.randint(2, 5), blocks, rng.choice([0.0, 0.5, 1.0]))
+    assert_least_time_in_fewest_hops(remote, cost, rtt, blocks)
 
 
 def _server(peer, start, end, round_trips=()):
@@ -243,9 +248,4 @@ def test_with_unannounced_links_priced_at_their_upper_bound_the_chain_is_still_t
     rng = random.Random(7000 + seed)
     blocks = rng.randint(2, 5)
     remote, cost, rtt = random_swarm(rng, rng.randint(2, 6), blocks, rng.choice([0.0, 0.5]))
-    hops = cheapest_flowing_chain(remote, cost, rtt, 0, blocks)
-    seconds = flowing_network_seconds([peer for peer, _, _ in hops], announced_round_trips(remote), rtt) + sum(
-        (end - start) * cost[peer] for peer, start, end in hops)
-    least_seconds, least_hops = every_chain_best(remote, cost, rtt, blocks)
-    assert seconds == pytest.approx(least_seconds, rel=1e-9, abs=1e-12)
-    assert len(hops) == least_hops
+    assert_least_time_in_fewest_hops(remote, cost, rtt, blocks)
