@@ -5,26 +5,25 @@ gateway whose routing is the real code, fed as SwarmClient feeds it.
 
     python -m bench.routing_quality [--servers 1000] [--blocks 80] [--seconds 120] [--warmup 60]
                                     [--sessions-per-second 2] [--session-steps 20] [--churn-every 3]
-                                    [--noise 1.0] [--variants today,fresh,exact,...] [--seed 0]
+                                    [--noise 1.0] [--variants today,before,exact,...] [--seed 0]
                                     [--json PATH]
 
 The gateway (SimulatedGateway): each chain is routing.choose_chain(..., flowing=True) over the records the
 servers announced (throughput, round trips to their next block's servers), with the real PeerLoad's figures:
 its sessions per server (factors), the round trip to each server as the least of its last probes, and the
-compute per block as the median of its last decode steps there (a step's time less the round trip, per block).
-Probes follow swarm/client/probes.py's policy and bounds (every PROBE_PERIOD the PROBES_PER_ROUND least recently
-probed, and FIRST_PROBES_PER_PERIOD first probes of servers never probed, at random). Sessions open at
---sessions-per-second, take --session-steps decode steps (one a second) and close; a session whose server left
-is routed again. Each choice after --warmup is judged: its true step time (flowing, the gateway's load factors
-counted) over the best chain's (quality_world.best_seconds).
+compute per block as the least of its last decode steps there (a step's time less the round trip, per block),
+forgotten COMPUTE_FRESH_SECONDS after the last. Probes follow swarm/client/probes.py's policy and bounds (every
+PROBE_PERIOD the PROBES_PER_ROUND least recently probed, and FIRST_PROBES_PER_PERIOD first probes of servers never
+probed, at random). Sessions open at --sessions-per-second, take --session-steps decode steps (one a second) and
+close; a session whose server left is routed again. Each choice after --warmup is judged: its true step time
+(flowing, the gateway's load factors counted) over the best chain's (quality_world.best_seconds).
 
-Variants (--variants): `today` (as the gateway is), `no-noise` (measurements exact), `fresh` (compute kept as
-proposed: the least of the last steps, forgotten FRESH_SECONDS after the last: fresh_compute_load),
-`probe-all` (every server probed every period), `fresh+probe-all`, `exact` (routing given the true round trip
-and compute of every server: what the cost model alone loses, its link estimates against the true links),
-`upper-links` (a link no server announced priced at the sum of the two servers' round trips from the gateway,
-the triangle inequality's bound, not their mean: flowing_routes.UNANNOUNCED_LINK_SHARE 0.5), `all-three` (fresh,
-probe-all and upper-links) and `exact+upper-links`.
+Variants (--variants): `today` (as the gateway is); `before` (as it was before these figures were first taken:
+compute the median of the last 15 steps, never forgotten; probes bounded at 64 again and 32 first per period;
+unannounced links priced at a quarter of the two round trips); each of those three alone (`median-kept`,
+`probes-64-32`, `quarter-links`); `no-noise` (measurements exact); `probe-all` (every server probed every period);
+`exact` (routing given the true round trip and compute of every server: what the cost model alone loses, its
+link estimates against the true links).
 Prints a Markdown table; exits 0.
 """
 
@@ -39,40 +38,34 @@ from dataclasses import dataclass, field
 
 from bench.quality_world import World, best_seconds, chain_seconds, noise
 
-# name -> how the gateway differs from today's: measurements without noise, compute kept as FreshCompute keeps
-# it, every server probed every period, or routing given every server's true round trip and compute
-VARIANTS = {"today": {}, "no-noise": {"no_noise": True}, "fresh": {"fresh": True}, "probe-all": {"probe_all": True},
-            "fresh+probe-all": {"fresh": True, "probe_all": True}, "exact": {"exact": True},
-            "upper-links": {"link_share": 0.5}, "all-three": {"fresh": True, "probe_all": True, "link_share": 0.5},
-            "exact+upper-links": {"exact": True, "link_share": 0.5}}
-FRESH_SECONDS = 30.0  # FreshCompute: a server's measured compute counts this long after its last step there
+# name -> how the gateway differs from today's: its compute figures kept as before issue 42's routing work (the
+# median of the last 15 steps, never forgotten), its probes' bounds per period (re-probes, first probes),
+# unannounced links' price (flowing_routes.UNANNOUNCED_LINK_SHARE), measurements without noise, every server probed
+# every period, or routing given every server's true round trip and compute
+VARIANTS = {"today": {}, "before": {"median_kept": True, "probes": (64, 32), "link_share": 0.25},
+            "median-kept": {"median_kept": True}, "probes-64-32": {"probes": (64, 32)},
+            "quarter-links": {"link_share": 0.25}, "no-noise": {"no_noise": True}, "probe-all": {"probe_all": True},
+            "exact": {"exact": True}}
 
 
-def fresh_compute_load(clock):
-    """A PeerLoad (swarm/client/peers.py) that keeps compute as the proposed fix would: the least of the last
-    COMPUTE_SAMPLES (queueing only adds to a step, as to a probe, so the least is the closest to the compute),
-    and forgotten FRESH_SECONDS after the last step there (then the server's announced speed counts again: a
-    measurement only ever makes a server look slower than it claims, so a stale one would keep a server that
-    sped up out of routing for good). `clock()`: the simulation's seconds."""
+def median_kept_load():
+    """A PeerLoad (swarm/client/peers.py) that keeps compute as it did before: the median of the last
+    COMPUTE_SAMPLES steps, never forgotten."""
+    import statistics
+
     from swarm.client.peers import PeerLoad
 
-    class FreshCompute(PeerLoad):
-        def __init__(self):
-            super().__init__()
-            self.stepped: dict[str, float] = {}
-
+    class MedianKept(PeerLoad):
         def observed(self, peer_id: str, seconds: float, blocks: int = 1) -> None:
             super().observed(peer_id, seconds, blocks)
             with self._lock:
-                self.latency[peer_id] = min(self._compute_samples[peer_id])
-                self.stepped[peer_id] = clock()
+                self.latency[peer_id] = statistics.median(self._compute_samples[peer_id])
 
         def measured(self) -> dict[str, float]:
             with self._lock:
-                return {peer: seconds for peer, seconds in self.latency.items()
-                        if clock() - self.stepped[peer] <= FRESH_SECONDS}
+                return dict(self.latency)
 
-    return FreshCompute()
+    return MedianKept()
 
 
 @dataclass
@@ -93,15 +86,16 @@ class SimulatedGateway:
     simulated probes and steps."""
 
     def __init__(self, world: World, rng: random.Random, noise_scale: float, probe_all: bool = False,
-                 exact: bool = False, fresh: bool = False):
+                 exact: bool = False, median_kept: bool = False, probes: tuple = ()):
         from swarm.client.peers import PeerLoad
         from swarm.client.probes import FIRST_PROBES_PER_PERIOD, PROBE_PERIOD, PROBES_PER_ROUND
 
         self.world, self.rng, self.noise_scale, self.exact = world, rng, noise_scale, exact
-        self.load = fresh_compute_load(lambda: world.time) if fresh else PeerLoad()
+        self.load = median_kept_load() if median_kept else PeerLoad(clock=lambda: world.time)
         self.period = PROBE_PERIOD
-        self.per_round = 10**9 if probe_all else PROBES_PER_ROUND
-        self.first_per_period = 10**9 if probe_all else FIRST_PROBES_PER_PERIOD
+        self.per_round, self.first_per_period = probes or (PROBES_PER_ROUND, FIRST_PROBES_PER_PERIOD)
+        if probe_all:
+            self.per_round = self.first_per_period = 10**9
         self.probed: dict[str, float] = {}
         self.next_round, self.first_left = 0.0, self.first_per_period
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 import time
 from collections import deque
@@ -20,7 +19,11 @@ RTT_SAMPLES = 6
 # steps into one round, where a session adds its rows, not a round (bench.span_round on 2 CPU cores: a decode round
 # of 16 sessions takes 1.36x one of 1, 2.4% a session); the compute a client measures there counts the rest
 SESSION_WEIGHT = 0.1
-COMPUTE_SAMPLES = 15  # decode steps a server's compute per block is the median of
+COMPUTE_SAMPLES = 15  # decode steps a server's compute per block is the least of
+# a server's measured compute counts this long after the client's last step there; then its announced speed counts
+# again (bench.routing_quality: with the median of the last 15 kept for good, chosen chains were a median 1.90x the
+# best under the true speeds; with the least, forgotten after 30 s, 1.42x)
+COMPUTE_FRESH_SECONDS = 30.0
 
 
 class Bans:
@@ -153,14 +156,17 @@ class PeerLoad:
     """The client's own view of each server: the sessions it has open there, so that new sessions spread over
     replicas instead of piling onto the first; the round trip to it (swarm/client/probes.py times a cheap call);
     and how fast its steps really compute there (what routing trusts over the speed a server announces: any
-    peer may announce anything). A step's time is its round trip plus its compute: only the compute is per block."""
+    peer may announce anything). A step's time is its round trip plus its compute: only the compute is per block.
+    `clock`: seconds, monotonic (a simulation's own in bench/routing_quality.py)."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.sessions: dict[str, int] = {}
-        self.latency: dict[str, float] = {}  # compute seconds per block of a decode step: the median of the last few
+        self.latency: dict[str, float] = {}  # compute seconds per block of a decode step: the least of the last few
         self._compute_samples: dict[str, deque] = {}
+        self._stepped: dict[str, float] = {}  # when the client last stepped through each server
         self.rtt: dict[str, float] = {}  # the least of the last RTT_SAMPLES round trips, in seconds
         self._rtt_samples: dict[str, deque] = {}
+        self._clock = clock
         self._lock = threading.Lock()
 
     def opened(self, peer_id: str, change: int = 1) -> None:
@@ -169,14 +175,15 @@ class PeerLoad:
 
     def observed(self, peer_id: str, seconds: float, blocks: int = 1) -> None:
         """A decode step through `blocks` blocks of the server took `seconds`, as this client saw it: less the
-        round trip (once measured), the rest is compute. The median of the last COMPUTE_SAMPLES: a step held up
-        once (a busy moment, a loaded machine) does not make a server look slow for the next several, as it
-        would weigh in an average."""
+        round trip (once measured), the rest is compute. The least of the last COMPUTE_SAMPLES: queueing (a busy
+        moment, a loaded machine) only ever adds to a step, as to a probe, so the least is the nearest to the
+        server's compute; a server that really got slower counts so once its last few steps all say it."""
         with self._lock:
             network = min(self.rtt.get(peer_id, 0.0), seconds)
             samples = self._compute_samples.setdefault(peer_id, deque(maxlen=COMPUTE_SAMPLES))
             samples.append((seconds - network) / max(blocks, 1))
-            self.latency[peer_id] = statistics.median(samples)
+            self.latency[peer_id] = min(samples)
+            self._stepped[peer_id] = self._clock()
 
     def round_trip(self, peer_id: str, seconds: float) -> None:
         """A call that costs the server next to nothing (rpc_info) took `seconds` there and back. The least of
@@ -194,9 +201,13 @@ class PeerLoad:
             return {peer: 1.0 + SESSION_WEIGHT * sessions for peer, sessions in self.sessions.items()}
 
     def measured(self) -> dict[str, float]:
-        """Compute seconds per block of a decode step on each server this client has stepped through."""
+        """Compute seconds per block of a decode step on each server this client stepped through in the last
+        COMPUTE_FRESH_SECONDS. An older figure is dropped: a measurement only ever makes a server look slower
+        than it announces, so one kept for good would keep a server that sped up out of routing."""
         with self._lock:
-            return dict(self.latency)
+            now = self._clock()
+            return {peer: seconds for peer, seconds in self.latency.items()
+                    if now - self._stepped[peer] <= COMPUTE_FRESH_SECONDS}
 
     def round_trips(self) -> dict[str, float]:
         """Seconds there and back to each server measured."""

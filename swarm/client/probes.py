@@ -32,9 +32,13 @@ logger = logging.getLogger(__name__)
 
 PROBE_PERIOD = 5.0  # seconds between two probes of a server routing still considers
 PROBE_TIMEOUT = 5.0  # a probe unanswered this long fails: the server is banned
-PROBES_PER_ROUND = 64  # servers probed again at most per period, the least recently probed first
-FIRST_PROBES_AT_ONCE = 8  # first probes (of servers never probed) in flight at most
-FIRST_PROBES_PER_PERIOD = 32  # first probes begun per PROBE_PERIOD at most
+# servers probed again at most per period, the least recently probed first; and first probes (of servers never
+# probed) in flight at most, and begun per period at most. At 1,000 servers a gateway measures them all within 40 s,
+# some 50 small calls a second: bench.routing_quality's chains were a median 1.37x the best with 64, 32 and 8,
+# 1.16x with these (unannounced links priced at their upper bound in both)
+PROBES_PER_ROUND = 128
+FIRST_PROBES_AT_ONCE = 16
+FIRST_PROBES_PER_PERIOD = 128
 FORGET_AFTER = 120.0  # a server routing has not considered for this long is probed no more
 FIRST_PROBE_WAIT = 1.0  # how long routing waits for the first probes of servers it has not measured
 

@@ -21,7 +21,7 @@ from swarm.client.probes import RoundTripProbes
 from swarm.client.routing import (MAX_ADAPTERS_PER_MODEL, ChainLink, announced_adapters, choose_chain, longest_session,
                                   speaks)
 from swarm.client.remote_session import RemoteSession
-from swarm.client.swarm_view import OPENING_MAX_AGE, REPLAN_MAX_AGE, SwarmView
+from swarm.client.swarm_view import REPLAN_MAX_AGE, SwarmView
 from swarm.client.services import ClientServices, Route
 from swarm.client.audits import Auditor
 from swarm.client.spot_check import SpotChecker
@@ -129,11 +129,11 @@ class SwarmClient:
         self._announce_region()
 
     def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None,
-                max_age: float = 0.0) -> list[RemoteServer]:
+                max_age: Optional[float] = 0.0) -> list[RemoteServer]:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
         `adapter`, only those that announce that LoRA adapter. Looked up now by default (which refreshes the
         client's shared view of the model's servers: swarm_view.py); from that view where it is at most `max_age`
-        seconds old (what routing asks: see chain)."""
+        seconds old (None: what an opening accepts; what routing asks: see chain)."""
         self._announce_region()
         servers = self._speaking(self.view.servers(prefix, num_blocks, max_age, self.allowed_servers))
         self.dead.seen(servers)
@@ -213,7 +213,7 @@ class SwarmClient:
         since (a replacement), before routing settles for a banned one or fails with MissingBlocksError."""
         routing = (num_blocks, model_name, exclude, end, start, min_cache_tokens)
         servers = self.servers(prefix, num_blocks, adapter,
-                               REPLAN_MAX_AGE if replan else OPENING_MAX_AGE if opening else 0.0)
+                               REPLAN_MAX_AGE if replan else None if opening else 0.0)
         try:
             chain = self._best_chain(servers, *routing, fall_back=False)
         except MissingBlocksError:

@@ -3,11 +3,15 @@
 Every routing decision used to look the servers up in the DHT: a session's opening, each failover, each re-route.
 A gateway opening sessions by the dozen, or a burst of failovers after a server died, then read the same records
 over and over (each lives 30 s: three announce periods). Here a model's servers are looked up once and shared: a
-background task looks them up again every REFRESH_SECONDS while sessions use the model (a view left unused for
-IDLE_SECONDS is dropped), concurrent callers wait for the one lookup in flight, and a caller looks up itself only
-when the view is older than it accepts (`max_age`): a session's opening accepts OPENING_MAX_AGE, a re-plan after a
-failure REPLAN_MAX_AGE (what a record lives), so failovers re-plan from the view without a lookup of their own. A
-record leaves the view when it expires, as it leaves the DHT.
+background task looks them up again while sessions use the model (a view left unused for IDLE_SECONDS is
+dropped), concurrent callers wait for the one lookup in flight, and a caller looks up itself only when the view
+is older than it accepts (`max_age`): a session's opening accepts the view's refresh period and a second, a
+re-plan after a failure REPLAN_MAX_AGE (what a record lives), so failovers re-plan from the view without a lookup
+of their own. A record leaves the view when it expires, as it leaves the DHT.
+
+A view is refreshed every second up to 100 servers and a second more per 100 (at most every announce period,
+10 s, where records change no faster): a lookup's bytes grow with the servers it finds (bench.scale: 2 MB at 100
+servers, 10 MB at 1,000), and a refresh a second would cost a gateway 10 MB/s at 1,000; every 10 s, 1 MB/s.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from swarm.protocol import RemoteServer
 
 logger = logging.getLogger(__name__)
 
-REFRESH_SECONDS = 1.0
+REFRESH_SECONDS = 1.0  # the least period between a view's lookups in the background
+REFRESH_SLACK = 0.1  # a view this near its period is refreshed at this tick rather than a whole tick late
+SERVERS_PER_REFRESH_SECOND = 100  # a view of N servers is refreshed every N / 100 s, within these bounds
+MOST_REFRESH_SECONDS = 10.0  # an announce period: a server's record changes no faster
+OPENING_MARGIN = 1.0  # an opening accepts the view this much older than its refresh period: a view in use is fresh
 IDLE_SECONDS = 60.0
-OPENING_MAX_AGE = 2.0  # above REFRESH_SECONDS: a model in use is always fresh enough, openings never wait
 REPLAN_MAX_AGE = 30.0  # a record's life (three announce periods of 10 s)
 
 Fetch = Callable[[str, int, frozenset], Awaitable[list[RemoteServer]]]  # (prefix, num_blocks, allowed servers)
@@ -37,6 +44,10 @@ class _ModelView:
     fetched: float = float("-inf")  # time.monotonic() of the lookup the servers come from
     used: float = 0.0
     pending: Optional[asyncio.Future] = None  # the lookup in flight, which every caller waits for
+
+    def period(self, least: float) -> float:
+        """Seconds between its lookups in the background: more, the more servers a lookup brings back."""
+        return max(least, min(len(self.servers) / SERVERS_PER_REFRESH_SECOND, MOST_REFRESH_SECONDS))
 
 
 class SwarmView:
@@ -52,17 +63,20 @@ class SwarmView:
         self._views: dict[Model, _ModelView] = {}
         self._refresher: Optional[asyncio.Task] = None
 
-    def servers(self, prefix: str, num_blocks: int, max_age: float = OPENING_MAX_AGE,
+    def servers(self, prefix: str, num_blocks: int, max_age: Optional[float] = None,
                 allowed: frozenset = frozenset()) -> list[RemoteServer]:
         """The model's servers (only those in `allowed`, if any), from a lookup at most `max_age` seconds old (0: a
-        lookup now, or the one in flight)."""
+        lookup now, or the one in flight; None: what an opening accepts, the view's refresh period and a second:
+        a view in use is always that fresh, and openings never wait)."""
         return self.loop.run(self._servers((prefix, num_blocks, frozenset(allowed)), max_age))
 
-    async def _servers(self, model: Model, max_age: float) -> list[RemoteServer]:
+    async def _servers(self, model: Model, max_age: Optional[float]) -> list[RemoteServer]:
         view = self._views.setdefault(model, _ModelView())
         view.used = time.monotonic()
         if self._refresher is None:
             self._refresher = asyncio.ensure_future(self._refresh_forever())
+        if max_age is None:
+            max_age = view.period(self.refresh_seconds) + OPENING_MARGIN
         servers = view.servers if time.monotonic() - view.fetched <= max_age else await self._refresh(model, view)
         now = time.time()  # DHT time: a record the view holds leaves it when it expires, as it leaves the DHT
         return [server for server in servers if server.expires > now]
@@ -83,12 +97,15 @@ class SwarmView:
             view.pending = None
 
     async def _refresh_forever(self) -> None:
-        """Refresh every view in use; ends once none is (the next caller starts it again)."""
+        """Refresh every view in use when its period has passed; ends once none is in use (the next caller starts
+        it again)."""
         while self._views:
             await asyncio.sleep(self.refresh_seconds)
             for model, view in list(self._views.items()):
                 if time.monotonic() - view.used > self.idle_seconds:
                     del self._views[model]
+                    continue
+                if time.monotonic() - view.fetched < view.period(self.refresh_seconds) - REFRESH_SLACK:
                     continue
                 try:
                     await self._refresh(model, view)

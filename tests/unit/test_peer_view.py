@@ -1,5 +1,5 @@
 """The client's own view of servers (swarm/client/peers.py), with the real classes: a step's time split into
-the round trip and compute per block, round trips the least of the last few, a restarted server's ban lifted (never a liar's) with its strikes kept,
+the round trip and compute per block (the least of the last few steps, forgotten a while after the last), round trips the least of the last few, a restarted server's ban lifted (never a liar's) with its strikes kept,
 and the record field that tells a restart."""
 
 import time
@@ -36,14 +36,33 @@ def test_a_session_of_this_client_weighs_a_share_of_a_step_not_a_whole_one():
 
 
 def test_one_held_up_step_does_not_make_a_server_look_slow():
+    from swarm.client.peers import COMPUTE_SAMPLES
+
     load = PeerLoad()
-    for _ in range(5):
-        load.observed("a", 0.010, blocks=10)
+    load.observed("a", 0.010, blocks=10)
     load.observed("a", 1.0, blocks=10)  # held up once: a busy moment of a loaded machine
     assert load.measured()["a"] == pytest.approx(0.001)
-    for _ in range(10):  # it really got slower: counted once most recent steps say so
+    for _ in range(COMPUTE_SAMPLES - 2):  # slower steps, but the last few still hold a fast one
         load.observed("a", 0.050, blocks=10)
+    assert load.measured()["a"] == pytest.approx(0.001)
+    load.observed("a", 0.050, blocks=10)  # it really got slower: counted once all its last steps say so
     assert load.measured()["a"] == pytest.approx(0.005)
+
+
+def test_a_servers_measured_compute_is_forgotten_a_while_after_the_last_step_there():
+    """A measurement only ever makes a server look slower than it announces: kept for good, it would keep a server
+    that sped up (or was held up while measured) out of routing; once forgotten, its announced speed counts."""
+    from swarm.client.peers import COMPUTE_FRESH_SECONDS
+
+    now = [100.0]
+    load = PeerLoad(clock=lambda: now[0])
+    load.observed("slow once", 0.5, blocks=10)
+    load.observed("stepped through", 0.5, blocks=10)
+    now[0] += COMPUTE_FRESH_SECONDS / 2
+    load.observed("stepped through", 0.5, blocks=10)
+    assert set(load.measured()) == {"slow once", "stepped through"}
+    now[0] += COMPUTE_FRESH_SECONDS / 2 + 1
+    assert set(load.measured()) == {"stepped through"}
 
 
 def test_a_round_trip_is_the_least_of_the_last_few_probes():

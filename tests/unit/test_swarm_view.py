@@ -68,3 +68,31 @@ def test_a_record_leaves_the_view_when_it_expires_and_the_view_refreshes_while_u
         assert len(lookups.calls) == settled
     finally:
         view.close()
+
+
+def test_a_view_of_more_servers_is_refreshed_less_often_and_openings_accept_it_as_old_as_that():
+    """A lookup's bytes grow with the servers it brings back: a view is refreshed every second up to 100 servers,
+    a second more per 100, at most every announce period; an opening takes the view within its period and a
+    margin (a view in use is always that fresh: openings never wait for a lookup)."""
+    from swarm.client.swarm_view import MOST_REFRESH_SECONDS, _ModelView
+
+    def period(servers: int) -> float:
+        return _ModelView(servers=[None] * servers).period(least=1.0)
+
+    assert (period(15), period(100), period(500), period(1000), period(10000)) == (1.0, 1.0, 5.0, 10.0,
+                                                                                   MOST_REFRESH_SECONDS)
+    lookups = Lookups()
+    lookups.servers = [RemoteServer(f"s{index}", ServerInfo(ServerState.ONLINE, 0, 4, 10.0, 64), time.time() + 60)
+                       for index in range(30)]
+    view = SwarmView(dht.EventLoop.get(), lookups.fetch, refresh_seconds=0.01)  # 30 servers: every 0.3 s
+    try:
+        view.servers("m", 4, max_age=0)
+        began = time.monotonic()
+        while time.monotonic() - began < 1.0:
+            view.servers("m", 4)  # an opening's: within the period and OPENING_MARGIN, never a lookup of its own
+            time.sleep(0.01)
+        # 1 + about 3 in the background, not 100 at the 0.01 s tick; and none of the openings' own: each accepted
+        # the view within its period and OPENING_MARGIN
+        assert 2 <= len(lookups.calls) <= 6
+    finally:
+        view.close()
