@@ -139,7 +139,8 @@ class Auditor:
     def _auditors(self, audit: Audit) -> list[str]:
         """Other servers of the hop's blocks (and adapter) that this client trusts now, in a random order."""
         link, excluded = audit.link, self.client.bans.current()
-        servers = self.client.servers(audit.prefix, audit.num_blocks, audit.adapter)
+        # from the client's shared view, as a session's opening takes it: an audit makes no lookup of its own
+        servers = self.client.servers(audit.prefix, audit.num_blocks, audit.adapter, max_age=None)
         peers = [server.peer_id for server in servers
                  if server.peer_id != link.peer_id and server.peer_id not in excluded
                  and server.info.start <= link.start and link.end <= server.info.end]

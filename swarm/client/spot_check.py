@@ -103,7 +103,8 @@ class SpotChecker:
         """The check to run at this step, if it is one of the steps checked."""
         if self.rate <= 0 or self.rng.random() >= self.rate:
             return None
-        servers = self.client.servers(route.prefix, route.num_blocks, route.adapter)
+        # from the client's shared view, as a session's opening takes it: a checked step waits for no lookup
+        servers = self.client.servers(route.prefix, route.num_blocks, route.adapter, max_age=None)
         check = plan_check(chain, servers, self.client.bans.current(), self.rng)
         return replace(check, adapter=route.adapter) if check is not None else None
 
