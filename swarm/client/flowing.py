@@ -26,9 +26,8 @@ itself, and that copy, rewinding the step, is what counts, as with relayed steps
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -94,7 +93,7 @@ class Flow:
         """The step's flow, where the session flows its steps and this one is short; else None (relayed)."""
         if session.flowing is False or len(session.hops) < 2 or hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
             return None
-        if session.flowing is None and not flow_pays(session.hops, session.services.load.round_trips()):
+        if session.flowing is None and not flow_pays(session.hops, session.services.load.round_trip_to):
             return None
         return cls(session, hidden, position, timeout, session.flow_grace)
 
@@ -140,11 +139,15 @@ class Flow:
         self._waiting.clear()
 
 
-def flow_pays(hops: list["Hop"], round_trips: dict[str, float]) -> bool:
+def flow_pays(hops: list["Hop"], round_trip_to: Callable[[str], Optional[float]]) -> bool:
     """Whether a server after the first is far enough from the client (its measured round trip; one not measured
     yet counts as far) that flowing saves more than it costs: a flowing step sends more messages (the pushes, and
     every server's own answer), which on a LAN or one machine cost more than the round trips saved."""
-    return any(round_trips.get(hop.link.peer_id, math.inf) >= FLOW_MIN_ROUND_TRIP for hop in hops[1:])
+    for hop in hops[1:]:  # asked each step: the round trips of the chain's own servers, never a copy of all
+        round_trip = round_trip_to(hop.link.peer_id)
+        if round_trip is None or round_trip >= FLOW_MIN_ROUND_TRIP:
+            return True
+    return False
 
 
 def _late_answer(task: asyncio.Task, hop: "Hop", began: float, expected: bytes) -> None:

@@ -209,6 +209,10 @@ class PeerLoad:
             return {peer: seconds for peer, seconds in self.latency.items()
                     if now - self._stepped[peer] <= COMPUTE_FRESH_SECONDS}
 
+    def round_trip_to(self, peer_id: str) -> Optional[float]:
+        """Seconds there and back to one server, if measured (what a step asks: no copy of every server's)."""
+        return self.rtt.get(peer_id)  # one read of a dict: whole under the GIL, no lock needed
+
     def round_trips(self) -> dict[str, float]:
         """Seconds there and back to each server measured."""
         with self._lock:
