@@ -141,10 +141,12 @@ async def fetch_catalogue(node, allowed: Collection[str] = ()) -> list[ModelReco
     return sorted(chosen.values(), key=lambda record: record.name)
 
 
-async def fetch_servers(node, prefix: str, num_blocks: int, allowed: Collection[str] = ()) -> list[RemoteServer]:
+async def fetch_servers(node, prefix: str, num_blocks: int, allowed: Collection[str] = (),
+                        until: Optional[int] = None) -> list[RemoteServer]:
     """Every online server that announced any block of the model, as it last described itself (only
-    servers in `allowed`, if given)."""
-    servers = await fetch_all_servers(node, prefix, num_blocks, allowed)
+    servers in `allowed`, if given); with `until`, only the keys of the servers that may hold the blocks before it
+    (see fetch_all_servers)."""
+    servers = await fetch_all_servers(node, prefix, num_blocks, allowed, until)
     return [server for server in servers if server.info.state == ServerState.ONLINE]
 
 

@@ -29,19 +29,9 @@ from swarm.client.flowing import flowing_by_default
 from swarm.client.forwards import forward_on
 from swarm.client.stubs import StepChannels, call_info
 from swarm.network_map import parse_region
-from swarm.protocol import (
-    CacheFullError,
-    InternalServerError,
-    PROTOCOL_VERSION,
-    MissingBlocksError,
-    ModelRecord,
-    RemoteServer,
-    ServerState,
-    ServerUnavailableError,
-    format_block_ranges,
-    missing_ranges,
-    servers_per_block,
-)
+from swarm.protocol import (PROTOCOL_VERSION, CacheFullError, InternalServerError, MissingBlocksError, ModelRecord,
+                            RemoteServer, ServerState, ServerUnavailableError, format_block_ranges, missing_ranges,
+                            servers_per_block)
 
 logger = logging.getLogger(__name__)
 
@@ -129,13 +119,16 @@ class SwarmClient:
         self._announce_region()
 
     def servers(self, prefix: str, num_blocks: int, adapter: Optional[str] = None,
-                max_age: Optional[float] = 0.0) -> list[RemoteServer]:
+                max_age: Optional[float] = 0.0, until: Optional[int] = None) -> list[RemoteServer]:
         """The online servers of a model that this client may route to (probed from now on: see probes.py); with
-        `adapter`, only those that announce that LoRA adapter. Looked up now by default (which refreshes the
-        client's shared view of the model's servers: swarm_view.py); from that view where it is at most `max_age`
-        seconds old (None: what an opening accepts; what routing asks: see chain)."""
+        `adapter`, only those that announce it. Looked up now by default (refreshing the client's shared view:
+        swarm_view.py), else from the view at most `max_age` seconds old (None: an opening's; see chain). With
+        `until`, only those that may hold the blocks before it, looked up now past the view (of whole lookups)."""
         self._announce_region()
-        servers = self._speaking(self.view.servers(prefix, num_blocks, max_age, self.allowed_servers))
+        partial = until is not None and until < num_blocks
+        found = self.loop.run(dht.fetch_servers(self.node, prefix, num_blocks, self.allowed_servers, until)) \
+            if partial else self.view.servers(prefix, num_blocks, max_age, self.allowed_servers)
+        servers = self._speaking(found)
         self.dead.seen(servers)
         self._note_restarts(servers)
         self.probes.consider(server.peer_id for server in servers)
@@ -207,17 +200,18 @@ class SwarmClient:
         """The best chain over blocks [start, end) (default: all of them), around banned and excluded peers, of
         servers that hold the LoRA `adapter` (if any); each choice is logged (one line: which server runs which
         blocks), as Petals logs its routes. The servers are looked up now, but for sessions (remote_session.py):
-        `opening` a session routes by the shared view of the swarm a few seconds old at most, and `replan` (a
-        failed server's blocks re-routed) by the view as long as its records live (no lookup). Where
-        the view has no server for some blocks but banned ones, they are looked up anew: a server may have joined
-        since (a replacement), before routing settles for a banned one or fails with MissingBlocksError."""
+        `opening` a session routes by the shared view of the swarm, and `replan` (a failed server's blocks
+        re-routed) by the view as long as its records live (no lookup). Where the view has no server for some
+        blocks but banned ones, they are looked up anew (a re-plan, only the keys that may hold them): a
+        replacement may have joined since, before routing settles for a banned one or fails (MissingBlocksError)."""
         routing = (num_blocks, model_name, exclude, end, start, min_cache_tokens)
         servers = self.servers(prefix, num_blocks, adapter,
                                REPLAN_MAX_AGE if replan else None if opening else 0.0)
         try:
             chain = self._best_chain(servers, *routing, fall_back=False)
         except MissingBlocksError:
-            chain = self._best_chain(self.servers(prefix, num_blocks, adapter), *routing, fall_back=True)
+            until = (num_blocks if end is None else end) if replan else None
+            chain = self._best_chain(self.servers(prefix, num_blocks, adapter, until=until), *routing, fall_back=True)
         if chain:
             logger.info("routed blocks %d:%d of %s through %s", chain[0].start, chain[-1].end, model_name,
                         " ".join(f"{link.peer_id}[{link.start}:{link.end}]" for link in chain))
