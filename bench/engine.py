@@ -6,8 +6,8 @@
 Two block servers and a real gunicorn gateway, as in production; for each count of sessions, that many WebSocket
 sessions generate `--tokens` tokens at once (the first prompt of bench/workload.py, greedy). It prints, per count:
 aggregate tok/s, each session's time per token, the CPU the gateway's worker (and its whole process tree: the
-gunicorn master, the worker and its libp2p daemon) and the block servers (with their daemons) spent per generated
-token, and the engine loop's rows per tick
+gunicorn master, the worker and its libp2p daemon), the block servers (with their daemons) and the WebSocket
+clients (this process, on the same cores) spent per generated token, and the engine loop's rows per tick
 and chain steps per tick (from its /metrics counters), and the time to first token. A second table says where a
 step's time goes, stage by stage (swarm/client/stage_clock.py, read from the gateway's /metrics): the engine loop's
 wake-up and tick, the hand-off to the client's event loop, each hop's queue, round trip and transport, and what
@@ -106,10 +106,12 @@ def measure(gateway: Gateway, servers: list[int], prompt, options: argparse.Name
     worker = _children(master)[0]
     cpu_before, worker_before, counters_before = _tree_cpu(master), _cpu(worker), _counters(gateway)
     servers_before, stages_before = [_tree_cpu(pid) for pid in servers], _stages(gateway)
+    clients_before = _cpu(os.getpid())
     summary = summarize_concurrent(concurrent_replies(gateway.ws_url, prompt, options.tokens, sessions,
                                                       options.timeout))
     cpu_after, worker_after, counters_after = _tree_cpu(master), _cpu(worker), _counters(gateway)
     servers_after, stages_after = [_tree_cpu(pid) for pid in servers], _stages(gateway)
+    clients_after = _cpu(os.getpid())
     tokens = max(summary["tokens"], 1)
     server_cpu = [(after - before) * 1000 / tokens for before, after in zip(servers_before, servers_after)]
     ticks = max(counters_after["ticks"] - counters_before["ticks"], 1)
@@ -120,6 +122,8 @@ def measure(gateway: Gateway, servers: list[int], prompt, options: argparse.Name
         "gateway_tree_cpu_ms_per_token": round((cpu_after - cpu_before) * 1000 / tokens, 3),
         "servers_cpu_ms_per_token": round(sum(server_cpu), 3),
         "each_server_cpu_ms_per_token": [round(cpu, 3) for cpu in server_cpu],
+        # the WebSocket clients, in this process on the same cores: what they take is not the product's to spend
+        "clients_cpu_ms_per_token": round((clients_after - clients_before) * 1000 / tokens, 3),
         "ttft_ms_p50": round(summary["ttft_p50_s"] * 1000, 1),
         "busy_fraction": _busy(stages_before, stages_after, summary["wall_s"]),
         "stages_ms": _stage_means(stages_before, stages_after),
@@ -134,11 +138,12 @@ def table(results: dict) -> str:
     lines = [f"{results['model']} on {results['device']} ({results['dtype']}), {results['tokens']} tokens per session"
              f"{', ' + str(results['env']) if results['env'] else ''}",
              f"{'sessions':>8} {'tok/s':>9} {'ms/tok/session':>15} {'worker CPU ms/tok':>18} "
-             f"{'tree CPU ms/tok':>16} {'servers CPU ms/tok':>19} {'rows/tick':>10} {'steps/tick':>11}"]
+             f"{'tree CPU ms/tok':>16} {'servers CPU ms/tok':>19} {'clients CPU ms/tok':>19} {'rows/tick':>10} "
+             f"{'steps/tick':>11}"]
     for sessions, run in results["runs"].items():
         lines.append(f"{sessions:>8} {run['aggregate_tok_s']:>9} {run['ms_per_token_per_session']:>15} "
                      f"{run['worker_cpu_ms_per_token']:>18} {run['gateway_tree_cpu_ms_per_token']:>16} "
-                     f"{run['servers_cpu_ms_per_token']:>19} "
+                     f"{run['servers_cpu_ms_per_token']:>19} {run.get('clients_cpu_ms_per_token', ''):>19} "
                      f"{run['rows_per_tick']:>10} {run['steps_per_tick']:>11}")
     return "\n".join(lines)
 
