@@ -176,14 +176,22 @@ async def relayed_peers(relay, count: int, identity_path: str | None = None, rea
     return list(peers)
 
 
-async def reservations_one_host(limit: int = 13, peers: int = 14) -> Row:
-    """Distinct peer ids from one address: go-libp2p would let one IP hold 8 slots; p2pd sets its per-peer,
-    per-IP and per-ASN limits to the total, so one host holds every slot."""
-    async with relay_node(RelayLimits(max_reservations=limit, max_circuits=64, buffer_size=SMALL_BUFFER)) as relay:
+async def circuits_from_one_dialer(limits: RelayLimits, peers: int) -> list[str]:
+    """A relay with `limits`, `peers` relayed peers reserving a slot on it, and one dialer opening a circuit to each
+    of them: each circuit's outcome."""
+    async with relay_node(limits) as relay:
         targets = await relayed_peers(relay, peers)
         dialer = await start_dialer()
         outcomes = await circuits_open([dialer], relay.maddr, targets)
         await shutdown(dialer, *targets)
+    return outcomes
+
+
+async def reservations_one_host(limit: int = 13, peers: int = 14) -> Row:
+    """Distinct peer ids from one address: go-libp2p would let one IP hold 8 slots; p2pd sets its per-peer,
+    per-IP and per-ASN limits to the total, so one host holds every slot."""
+    limits = RelayLimits(max_reservations=limit, max_circuits=64, buffer_size=SMALL_BUFFER)
+    outcomes = await circuits_from_one_dialer(limits, peers)
     return Row("reservations, one host", f"--relay-max-reservations={limit}",
                f"{outcomes.count('ok')} of {peers} peer ids got a slot, the bench's probe 1 ({_summary(outcomes)})")
 
@@ -211,12 +219,7 @@ async def reservations_one_peer_reconnecting(limit: int = 3) -> Row:
 
 async def circuits_one_peer(max_circuits: int = 4, targets: int = 6) -> Row:
     """One dialer to distinct relayed peers: max_circuits bounds the circuits each peer id opens."""
-    limits = RelayLimits(max_circuits=max_circuits, buffer_size=SMALL_BUFFER)
-    async with relay_node(limits) as relay:
-        peers = await relayed_peers(relay, targets)
-        dialer = await start_dialer()
-        outcomes = await circuits_open([dialer], relay.maddr, peers)
-        await shutdown(dialer, *peers)
+    outcomes = await circuits_from_one_dialer(RelayLimits(max_circuits=max_circuits, buffer_size=SMALL_BUFFER), targets)
     return Row("circuits, one peer id to many", f"--relay-max-circuits={max_circuits}, buffer 64 KiB",
                f"{outcomes.count('ok')} of {targets} ({_summary(outcomes)})")
 
