@@ -2,7 +2,7 @@
 
 The relay is the bootstrap peer's node (swarm.dht.start_node(serve_relay=True, relay_limits=...)), restarted
 until its configured relay service is the one that answers (p2pd runs a second one, with go-libp2p's defaults:
-configured_relay_answers). The hostile peers are bare p2pd daemons on the same 127.0.0.1, as hivemind starts
+swarm/relay_check.py). The hostile peers are bare p2pd daemons on the same 127.0.0.1, as hivemind starts
 them, with whatever flags suit them: they listen on no address and dial no DHT peers, so every connection between
 them is a circuit the bench opens. The "relayed" ones reserve a slot on the relay at once (-relayDiscovery=0
 makes it a static relay, which p2pd's auto-relay uses without its 3-minute boot delay); the "dialers" open
@@ -22,16 +22,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from swarm.relays import RelayLimits, daemon_class, relay_options
+from swarm.relay_check import (PROBE_BYTES, SINK, configured_service_answers, open_circuit, relayed_peers, shutdown,
+                                start_dialer, stream_bytes)
+from swarm.relays import RelayLimits
 
-RELAY_STARTS = 5  # relay starts to get one whose configured relay service answers
-PROBE_KIB = 256  # KiB the probe sends: more than go-libp2p's default relay service lets through a circuit
-SINK = "relay_limits.sink"  # the stream handler every relayed peer runs: it counts the bytes that reach it
-# dialers run no libp2p DHT (its lookups would open circuits between the peers) and relay for nobody
-BARE = {"dhtClient": False, "relayService": False}
-# every hostile peer listens on no address (nothing dials it but through the relay), and punches no hole
-HOSTILE = dict(no_listen=True, dht_mode="client", nat_port_map=False, auto_nat=False)
-DIAL_TIMEOUT = 5.0  # seconds: a refused circuit fails at once; a dial with no answer gives up after this
+SMALL_BUFFER = 64 << 10  # a relay buffer small enough that the relay's memory limit is not what stops circuits
 
 
 @dataclass
@@ -47,133 +42,32 @@ def rss_mib(p2p, field: str = "VmRSS") -> float:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith(field))
 
 
-class CircuitAddress:
-    """RELAY/p2p-circuit as p2pd reads it: hivemind's Multiaddr writes a /p2p/ part as a CID, which p2pd's
-    multiaddr parser refuses in a connect request (it wants the bare multihash)."""
-
-    def __init__(self, relay_maddr: str):
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        transport, relay_id = relay_maddr.rstrip("/").split("/p2p/")
-        multihash = PeerID.from_base58(relay_id).to_bytes()
-        p2p_code, circuit_code = 421, 290
-        self.data = (Multiaddr(transport).to_bytes() + _varint(p2p_code) + _varint(len(multihash)) + multihash
-                     + _varint(circuit_code))
-
-    def to_bytes(self) -> bytes:
-        return self.data
-
-
-def _varint(number: int) -> bytes:
-    out = bytearray()
-    while number >= 0x80:
-        out.append(number & 0x7F | 0x80)
-        number >>= 7
-    return bytes(out + bytes([number]))
-
-
-async def start_relayed(relay_maddr: str, identity_path: str | None = None, reads: bool = True):
-    """A peer that reserves a slot on the relay at once, and counts the bytes streamed to it (.received) and when
-    each stream to it ended (.ended). One that `reads` nothing lets the relay's buffers fill."""
-    # p2pd's auto-relay wants its DHT on: a client one, which dials no peer that is not a DHT server
-    daemon = daemon_class({"relayService": False, "relayDiscovery": False})
-    p2p = await daemon.create(**HOSTILE, identity_path=identity_path, **relay_options([relay_maddr]))
-    p2p.received, p2p.ended = 0, []
-
-    async def sink(_info, reader, _writer):
-        with contextlib.suppress(Exception):
-            while reads or await asyncio.Event().wait():  # a peer that reads nothing: never
-                if not (chunk := await reader.read(1 << 16)):
-                    break
-                p2p.received += len(chunk)
-        p2p.ended.append(time.monotonic())
-
-    await p2p.add_binary_stream_handler(SINK, sink)
-    return p2p
-
-
-async def start_dialer(identity_path: str | None = None):
-    """A peer that opens circuits through the relay (no hole punching: a circuit stays a circuit)."""
-    daemon = daemon_class(BARE)
-    return await daemon.create(**HOSTILE, identity_path=identity_path)
-
-
-async def open_circuit(dialer, relay_maddr: str, target) -> str:
-    """'ok', or why the relay (or the dial) refused the circuit."""
-    try:
-        await asyncio.wait_for(dialer._client.connect(target.peer_id, [CircuitAddress(relay_maddr)]),
-                               DIAL_TIMEOUT)
-        return "ok"
-    except asyncio.TimeoutError:
-        return "timeout"
-    except Exception as error:  # p2pd's ControlFailure: its message names the relay's status
-        for status in ("NO_RESERVATION", "RESOURCE_LIMIT_EXCEEDED", "PERMISSION_DENIED"):
-            if status in str(error):
-                return status
-        return str(error)[:80]
-
-
 async def circuits_open(dialers, relay_maddr: str, targets) -> list[str]:
     """Each dialer opens a circuit to each target, one after another."""
     return [await open_circuit(dialer, relay_maddr, target) for dialer in dialers for target in targets]
 
 
-async def shutdown(*peers) -> None:
-    await asyncio.gather(*(peer.shutdown() for peer in peers), return_exceptions=True)
-
-
 @contextlib.asynccontextmanager
 async def relay_node(limits: RelayLimits, configured: bool = True):
-    """The relay as the product starts it. `configured`: restarted until its configured relay service is the
-    one that answers (see configured_relay_answers), which a probe finds out at the cost of one slot."""
+    """The relay as the product starts it on a public address: restarted until its configured relay service is the
+    one that answers (swarm/relay_check.py), which a probe finds out at the cost of one slot. `configured` False:
+    as it first starts, whichever service answers."""
     from swarm import dht
 
-    for _ in range(RELAY_STARTS):
-        node = await dht.start_node(serve_relay=True, relay_limits=limits)
-        node.maddr = str((await node.get_visible_maddrs())[0])
-        if not configured or await configured_service_answers(node):
-            break
+    node = await dht.start_node(serve_relay=True, relay_limits=limits, check_relay=configured)
+    if configured and not node.configured_relay:
         await node.shutdown()
-    else:
-        raise RuntimeError(f"go-libp2p's default relay service answered in {RELAY_STARTS} relay starts")
+        raise RuntimeError("go-libp2p's default relay service answered at every start of the relay")
+    node.maddr = str((await node.get_visible_maddrs())[0])
     try:
         yield node
     finally:
         await node.shutdown()
 
 
-async def configured_service_answers(relay) -> bool:
-    """Whether PROBE_KIB through a circuit arrive whole: go-libp2p's default relay service cuts a circuit at
-    128 KiB, whatever the relay was told (each test here sets a data limit of 1 MiB or more)."""
-    (target,), dialer = await relayed_peers(relay, 1), await start_dialer()
-    await open_circuit(dialer, relay.maddr, target)
-    await stream_bytes(dialer, target, PROBE_KIB << 10)
-    await shutdown(dialer, target)
-    return target.received == PROBE_KIB << 10
-
-
 def _summary(outcomes: list[str]) -> str:
     counts = {outcome: outcomes.count(outcome) for outcome in dict.fromkeys(outcomes)}
     return ", ".join(f"{count} {outcome}" for outcome, count in counts.items())
-
-
-RESERVE_WAIT = 0.5  # seconds for a relayed peer's auto-relay to take its slot once connected to the relay
-CONNECT_WAIT = 30.0  # seconds for relayed peers to connect to the relay (all at once on a loaded machine)
-SMALL_BUFFER = 64 << 10  # a relay buffer small enough that the relay's memory limit is not what stops circuits
-
-
-async def relayed_peers(relay, count: int, identity_path: str | None = None, reads: bool = True) -> list:
-    """`count` relayed peers, once each is connected to the relay and has had time to reserve its slot."""
-    peers = await asyncio.gather(*(start_relayed(relay.maddr, identity_path, reads) for _ in range(count)))
-    deadline = time.monotonic() + CONNECT_WAIT
-    while time.monotonic() < deadline:
-        connected = {info.peer_id for info in await relay.p2p._client.list_peers()}
-        if all(peer.peer_id in connected for peer in peers):
-            break
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(RESERVE_WAIT)
-    return list(peers)
 
 
 async def circuits_from_one_dialer(limits: RelayLimits, peers: int) -> list[str]:
@@ -238,18 +132,6 @@ async def circuits_to_one_server(max_circuits: int = 4) -> Row:
         await shutdown(honest, server, *hostile)
     return Row("circuits, one peer id to one server", f"--relay-max-circuits={max_circuits}",
                f"hostile: {_summary(outcomes)}; then an honest client: {honest_outcome}")
-
-
-async def stream_bytes(dialer, target, size: int) -> None:
-    """Send `size` bytes to the target's sink over a new stream; a circuit cut on the way ends it early."""
-    with contextlib.suppress(Exception):
-        _info, _reader, writer = await dialer.call_binary_stream_handler(target.peer_id, SINK)
-        chunk = bytes(1 << 16)
-        for _ in range(size // len(chunk)):
-            writer.write(chunk)
-            await writer.drain()
-        writer.close()
-    await asyncio.sleep(0.5)  # what is on its way arrives
 
 
 async def data_limit_cuts(limit_mib: float = 1.0, sent_mib: int = 4) -> Row:
@@ -337,7 +219,7 @@ async def configured_relay_answers(starts: int = 5) -> Row:
             answers.append(await configured_service_answers(relay))
     return Row("which relay service answers", f"{starts} relay starts",
                f"the configured one {sum(answers)} times, go-libp2p's defaults {starts - sum(answers)} times "
-               f"({PROBE_KIB} KiB through a circuit arrive whole, or 96 KiB)")
+               f"({PROBE_BYTES >> 10} KiB through a circuit arrive whole, or 96 KiB)")
 
 
 MEASURES = (plain_node_relays, configured_relay_answers, reservations_one_host, reservations_one_peer_reconnecting,

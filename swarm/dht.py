@@ -8,6 +8,7 @@ import, never in a gunicorn master, and again after a fork).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections import Counter
@@ -16,6 +17,8 @@ from typing import Collection, Iterable, Optional, Sequence
 from swarm import directory
 from swarm.directory import record_key, start_keys
 from swarm.protocol import CATALOGUE_KEY, ModelRecord, RemoteServer, ServerInfo, ServerState
+
+logger = logging.getLogger(__name__)
 
 
 class EventLoop:
@@ -40,6 +43,9 @@ class EventLoop:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
 
+RELAY_STARTS = 8  # a relay's daemon started at most this many times until its configured relay service answers
+
+
 async def start_node(
     initial_peers: Iterable[str] = (),
     host: str = "127.0.0.1",
@@ -50,6 +56,7 @@ async def start_node(
     serve_relay: bool = False,
     relay_limits=None,
     announce_maddrs: Sequence[str] = (),
+    check_relay: Optional[bool] = None,
 ):
     """A DHT node with its own libp2p daemon, joined to the given peers (none: a new swarm). It signs the
     records it stores with its identity key, and refuses forged ones (see swarm/trust.py).
@@ -57,7 +64,48 @@ async def start_node(
     `relays`: the node accepts no inbound connection and is reached through these public peers; `serve_relay`:
     it is public and relays for such nodes, within `relay_limits` (a relays.RelayLimits; default: p2pd's); no
     other node relays for anyone (see swarm/relays.py). `announce_maddrs`: the only addresses the node gives out,
-    in place of those it listens on (a forwarded port's: swarm/server/addresses.py)."""
+    in place of those it listens on (a forwarded port's: swarm/server/addresses.py).
+
+    `check_relay` (by default: a relay on any address but loopback's): its daemon is started again, up to
+    RELAY_STARTS times, until the relay service that answers is the one configured with `relay_limits`, not the
+    one with go-libp2p's defaults that p2pd also runs (swarm/relay_check.py); the node's `configured_relay` says
+    whether it is (None: not checked). A few seconds a start: a swarm on one machine relays for nobody far."""
+    arguments = dict(initial_peers=initial_peers, host=host, port=port, identity_path=identity_path,
+                     client_mode=client_mode, relays=relays, serve_relay=serve_relay, relay_limits=relay_limits,
+                     announce_maddrs=announce_maddrs)
+    if not serve_relay or not (check_relay if check_relay is not None else not _loopback(host)):
+        node = await _started_node(**arguments)
+        node.configured_relay = None
+        return node
+    for start in range(1, RELAY_STARTS + 1):
+        node = await _started_node(**arguments)
+        node.configured_relay = await _configured_relay_answers(node, host)
+        if node.configured_relay or start == RELAY_STARTS:
+            break
+        logger.info("relay: go-libp2p's default relay service answered, not the configured one; starting again")
+        await node.shutdown()
+    if not node.configured_relay:
+        logger.warning("relay: go-libp2p's default relay service answered at each of %d starts: circuits through "
+                       "this relay carry 128 KiB and last 2 minutes each", RELAY_STARTS)
+    return node
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+async def _configured_relay_answers(node, host: str) -> bool:
+    from swarm.relay_check import configured_service_answers
+
+    """The probe dials the relay where it listens, from this machine."""
+    port = next(text.split("/tcp/")[1].split("/")[0] for text in map(str, await node.get_visible_maddrs())
+                if "/tcp/" in text)
+    node.maddr = f"/ip4/{'127.0.0.1' if host == '0.0.0.0' else host}/tcp/{port}/p2p/{peer_id_of(node)}"
+    return await configured_service_answers(node)
+
+
+async def _started_node(initial_peers, host, port, identity_path, client_mode, relays, serve_relay, relay_limits,
+                        announce_maddrs):
     from hivemind.dht.node import DHTNode
 
     from swarm import bounded_storage, trust

@@ -1,9 +1,10 @@
 """Which nodes relay for others (swarm/relays.py): the libp2p daemons of real nodes, as started, run p2pd's
 configurable relay service only on a relay, within the limits it was given (p2pd accepts the flags: the node starts
-and joins), and the relay cuts a circuit at its data limit."""
+and joins), the relay cuts a circuit at its data limit, and a relay that checks which of p2pd's two relay services
+answers (swarm/relay_check.py) says so truly."""
 
-from bench import relay_limits
 from swarm import dht
+from swarm import relay_check as relay_limits
 from swarm.relays import RelayLimits
 
 
@@ -26,6 +27,7 @@ def test_only_a_relay_runs_the_configured_relay_service_and_within_its_limits():
                                        "-relayMaxCircuits=2", f"-relayDataLimit={64 << 20}", "-relayTimeLimit=600s",
                                        f"-relayBufferSize={64 << 10}"}
         assert loop.run(plain.find_nearest_nodes([relay.node_id]))  # the DHT works over them as before
+        assert relay.configured_relay is None  # on loopback a relay does not check its service (a few seconds)
     finally:
         loop.run(plain.shutdown())
         loop.run(relay.shutdown())
@@ -57,3 +59,18 @@ def test_the_relay_cuts_a_circuit_after_its_data_limit():
     finally:
         loop.run(relay.shutdown())
     assert all(0 < size <= 1 << 20 for size in arrived), arrived
+
+
+def test_a_relay_that_checks_its_relay_service_says_truly_which_one_answers(monkeypatch):
+    """One start, checked: whichever service answers (p2pd races its two), `configured_relay` says which, as a
+    circuit then shows: the configured one lets 1 MiB through, go-libp2p's defaults 128 KiB at most."""
+    monkeypatch.setattr(dht, "RELAY_STARTS", 1)
+    loop = dht.EventLoop.get()
+    relay = loop.run(dht.start_node(serve_relay=True, relay_limits=RelayLimits(data_limit=4 << 20), check_relay=True))
+    try:
+        arrived = loop.run(_bytes_through_two_circuits(relay, 1 << 20), timeout=60)
+    finally:
+        loop.run(relay.shutdown())
+    assert relay.configured_relay in (True, False)
+    assert all((size == 1 << 20) == relay.configured_relay and (size <= 128 << 10) != relay.configured_relay
+               for size in arrived), (relay.configured_relay, arrived)
