@@ -73,7 +73,8 @@ async def start_node(
     arguments = dict(initial_peers=initial_peers, host=host, port=port, identity_path=identity_path,
                      client_mode=client_mode, relays=relays, serve_relay=serve_relay, relay_limits=relay_limits,
                      announce_maddrs=announce_maddrs)
-    if not serve_relay or not (check_relay if check_relay is not None else not _loopback(host)):
+    checking = serve_relay and (check_relay if check_relay is not None else not _loopback(host))
+    if not checking:
         node = await _started_node(**arguments)
         node.configured_relay = None
         return node
@@ -95,9 +96,9 @@ def _loopback(host: str) -> bool:
 
 
 async def _configured_relay_answers(node, host: str) -> bool:
+    """swarm/relay_check.py's probe, which dials the relay where it listens, from this machine."""
     from swarm.relay_check import configured_service_answers
 
-    """The probe dials the relay where it listens, from this machine."""
     port = next(text.split("/tcp/")[1].split("/")[0] for text in map(str, await node.get_visible_maddrs())
                 if "/tcp/" in text)
     node.maddr = f"/ip4/{'127.0.0.1' if host == '0.0.0.0' else host}/tcp/{port}/p2p/{peer_id_of(node)}"
