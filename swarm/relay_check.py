@@ -30,6 +30,7 @@ UNLISTED = dict(no_listen=True, dht_mode="client", nat_port_map=False, auto_nat=
 DIAL_TIMEOUT = 5.0  # seconds: a refused circuit fails at once; a dial with no answer gives up after this
 RESERVE_WAIT = 0.5  # seconds for a relayed peer's auto-relay to take its slot once connected to the relay
 CONNECT_WAIT = 30.0  # seconds for relayed peers to connect to the relay (all at once on a loaded machine)
+ARRIVAL_WAIT = 10.0  # seconds at most for the bytes of a stream to reach its receiver
 
 
 class CircuitAddress:
@@ -120,7 +121,12 @@ async def stream_bytes(dialer, target, size: int) -> None:
             writer.write(chunk)
             await writer.drain()
         writer.close()
-    await asyncio.sleep(0.5)  # what is on its way arrives
+    # what is on its way arrives: until half a second passes with no byte more (a fixed wait ended early on a loaded
+    # machine, and a configured service's circuit read as one cut at 128 KiB), ARRIVAL_WAIT at most
+    deadline, before = time.monotonic() + ARRIVAL_WAIT, -1
+    while target.received != before and time.monotonic() < deadline:
+        before = target.received
+        await asyncio.sleep(0.5)
 
 
 async def shutdown(*peers) -> None:
