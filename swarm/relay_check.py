@@ -121,12 +121,13 @@ async def stream_bytes(dialer, target, size: int) -> None:
             writer.write(chunk)
             await writer.drain()
         writer.close()
-    # what is on its way arrives: until half a second passes with no byte more (a fixed wait ended early on a loaded
-    # machine, and a configured service's circuit read as one cut at 128 KiB), ARRIVAL_WAIT at most
+    # what is on its way arrives: half a second, then for as long as bytes still come (a fixed wait ended early on a
+    # loaded machine, and a configured service's circuit read as one cut at 128 KiB), ARRIVAL_WAIT at most
+    await asyncio.sleep(0.25)
     deadline, before = time.monotonic() + ARRIVAL_WAIT, -1
     while target.received != before and time.monotonic() < deadline:
         before = target.received
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.25)
 
 
 async def shutdown(*peers) -> None:
