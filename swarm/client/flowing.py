@@ -88,14 +88,17 @@ class Flow:
             task.add_done_callback(_retrieved)
             self._waiting[id(hops[index])] = task
 
+    @staticmethod
+    def wanted(session, hidden: torch.Tensor) -> bool:
+        """Whether the step flows: the session flows its steps (or, by default, where it pays), and it is short."""
+        if session.flowing is False or len(session.hops) < 2 or hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
+            return False
+        return session.flowing is not None or flow_pays(session.hops, session.services.load.round_trip_to)
+
     @classmethod
     def of_step(cls, session, hidden: torch.Tensor, position: int, timeout: float) -> Optional["Flow"]:
-        """The step's flow, where the session flows its steps and this one is short; else None (relayed)."""
-        if session.flowing is False or len(session.hops) < 2 or hidden.shape[1] > MULTIPLEX_MAX_POSITIONS:
-            return None
-        if session.flowing is None and not flow_pays(session.hops, session.services.load.round_trip_to):
-            return None
-        return cls(session, hidden, position, timeout, session.flow_grace)
+        """The step's flow, where it flows (its flowing steps sent at once); else None (relayed)."""
+        return cls(session, hidden, position, timeout, session.flow_grace) if cls.wanted(session, hidden) else None
 
     def flows_to(self, hop: "Hop") -> bool:
         return id(hop) in self._waiting

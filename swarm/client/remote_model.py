@@ -12,13 +12,13 @@ the CPU either way.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from swarm.client import convoy
 from swarm.client.coalesce import Coalescer
 from swarm.client.head import load_client
 from swarm.client.remote_session import RemoteSession
@@ -101,22 +101,17 @@ class RemoteModel:
                     on_done: Callable[[object, Optional[torch.Tensor], Optional[BaseException]], None]) -> None:
         """Start each (key, session, hidden (1, length, hidden), position) through its chain without waiting;
         `on_done(key, outputs, error)` is called on the client's event loop as each ends. They all start in one
-        turn of the loop, so that the steps bound for one server leave in one message (see stubs.StepChannel);
-        a failover runs inside its own session's step, never holding the others."""
+        turn of the loop, so that the steps bound for one server leave in one message (see stubs.StepChannel), and
+        the sessions that share a chain move through it as one (swarm/client/convoy.py); a failover runs inside
+        its own session's step, never holding the others."""
 
         handed = now()
 
         def start_all():
             started = now()
             CLOCK.add("client_handoff", started - handed, len(steps))
-            for key, session, hidden, position in steps:
-                try:
-                    task = asyncio.ensure_future(session.blocks.step_async(hidden, position))
-                except Exception as error:  # a session closed meanwhile: its step ends here, the others go
-                    on_done(key, None, error)
-                    continue
-                _RUNNING.add(task)
-                task.add_done_callback(lambda task, key=key: _step_ended(task, key, on_done, started))
+            convoy.start_steps([(key, session.blocks, hidden, position) for key, session, hidden, position in steps],
+                               on_done, started)
 
         self.client.loop.loop.call_soon_threadsafe(start_all)
 
@@ -240,16 +235,6 @@ class InferenceSession:
 
     def __exit__(self, *exc_info):
         self.close()
-
-
-_RUNNING: set[asyncio.Task] = set()  # steps under way (asyncio keeps only weak references to tasks)
-
-
-def _step_ended(task: asyncio.Task, key, on_done: Callable, started: float) -> None:
-    _RUNNING.discard(task)
-    CLOCK.add("client_step", now() - started)
-    error = task.exception() if not task.cancelled() else asyncio.CancelledError()
-    on_done(key, None if error is not None else task.result(), error)
 
 
 def _as_batch(token_ids) -> torch.Tensor:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
 import torch
 
 from swarm.client import metrics
+from swarm.client.chain_opening import SERVER_FAULTS, open_hops
 from swarm.client.flowing import FLOW_GRACE, Flow, flowing_by_default
 from swarm.client.hops import Hop, pushing_by_default
 from swarm.client.routing import ChainLink
@@ -18,22 +20,24 @@ from swarm.client.services import ClientServices, Route
 from swarm.client.spot_check import LIAR_BAN_SECONDS
 from swarm.client.step_channel import NEXT_STEP_POSITIONS
 from swarm.client.stubs import STEP_SECONDS_PER_TOKEN, InferenceStream, MalformedOutputsError, checked_outputs
-from swarm.protocol import (
-    PAGE_TOKENS,
-    CacheFullError,
-    InternalServerError,
-    MissingBlocksError,
-    NotAllowedError,
-    ServerUnavailableError,
-    SessionClosedError,
-    SessionLengthError,
-)
+from swarm.protocol import CacheFullError, MissingBlocksError, SessionClosedError, SessionLengthError
 
 logger = logging.getLogger(__name__)
 
-# a server at fault: dead, stalled, cut off, lying (spot checks), or failed on its own (out of memory, a bug);
-# the session bans it and goes on elsewhere, replaying what it had sent there
-SERVER_FAULTS = (ServerUnavailableError, InternalServerError)
+
+
+@dataclass
+class StepState:
+    """A step on its way through the chain: the inputs of the next hop (at first the session's, in the wire's
+    dtype), where it starts and ends, each hop's timeout, and what it returns its outputs as."""
+
+    output: torch.Tensor
+    position: int
+    end: int
+    timeout: float
+    dtype: torch.dtype
+    check: Optional[object] = None  # its spot check (swarm/client/spot_check.py), if it has one
+    flow: Optional[Flow] = None  # its flow (swarm/client/flowing.py), if it flows
 
 
 class RemoteSession:
@@ -137,7 +141,7 @@ class RemoteSession:
             except Exception as error:  # gone, full, or the source session closed there: recompute
                 logger.debug("server %s did not fork the session (%s): replaying %d positions", hop.link.peer_id,
                              error, length)
-                self._close_hop(forked)
+                self.close_hop(forked)
             replacement = self._open_hops(hop.link.start, hop.link.end)
             self.hops.extend(replacement)  # closed with the session if the replay fails
             if length:
@@ -152,11 +156,17 @@ class RemoteSession:
 
     async def step_async(self, hidden: torch.Tensor, position: Optional[int] = None,
                          next_positions: Optional[int] = None) -> torch.Tensor:
-        """`step` on the client's event loop: the gateway's engine loop starts the steps of all its sessions
-        this way without a thread each. The steady path never leaves the loop; a failover (routing, waiting,
+        """`step` on the client's event loop. The steady path never leaves the loop; a failover (routing, waiting,
         backoff, replay) and a spot check run on a worker thread, so that they hold up no other session.
         `next_positions`: the most positions the session's next step will carry, if the caller knows (a prompt's
         next chunk); it is declared from now on (servers compute pushes of no longer steps)."""
+        return await self.run_step(self.begin_step(hidden, position, next_positions))
+
+    def begin_step(self, hidden: torch.Tensor, position: Optional[int] = None,
+                   next_positions: Optional[int] = None) -> StepState:
+        """A step before its first hop: checked against max_length, numbered, in the wire's dtype. The gateway's
+        engine loop steps the sessions that share a chain together (swarm/client/convoy.py), the others by
+        run_step."""
         if next_positions is not None:
             if next_positions < 0:
                 raise ValueError(f"next_positions must be >= 0, got {next_positions}")
@@ -166,40 +176,73 @@ class RemoteSession:
         if end > self.max_length:
             raise SessionLengthError(f"session max_length exceeded: {end} tokens would not fit in "
                                      f"max_length={self.max_length}")
-        output, index = hidden.to(self.services.wire_dtype), 0
         self._steps += 1
-        check = await self._prepare_step()
-        timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * output.shape[1]
-        flow = Flow.of_step(self, output, position, timeout)  # None: the step is relayed
+        timeout = self.services.step_timeout + STEP_SECONDS_PER_TOKEN * hidden.shape[1]
+        wire_dtype = self.services.wire_dtype
+        inputs = hidden if hidden.dtype == wire_dtype else hidden.to(wire_dtype)
+        return StepState(inputs, position, end, timeout, hidden.dtype)
+
+    def relays_plainly(self, step: StepState) -> bool:
+        """Whether the step needs nothing of its own on its way: no spot check, no server left since the last
+        step, not flowing; then it may go hop by hop with other sessions' (swarm/client/convoy.py)."""
+        return (self.services.spot_checks.rate <= 0 and self.services.bans.distrust_epoch == self._distrust_epoch
+                and not Flow.wanted(self, step.output))
+
+    async def run_step(self, step: StepState) -> torch.Tensor:
+        """A step begun (begin_step) through the whole chain: its spot check and its flow, if any, then go_on."""
+        step.check = await self._prepare_step()
+        step.flow = Flow.of_step(self, step.output, step.position, step.timeout)  # None: the step is relayed
+        return await self.go_on(step, 0)
+
+    async def go_on(self, step: StepState, index: int, fault: Optional[BaseException] = None) -> torch.Tensor:
+        """The step through hops `index`.. (failing over from `fault` at `index` first, if given); its outputs.
+        A server at fault (or a full cache) is replaced; any other error is the step's."""
+        flow, check = step.flow, step.check
         pushing = flow is not None or self.pushing  # a flowing step goes on by its pushes
         try:
             while index < len(self.hops):
+                if fault is not None:
+                    if not isinstance(fault, (*SERVER_FAULTS, CacheFullError)):
+                        raise fault
+                    if flow is not None:  # the rest of the step is relayed
+                        flow.abandon()
+                    step.output, index = await asyncio.to_thread(self._fail_over, index, fault, step.output.shape[1])
+                    fault = None
+                    continue
                 hop = self.hops[index]
-                hop.record(output, position)
-                following = self.hops[index + 1] if index + 1 < len(self.hops) else None
-                if following is not None and not following.takes_pushes(output.shape[1], pushing):
-                    following = None
+                hop.record(step.output, step.position)
+                following = self.following(index, step.output.shape[1], pushing)
                 try:
                     if flow is not None and flow.flows_to(hop):
-                        hop_output = await flow.output(hop, output, position, following)
+                        output = await flow.output(hop, step.output, step.position, following)
                     else:
-                        hop_output = await self._step_hop_async(hop, output, position, following)
+                        output = await self._step_hop_async(hop, step.output, step.position, following)
                     if check is not None and check.link == hop.link:  # raises if the hop lied
-                        await asyncio.to_thread(self.services.spot_checks.verify, check, hop.inputs, hop_output)
-                    if self.audited:
-                        hop.record_outputs(hop_output, position)
-                    output = hop_output
+                        await asyncio.to_thread(self.services.spot_checks.verify, check, hop.inputs, output)
+                    self.answered(hop, step, output)
                     index += 1
                 # a lie or a failure; a full cache is no fault, but the session goes elsewhere all the same
                 except (*SERVER_FAULTS, CacheFullError) as error:
-                    if flow is not None:  # the rest of the step is relayed
-                        flow.abandon()
-                    output, index = await asyncio.to_thread(self._fail_over, index, error, output.shape[1])
+                    fault = error
         finally:
             if flow is not None:  # a step cancelled or failed: nothing is left waiting for it
                 flow.abandon()
-        self.position = end
-        return output.to(hidden.dtype)
+        return self.end_step(step)
+
+    def following(self, index: int, positions: int, pushing: bool) -> Optional[Hop]:
+        """The hop that hop `index`'s server pushes a step of `positions` to, if any."""
+        following = self.hops[index + 1] if index + 1 < len(self.hops) else None
+        return following if following is not None and following.takes_pushes(positions, pushing) else None
+
+    def answered(self, hop: Hop, step: StepState, output: torch.Tensor) -> None:
+        """A hop's outputs, checked: the step goes on with them (recorded for an audit, where there may be one)."""
+        if self.audited:
+            hop.record_outputs(output, step.position)
+        step.output = output
+
+    def end_step(self, step: StepState) -> torch.Tensor:
+        self.position = step.end
+        return step.output if step.output.dtype == step.dtype else step.output.to(step.dtype)
 
     async def _prepare_step(self):
         """Before a step: leave a server distrusted since the last one; the spot check to run, if this step has one."""
@@ -220,12 +263,19 @@ class RemoteSession:
         push_to = following.stream if following is not None else None
         output = await hop.stream.step(hidden, position, timeout, self._steps, push_to, self.next_positions,
                                        self.group)
-        hop.declared = self.next_positions
-        output = checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}",
-                                 finite=True)
+        output = self.hop_outputs(hop, hidden, output)
         if hidden.shape[1] == 1:  # a decode step: what routing compares servers by (a prompt's time says little)
             self.services.load.observed(hop.link.peer_id, time.perf_counter() - began, hop.link.end - hop.link.start)
         return output
+
+    def hop_outputs(self, hop: Hop, hidden: torch.Tensor, output) -> torch.Tensor:
+        """What a hop's server answered `hidden` with, as its outputs: the error it failed with raised, and what
+        cannot be its outputs refused as its fault (its finiteness is checked by the step channel)."""
+        if isinstance(output, BaseException):
+            raise output
+        hop.declared = self.next_positions
+        return checked_outputs(output, hidden, hop.link.peer_id, f"blocks {hop.link.start}:{hop.link.end}",
+                               finite=True)
 
     def _fail_over(self, index: int, error: Exception, new_positions: int) -> tuple[torch.Tensor, int]:
         """Replace hop `index` by servers that hold its blocks, replaying its inputs; return the outputs for the
@@ -258,10 +308,10 @@ class RemoteSession:
             except SERVER_FAULTS as replay_error:
                 last_error = replay_error
                 for hop in replacement:
-                    self._close_hop(hop)
+                    self.close_hop(hop)
                 continue
             self.hops[index : index + 1] = replacement
-            self._close_hop(failed)
+            self.close_hop(failed)
             return outputs[:, -new_positions:], index + len(replacement)
         raise last_error
 
@@ -287,65 +337,9 @@ class RemoteSession:
             self.services.bans.ban(peer_id)
 
     def _open_hops(self, start: int, end: int, full: Collection[str] = (), replan: bool = True) -> list[Hop]:
-        """Streams to the best chain over blocks [start, end), around servers whose cache is `full` (and any
-        found full or unreachable on the way). `replan`: a session's servers are being replaced, not opened:
-        routing goes by the client's view of the swarm as long as its records live (swarm/client/swarm_view.py),
-        with no lookup of its own."""
-        services = self.services
-        full, unreachable = set(full), set()  # full: its cache (or a limit), or it does not serve us
-        last_refusal = ""
-        while True:
-            chain = self._route(start, end, full, unreachable, last_refusal, replan)
-            replan = True  # routing around refusals goes by the same view
-            hops = [Hop(link, InferenceStream(services.p2p, link.peer_id, link.start, link.end, services.open_timeout,
-                                              services.step_channels), declared=self.next_positions)
-                    for link in chain]
-            for link in chain:
-                services.load.opened(link.peer_id)
-            refusals = services.loop.run(self._open_streams(hops))
-            if not refusals:
-                return hops
-            for hop in hops:  # the servers that did open free their cache at once
-                self._close_hop(hop)
-            for link, error in refusals:
-                # full, failing, or private (NotAllowedError: a server not for this client): go elsewhere
-                if not isinstance(error, (CacheFullError, *SERVER_FAULTS, NotAllowedError)):
-                    raise error
-                logger.info("routing around server %s: %s", link.peer_id, error)
-                if isinstance(error, SERVER_FAULTS):
-                    unreachable.add(link.peer_id)
-                    services.bans.ban(link.peer_id)
-                else:
-                    full.add(link.peer_id)
-                    last_refusal = f" (the last one: {error})"
+        return open_hops(self, start, end, full, replan)
 
-    async def _open_streams(self, hops: list[Hop]) -> list[tuple[ChainLink, BaseException]]:
-        """Open every hop's session at once: a chain's opening costs one server's round trips, not the sum of
-        all of theirs (two each: the stream, then the opening message). Returns each hop that failed, with why."""
-        outcomes = await asyncio.gather(*(hop.stream.open(self.max_length, self.batch_size, adapter=self.route.adapter,
-                                                          next_positions=self.next_positions) for hop in hops),
-                                        return_exceptions=True)
-        return [(hop.link, outcome) for hop, outcome in zip(hops, outcomes) if isinstance(outcome, BaseException)]
-
-    def _route(self, start: int, end: int, full: set[str], unreachable: set[str], last_refusal: str,
-               replan: bool) -> list[ChainLink]:
-        """The best chain over blocks [start, end) around those servers; while no server holds some of the
-        blocks, wait for one (the client's block_wait at most)."""
-        services, route = self.services, self.route
-        # servers take cache a page at a time as the session grows: what matters is room for the first
-        routing = dict(exclude=full | unreachable, end=end, start=start, adapter=route.adapter,
-                       min_cache_tokens=min(self.max_length, PAGE_TOKENS) * self.batch_size, replan=replan,
-                       opening=not replan)
-        if not full:
-            return services.wait_for_chain(route.prefix, route.num_blocks, route.model_name, **routing,
-                                         on_wait=self.on_wait)
-        try:  # no waiting: servers could serve, were their caches not full
-            return services.find_chain(route.prefix, route.num_blocks, route.model_name, **routing)
-        except MissingBlocksError:  # servers with a full cache could have served: the error worth reporting
-            raise CacheFullError(f"every server that could serve blocks {start}:{end} of "
-                                 f"{route.model_name} has a full cache or failed{last_refusal}") from None
-
-    def _close_hop(self, hop: Hop) -> None:
+    def close_hop(self, hop: Hop) -> None:
         self.services.load.opened(hop.link.peer_id, -1)
         self.services.loop.run(hop.stream.close())
 
@@ -361,7 +355,7 @@ class RemoteSession:
         logger.warning("server %s was caught lying: blocks %d:%d of this session are replayed elsewhere",
                        liar.link.peer_id, liar.link.start, self.route.num_blocks)
         for hop in self.hops[index:]:
-            self._close_hop(hop)
+            self.close_hop(hop)
         self.hops[index:] = replacement = self._open_hops(liar.link.start, self.route.num_blocks)
         if inputs is not None:
             self._replay(replacement, inputs)
@@ -370,7 +364,7 @@ class RemoteSession:
         if self.audited and self.hops:  # drawn now, after every reply: no server could know which are audited
             self.services.audits.consider(self.route.prefix, self.route.num_blocks, self.route.adapter, self.hops)
         for hop in self.hops:
-            self._close_hop(hop)
+            self.close_hop(hop)
         self.hops = []
 
     def __enter__(self):

@@ -17,8 +17,9 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarm.client.stage_clock import CLOCK, now
+from swarm.client.step_replies import blocks_of, clock_answer, deliver, fail
 from swarm.protocol import ServerUnavailableError, SwarmError, error_from_wire
-from swarm.wire import BlockRPC, pack, stacked, step_message_bytes, step_shape, unpack, unstacked
+from swarm.wire import BlockRPC, pack, stacked, step_message_bytes, step_shape, unpack
 
 
 # a step of more positions travels alone (it would hold up the others' reply): a decode step, or 1 + a draft
@@ -37,18 +38,43 @@ PACK_OFF_LOOP_VALUES = 1 << 20
 EXPIRY_SLACK = 1.0  # seconds past its steps' timeouts after which a message unanswered counts as lost
 
 
-class MalformedOutputsError(ServerUnavailableError):
-    """A server answered a hop with what cannot be its outputs (not the inputs' shape and dtype, or not finite):
-    the session bans it and goes on elsewhere, and no such tensor goes further (a wrong shape in the LM head,
-    which merges the rows of concurrent sessions, would fail every one of them)."""
-
-    code = "malformed_outputs"
-
-
 async def until_none(requests: asyncio.Queue):
     """A queue's items as a stream of requests, up to a None."""
     while (request := await requests.get()) is not None:
         yield request
+
+
+class _Together:
+    """The outcomes of steps handed over together (StepChannel.step_many): one future, set once all are in."""
+
+    def __init__(self, count: int, future: asyncio.Future):
+        self.outcomes: list = [None] * count
+        self.left, self.future = count, future
+
+    def settle(self, index: int, outcome) -> None:
+        self.outcomes[index] = outcome
+        self.left -= 1
+        if self.left == 0 and not self.future.done():
+            self.future.set_result(self.outcomes)
+
+
+class _Slot:
+    """One step's place among steps handed over together: what a step's result future is to the channel (its
+    outcome set once; done once set, or once its caller gave up waiting)."""
+
+    __slots__ = ("together", "index", "settled")
+
+    def __init__(self, together: _Together, index: int):
+        self.together, self.index, self.settled = together, index, False
+
+    def done(self) -> bool:
+        return self.settled or self.together.future.done()
+
+    def set_result(self, outcome) -> None:
+        self.settled = True
+        self.together.settle(self.index, outcome)
+
+    set_exception = set_result  # its caller tells outcomes apart by their type
 
 
 @dataclass
@@ -57,25 +83,22 @@ class _Step:
     entry: dict  # its line of the message's steps: {session_id, position, step_id, next_positions, push_to?}
     timeout: float
     blocks: str  # named in errors
-    result: asyncio.Future
+    result: "asyncio.Future | _Slot"
     group: int = 0  # its session's group: a message carries one group's steps (see StepChannel.step)
     queued: float = field(default_factory=now)  # when its session handed it over (stage_clock.py: "hop_queue")
+    # its rows and length (of its inputs, or as a flowing step's entry declares them), its tokens, and what its
+    # inputs weigh in a message (a flowing step's come pushed: nothing): read several times as it is queued and sent
+    shape: dict = field(init=False)
+    tokens: int = field(init=False)
+    bytes: int = field(init=False)
 
-    @property
-    def shape(self) -> dict:
-        """Its rows and length: of its inputs, or as a flowing step's entry declares them."""
-        if self.hidden is None:
-            return {"rows": self.entry["rows"], "length": self.entry["length"]}
-        return step_shape(self.hidden)
-
-    @property
-    def tokens(self) -> int:
-        return self.shape["rows"] * self.shape["length"]
-
-    @property
-    def bytes(self) -> int:
-        """What its inputs weigh in a message (a flowing step's come pushed: nothing)."""
-        return 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+    def __post_init__(self):
+        hidden = self.hidden
+        if hidden is None:
+            self.shape, self.bytes = {"rows": self.entry["rows"], "length": self.entry["length"]}, 0
+        else:
+            self.shape, self.bytes = step_shape(hidden), hidden.numel() * hidden.element_size()
+        self.tokens = self.shape["rows"] * self.shape["length"]
 
 
 @dataclass
@@ -177,6 +200,16 @@ class StepChannel:
             outputs.append(await self._step_whole(part, part_entry, timeout, blocks, group))
         return torch.cat(outputs, dim=1)
 
+    async def step_many(self, hiddens: list[torch.Tensor], entries: list[dict], timeouts: list[float], blocks: str,
+                        group: int = 0) -> list:
+        """Short steps of many sessions (each at most MULTIPLEX_MAX_POSITIONS), handed over at once: each one's
+        outputs, or the exception it failed with, in order. They travel as `step`'s do, but cost one future and one
+        wake-up of their caller together (swarm/client/convoy.py), not one each."""
+        together = _Together(len(hiddens), asyncio.get_running_loop().create_future())
+        self._queue_short([_Step(hidden, entry, timeout, blocks, _Slot(together, index), group)
+                           for index, (hidden, entry, timeout) in enumerate(zip(hiddens, entries, timeouts))])
+        return await together.future
+
     async def _step_whole(self, hidden: Optional[torch.Tensor], entry: dict, timeout: float, blocks: str,
                           group: int) -> torch.Tensor:
         step = _Step(hidden, entry, timeout, blocks, asyncio.get_running_loop().create_future(), group)
@@ -188,16 +221,20 @@ class StepChannel:
                 message = _pack([step], message_id)
             self._send([step], lane=None, message_id=message_id, message=message)
         else:
-            lane = self._lanes[hidden is None]
-            lane.queue.append(step)
-            if not lane.batching and not lane.flush_due:
-                # sent once the loop has run what is ready now: the steps that sessions hand over in the same
-                # turn of the loop (all the steps an engine tick starts, or that one reply resumes) leave together
-                lane.flush_due = True
-                asyncio.get_running_loop().call_soon(self._flush, lane)
+            self._queue_short([step])
         # no timer of its own, which would cost more than the step: its message's expiry fails it, and a step still
         # queued when the message before it expires is dropped if its own timeout has passed (_send_queued)
         return await step.result
+
+    def _queue_short(self, steps: list[_Step]) -> None:
+        """Short steps (all sent, or all flowing) into their lane: they leave once the loop has run what is ready
+        now, so that the steps that sessions hand over in the same turn of the loop (all the steps an engine tick
+        starts, or that one reply resumes) leave together."""
+        lane = self._lanes[steps[0].hidden is None]
+        lane.queue.extend(steps)
+        if not lane.batching and not lane.flush_due:
+            lane.flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush, lane)
 
     def answered(self, stream: _StepStream, response) -> None:
         """A reply came: its steps' results, then the steps that waited for it go."""
@@ -213,8 +250,8 @@ class StepChannel:
                 self.broken(stream, f"refused the step stream: {refusal}", type(refusal))
             return  # else a late reply to a message given up on
         self._forget(message_id)
-        _clock_answer(message, metadata)
-        _deliver(message.steps, tensors, metadata, self.peer_id)
+        clock_answer(message.sent, message.steps, metadata)
+        deliver(message.steps, tensors, metadata, self.peer_id)
         if message.lane is not None:
             message.lane.batching = False
             self._send_queued(message.lane)
@@ -228,7 +265,7 @@ class StepChannel:
             if message.stream is stream:
                 self._forget(message_id)
                 for step in message.steps:
-                    _fail(step, error_type(f"server {self.peer_id} {reason} ({step.blocks})"))
+                    fail(step, error_type(f"server {self.peer_id} {reason} ({step.blocks})"))
                 if message.lane is not None:
                     message.lane.batching = False
         for lane in self._lanes:
@@ -240,7 +277,7 @@ class StepChannel:
             self.broken(self._stream, "is no longer used: the client closed")
         for lane in self._lanes:
             for step in lane.queue:
-                _fail(step, ServerUnavailableError("the client closed"))
+                fail(step, ServerUnavailableError("the client closed"))
             lane.queue = []
 
     def _flush(self, lane: _Lane) -> None:
@@ -252,7 +289,7 @@ class StepChannel:
         waiting, sending = [], now()
         for step in lane.queue:
             if sending - step.queued > step.timeout:
-                _fail(step, ServerUnavailableError(f"server {self.peer_id} did not answer in time ({step.blocks})"))
+                fail(step, ServerUnavailableError(f"server {self.peer_id} did not answer in time ({step.blocks})"))
             elif not step.result.done():  # else its session gave up waiting
                 waiting.append(step)
         taken, left, tokens, size, cap = [], [], 0, 0, step_message_bytes()
@@ -280,9 +317,8 @@ class StepChannel:
         expiry = asyncio.get_running_loop().call_later(deadline, self._expired, message_id)
         sent = now()
         self._messages[message_id] = _Message(self._stream, steps, expiry, lane, sent)
-        blocks = _blocks_of(steps[0])
-        for step in steps:
-            CLOCK.add("hop_queue", sent - step.queued, blocks=blocks)
+        waited = sum(sent - step.queued for step in steps) / len(steps)
+        CLOCK.add("hop_queue", waited, len(steps), blocks_of(steps[0]))
         if lane is not None:
             lane.batching = True
         self.messages_sent += 1
@@ -321,67 +357,3 @@ def _pack(steps: list[_Step], message_id: int):
     return pack(stacked(sent), {"message_id": message_id, "steps": entries})
 
 
-def _blocks_of(step: _Step) -> str:
-    return step.blocks.removeprefix("blocks ")
-
-
-def _clock_answer(message: _Message, metadata: dict) -> None:
-    """The message's round trip, and what the server says it spent of it: the rest is the transport's (both
-    ends' libp2p daemons, the framing, the sockets)."""
-    round_trip, steps, blocks = now() - message.sent, len(message.steps), _blocks_of(message.steps[0])
-    CLOCK.add("hop_round_trip", round_trip, steps, blocks)
-    timings = metadata.get("timings")
-    if not isinstance(timings, dict):  # a server is free not to say
-        return
-    CLOCK.add_server_timings(timings, blocks, steps)
-    compute, total = timings.get("compute"), timings.get("total")
-    if isinstance(compute, float) and 0.0 <= compute <= round_trip:  # once per message: a server's busy time
-        CLOCK.add("server_busy", compute, 1, blocks)
-    if isinstance(total, float) and 0.0 <= total <= round_trip:
-        CLOCK.add("hop_transport", round_trip - total, steps, blocks)
-
-
-def _deliver(steps: list[_Step], tensors: list[torch.Tensor], metadata: dict, peer_id: str) -> None:
-    """A reply's outputs and errors to its steps, in order: the outputs of the steps that succeeded come stacked
-    in one tensor."""
-    errors = _step_errors(metadata, len(steps), peer_id)
-    try:
-        outputs = unstacked(tensors, [step.shape for step, error in zip(steps, errors) if not error])
-    except SwarmError as error:
-        reason = f"server {peer_id} answered with outputs that are not its steps' ({error})"
-        outputs, errors = [], [MalformedOutputsError(reason) for _ in steps]
-    if outputs and not torch.isfinite(tensors[0]).all():  # once per message; which steps, only when it fails
-        outputs = [output if torch.isfinite(output).all() else MalformedOutputsError(
-            f"server {peer_id} answered with outputs that are not finite") for output in outputs]
-    outputs = iter(outputs)
-    results = metadata.get("results")
-    results = results if isinstance(results, list) and len(results) == len(steps) else [{}] * len(steps)
-    for step, error, result in zip(steps, errors, results):
-        if error is not None:
-            _fail(step, error)
-        elif isinstance(output := next(outputs), MalformedOutputsError):
-            _fail(step, output)
-        else:
-            if step.hidden is None:  # a flowing step: with what its server says its push carried
-                output = (output, result.get("pushed"))
-            if not step.result.done():  # else its session gave up waiting
-                step.result.set_result(output)
-
-
-def _step_errors(metadata: dict, steps: int, peer_id: str) -> list[Optional[SwarmError]]:
-    """Each step's error (None: it succeeded), one exception each (each is raised in its own session); a
-    reply that does not add up fails every step."""
-    refusal = error_from_wire(metadata)
-    if refusal is not None:  # the whole message was refused
-        return [type(refusal)(str(refusal)) for _ in range(steps)]
-    results = metadata.get("results")
-    well_formed = isinstance(results, list) and len(results) == steps and all(isinstance(r, dict) for r in results)
-    errors = [error_from_wire(result) for result in results] if well_formed else []
-    if not well_formed:
-        return [ServerUnavailableError(f"server {peer_id} sent a malformed reply") for _ in range(steps)]
-    return errors
-
-
-def _fail(step: _Step, error: Exception) -> None:
-    if not step.result.done():
-        step.result.set_exception(error)

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.client.step_channel import (MULTIPLEX_MAX_POSITIONS, NEXT_STEP_POSITIONS, MalformedOutputsError,
-                                       StepChannels, until_none)
+from swarm.client.step_channel import MULTIPLEX_MAX_POSITIONS, NEXT_STEP_POSITIONS, StepChannels, until_none
+from swarm.client.step_replies import MalformedOutputsError
 from swarm.protocol import ServerUnavailableError
 from swarm.wire import BlockRPC, pack, raise_if_error, unpack
 
@@ -122,12 +122,18 @@ class InferenceStream:
         With `push_to`, the server also pushes the outputs to that stream's server, which starts step `step_id`
         before the client sends it. The server computes a push of the step after this one only if it carries at
         most `next_positions` positions (see swarm/server/sessions.py). `group`: see StepChannel.step."""
+        entry = self.step_entry(position, step_id, push_to, next_positions)
+        channel = self.channels.get(self.peer_id)
+        return await channel.step(hidden, entry, timeout or self.timeout, f"blocks {self.start}:{self.end}", group)
+
+    def step_entry(self, position: int, step_id: int, push_to: Optional["InferenceStream"],
+                   next_positions: int) -> dict:
+        """A step's line in its message (see step)."""
         entry = {"session_id": self.session_id, "position": position, "step_id": step_id,
                  "next_positions": next_positions}
         if push_to is not None:
             entry["push_to"] = {"peer_id": push_to.peer_id, "session_id": push_to.session_id}
-        channel = self.channels.get(self.peer_id)
-        return await channel.step(hidden, entry, timeout or self.timeout, f"blocks {self.start}:{self.end}", group)
+        return entry
 
     async def flowing_step(self, shape: tuple[int, int], position: int, push_wait: float, timeout: float,
                            step_id: int, push_to: Optional["InferenceStream"] = None,

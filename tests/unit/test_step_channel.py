@@ -261,8 +261,11 @@ def test_a_step_costs_no_timer_of_its_own_and_a_message_one(channel):
 def test_a_reply_adds_its_round_trip_and_the_servers_timings_to_the_stage_clock(channel, monkeypatch):
     from swarm.client import stage_clock
 
+    from swarm.client import step_replies
+
     clock = stage_clock.StageClock()
-    monkeypatch.setattr(stubs, "CLOCK", clock)
+    monkeypatch.setattr(stubs, "CLOCK", clock)  # what the channel adds as a message leaves
+    monkeypatch.setattr(step_replies, "CLOCK", clock)  # and as its reply comes
 
     async def scenario():
         first, second = step(channel, "a"), step(channel, "bb")
@@ -294,43 +297,3 @@ def test_the_stage_clock_ignores_timings_a_server_made_up():
     assert clock.snapshot() == {}
     clock.add_server_timings({"compute": 0.25}, "0:2", 4)
     assert clock.snapshot() == {("server_compute", "0:2"): (1.0, 4)}
-
-
-@pytest.mark.parametrize("sessions", [1, 64])
-def test_a_ticks_steps_cost_one_hand_off_to_the_clients_loop_and_one_task_a_step(sessions):
-    """RemoteModel.start_steps, as the engine loop calls it once a tick: one call_soon_threadsafe (one wake-up of
-    the client's event loop) for all the tick's steps, one task per step, and each step's end reported once."""
-    import threading
-    from types import SimpleNamespace
-
-    from swarm.client.remote_model import RemoteModel
-
-    loop = asyncio.new_event_loop()
-    handoffs, tasks = [], []
-    threadsafe = loop.call_soon_threadsafe
-    loop.call_soon_threadsafe = lambda *args: handoffs.append(args) or threadsafe(*args)
-    loop.set_task_factory(lambda loop, coro, **kwargs: tasks.append(coro) or asyncio.Task(coro, loop=loop, **kwargs))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    class Blocks:
-        async def step_async(self, hidden, position):
-            return hidden + position
-
-    model = RemoteModel.__new__(RemoteModel)
-    model.client = SimpleNamespace(loop=SimpleNamespace(loop=loop))
-    done, finished = [], threading.Event()
-
-    def on_done(key, outputs, error):
-        done.append((key, float(outputs[0, 0, 0]), error))
-        if len(done) == sessions:
-            finished.set()
-
-    steps = [(index, SimpleNamespace(blocks=Blocks()), torch.zeros(1, 1, HIDDEN), index) for index in range(sessions)]
-    model.start_steps(steps, on_done)
-    assert finished.wait(10)
-    counts = (len(handoffs), len(tasks))
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    assert counts == (1, sessions)
-    assert sorted(done) == [(index, float(index), None) for index in range(sessions)]
