@@ -18,7 +18,7 @@ bench: model
 test: model page browser
 	$(PYTHON) -m pytest -n 2 --dist loadfile $(ARGS)
 
-# the soak test at full length (the suite runs it for 12 s): 64 WebSocket + 16 OpenAI clients for 5 minutes
+# the soak test at full length (the suite runs it for 8 s): 64 WebSocket + 16 OpenAI clients for 5 minutes
 soak: model page
 	SOAK_SECONDS=300 $(PYTHON) -m pytest tests/e2e/test_soak.py -s $(ARGS)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -61,15 +62,31 @@ def parse_block_range(text: str) -> tuple[int, int]:
 def multiaddr(text: str) -> str:
     """An --initial-peers value (e.g. /ip4/127.0.0.1/tcp/31337/p2p/Qm...), checked before anything starts: the
     error names what is wrong."""
-    from hivemind.utils.multiaddr import Multiaddr
-
     try:
-        address = Multiaddr(text)
+        address = _multiaddr_type()(text)
     except Exception as error:  # multiaddr raises several unrelated types for bad input
         raise argparse.ArgumentTypeError(f"malformed multiaddr {text!r}: {error}") from None
     if not any(protocol.name in ("p2p", "ipfs") for protocol in address.protocols()):
         raise argparse.ArgumentTypeError(f"multiaddr {text!r} lacks the peer id part (/p2p/...)")
     return text
+
+
+def _multiaddr_type() -> type:
+    """hivemind's copy of py-multiaddr, loaded as a package of its own: `import hivemind.utils.multiaddr` would run
+    hivemind's package first, which imports torch (over a second), and a tool checks its flags before anything heavy
+    loads. Once hivemind is loaded, its own."""
+    loaded = sys.modules.get("hivemind.utils.multiaddr") or sys.modules.get(_MULTIADDR_ALONE)
+    if loaded is None:
+        hivemind = importlib.util.find_spec("hivemind")  # a top-level name: found, not imported
+        folder = Path(hivemind.submodule_search_locations[0]) / "utils" / "multiaddr"
+        spec = importlib.util.spec_from_file_location(_MULTIADDR_ALONE, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        loaded = sys.modules[_MULTIADDR_ALONE] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+    return loaded.Multiaddr
+
+
+_MULTIADDR_ALONE = "swarm_multiaddr"  # its name in sys.modules when loaded so (its codecs import relative to it)
 
 
 def setup_logging(verbose: bool = False) -> None:

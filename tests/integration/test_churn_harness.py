@@ -18,7 +18,7 @@ def test_a_short_churn_run_completes_sessions_and_summarises_them(tmp_path, caps
     if not os.environ["TORCHINDUCTOR_CACHE_DIR"]:
         monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     path = tmp_path / "summary.json"
-    summary = main(["--servers", "4", "--blocks", "8", "--duration", "10", "--churn-every", "2", "--sessions", "4",
+    summary = main(["--servers", "4", "--blocks", "8", "--duration", "6", "--churn-every", "2", "--sessions", "4",
                     "--tokens", "8", "--latency", "20", "--json", str(path)])
     assert json.loads(path.read_text()) == summary
     printed = capsys.readouterr().out
