@@ -1,5 +1,6 @@
 """swarm/gc_tuning.py in a process of its own (freezing is process-wide, and a test's process must not freeze):
-only a serving process freezes, a frozen cycle let go is freed once thawed, and nothing freezes after a thaw."""
+only a serving process freezes, a /metrics scrape costs no walk of the frozen objects, a frozen cycle let go is freed
+once thawed, and nothing freezes after a thaw."""
 
 import subprocess
 import sys
@@ -22,6 +23,13 @@ SCRIPT = textwrap.dedent("""
     del first
     gc.collect()
     assert watch() is not None  # frozen: no collection frees its cycle
+    from prometheus_client import CollectorRegistry, generate_latest
+    registry, walks = CollectorRegistry(), []
+    gc_tuning.expose(registry)
+    counted, gc.get_freeze_count = gc.get_freeze_count, lambda: walks.append(1) or counted()
+    assert f"python_gc_frozen_objects {float(gc_tuning.frozen_objects())}" in generate_latest(registry).decode()
+    assert walks == []  # a scrape never walks the frozen objects (tens of ms with the GIL held)
+    gc.get_freeze_count = counted
     gc_tuning.thaw()
     gc.collect()
     assert watch() is None and gc.get_freeze_count() == 0  # thawed: collected as usual
