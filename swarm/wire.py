@@ -40,6 +40,7 @@ BlockRPC (swarm/server/handler.py); clients call it through BlockRPC.get_stub (s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import AsyncIterator, Callable, Optional
 
@@ -63,6 +64,7 @@ WIDEST_HIDDEN_BYTES = max(HIDDEN_BYTES.values())
 ENVELOPE_BYTES = 64 << 10  # a unary call's metadata and the daemon's envelope around it, with room to spare
 
 
+@functools.cache  # asked for every step a client sends
 def unary_payload_bytes() -> int:
     """The most tensor bytes one unary call (rpc_push, rpc_forward) may carry: hivemind's P2P daemon refuses a
     call over its connection's message size ("Message size exceeds set limit"), which hivemind sets to this
