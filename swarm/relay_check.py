@@ -31,6 +31,7 @@ DIAL_TIMEOUT = 5.0  # seconds: a refused circuit fails at once; a dial with no a
 RESERVE_WAIT = 0.5  # seconds for a relayed peer's auto-relay to take its slot once connected to the relay
 CONNECT_WAIT = 30.0  # seconds for relayed peers to connect to the relay (all at once on a loaded machine)
 ARRIVAL_WAIT = 10.0  # seconds at most for the bytes of a stream to reach its receiver
+FIRST_BYTES_WAIT = 3.0  # of which, for its first bytes (a circuit refused or cut at once carries none)
 
 
 class CircuitAddress:
@@ -114,6 +115,7 @@ async def open_circuit(dialer, relay_maddr: str, target) -> str:
 
 async def stream_bytes(dialer, target, size: int) -> None:
     """Send `size` bytes to the target's sink over a new stream; a circuit cut on the way ends it early."""
+    start = target.received
     with contextlib.suppress(Exception):
         _info, _reader, writer = await dialer.call_binary_stream_handler(target.peer_id, SINK)
         chunk = bytes(1 << 16)
@@ -121,11 +123,13 @@ async def stream_bytes(dialer, target, size: int) -> None:
             writer.write(chunk)
             await writer.drain()
         writer.close()
-    # what is on its way arrives: half a second, then for as long as bytes still come (a fixed wait ended early on a
-    # loaded machine, and a configured service's circuit read as one cut at 128 KiB), ARRIVAL_WAIT at most
+    # what is on its way arrives: until its first bytes come (FIRST_BYTES_WAIT at most), then for as long as bytes
+    # still come, ARRIVAL_WAIT in all (a fixed wait ended early on a loaded machine: a configured service's circuit
+    # read as one cut at 128 KiB, and a circuit whose first bytes took over half a second as one that carried none)
     await asyncio.sleep(0.25)
-    deadline, before = time.monotonic() + ARRIVAL_WAIT, -1
-    while target.received != before and time.monotonic() < deadline:
+    began, before = time.monotonic(), -1
+    while time.monotonic() < began + ARRIVAL_WAIT and (target.received != before or (
+            target.received == start and time.monotonic() < began + FIRST_BYTES_WAIT)):
         before = target.received
         await asyncio.sleep(0.25)
 

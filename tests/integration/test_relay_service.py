@@ -38,9 +38,13 @@ async def _bytes_through_two_circuits(relay, sent: int) -> list[int]:
     try:
         arrived = []
         for _ in range(2):  # the second time through a new circuit: the first was cut
-            assert await relay_limits.open_circuit(client, relay.maddr, server) == "ok"
-            before = server.received
-            await relay_limits.stream_bytes(client, server, sent)
+            for _attempt in range(3):  # a circuit that carried nothing at all is tried again: now and then (1 run
+                # in 6 here) p2pd opens one through go-libp2p's default relay service that never carries a byte
+                assert await relay_limits.open_circuit(client, relay.maddr, server) == "ok"
+                before = server.received
+                await relay_limits.stream_bytes(client, server, sent)
+                if server.received > before:
+                    break
             arrived.append(server.received - before)
         return arrived
     finally:
