@@ -25,7 +25,6 @@ from swarm.protocol import CacheFullError, MissingBlocksError, SessionClosedErro
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class StepState:
     """A step on its way through the chain: the inputs of the next hop (at first the session's, in the wire's
