@@ -71,6 +71,9 @@ def multiaddr(text: str) -> str:
     return text
 
 
+_MULTIADDR_ALONE = "swarm_multiaddr"  # its name in sys.modules when loaded so (its codecs import relative to it)
+
+
 def _multiaddr_type() -> type:
     """hivemind's copy of py-multiaddr, loaded as a package of its own: `import hivemind.utils.multiaddr` would run
     hivemind's package first, which imports torch (over a second), and a tool checks its flags before anything heavy
@@ -84,9 +87,6 @@ def _multiaddr_type() -> type:
         loaded = sys.modules[_MULTIADDR_ALONE] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loaded)
     return loaded.Multiaddr
-
-
-_MULTIADDR_ALONE = "swarm_multiaddr"  # its name in sys.modules when loaded so (its codecs import relative to it)
 
 
 def setup_logging(verbose: bool = False) -> None:
